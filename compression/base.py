@@ -1,0 +1,90 @@
+"""The physical-table interface every embedding method implements.
+
+A *logical table* (`TableSpec`) is what a researcher configures: "feature C3, 10M ids, dim 64, method=full".
+A method compiles it into
+  1. `physical_tables()`: plain row arrays f32[rows, dim] with static shapes (memory accounting, sharding,
+     checkpoints and sparse optimizers only ever see these);
+  2. `route(ids)`: integer math from logical ids i32[...] to one row-id array per physical table (runs in jit);
+  3. `combine_module()`: a Flax module mapping the gathered rows of each physical table to the feature's
+     embedding f32[..., dim] (the "dense glue": MD projections, TT cores, ...).
+
+If `pools_before_combine` is True, combine is linear per row, so the engine may pool each physical table's
+rows over the bag first (a gather-reduce) and combine once per example; otherwise it gathers un-pooled rows,
+combines per id and pools afterwards.
+"""
+
+import abc
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import flax.linen as nn
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+    """A logical embedding table for one sparse feature."""
+
+    name: str
+    vocab_size: int  # number of distinct logical ids: valid ids are [0, vocab_size)
+    dim: int  # embedding width the model receives
+    method: str = "full"  # key into compression.METHODS
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # method-specific knobs
+
+    def __post_init__(self):
+        if self.vocab_size < 1:
+            raise ValueError(f"table '{self.name}': vocab_size must be >= 1, got {self.vocab_size}")
+        if self.dim < 1:
+            raise ValueError(f"table '{self.name}': dim must be >= 1, got {self.dim}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PhysicalTable:
+    """A plain row array f32[rows, dim] owned by one logical table."""
+
+    name: str  # "<logical>" or "<logical>/<part>"
+    rows: int
+    dim: int
+    init_scale: float  # rows are initialised U(-init_scale, init_scale)
+
+    @property
+    def params(self) -> int:
+        return self.rows * self.dim
+
+    def nbytes(self, itemsize: int = 4) -> int:
+        return self.params * itemsize
+
+
+def dlrm_init_scale(rows: int) -> float:
+    """DLRM reference initialisation bound: U(-sqrt(1/n), sqrt(1/n)) for an n-row table."""
+    return math.sqrt(1.0 / rows)
+
+
+class EmbeddingMethod(abc.ABC):
+    """One logical table compiled to physical tables, a route and a combine."""
+
+    # Combine is linear in each physical row, so bags may be pooled before combining.
+    pools_before_combine: ClassVar[bool] = True
+    # Ids outside [0, vocab_size) are meaningful (e.g. hashing); otherwise the host rejects them.
+    accepts_any_id: ClassVar[bool] = False
+
+    def __init__(self, spec: TableSpec):
+        self.spec = spec
+
+    @abc.abstractmethod
+    def physical_tables(self) -> tuple[PhysicalTable, ...]:
+        """Static shapes of the row arrays this method owns."""
+
+    @abc.abstractmethod
+    def route(self, ids: jax.Array) -> tuple[jax.Array, ...]:
+        """Logical ids i32[...] -> one local row-id array i32[...] per physical table."""
+
+    @abc.abstractmethod
+    def combine_module(self, name: str) -> nn.Module:
+        """Flax module: tuple of f32[..., d_t] (one per physical table) -> f32[..., spec.dim]."""
+
+    def glue_params(self) -> int:
+        """Number of dense glue parameters (0 for methods without any)."""
+        return 0

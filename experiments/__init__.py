@@ -1,0 +1,1 @@
+"""Launchers, configs, sweeps and notebooks. Imports everything; imported by nothing."""

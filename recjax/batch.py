@@ -1,0 +1,100 @@
+"""The fixed-shape batch and its host-side validation.
+
+    dense:   f32[B, num_dense]     already transformed (e.g. log(1 + x) for Criteo counts)
+    ids:     {feature: i32[B, L_f]} padded bags; slots at or beyond `lengths` are ignored
+    lengths: {feature: i32[B]}     valid ids per example, 0..L_f
+    labels:  f32[B]                in {0, 1}
+
+Validation runs on the host before anything reaches the device, because JAX clamps out-of-range gathers
+silently: an id outside [0, vocab_size) would otherwise train some other row without a word.
+"""
+
+from collections.abc import Mapping
+
+import flax.struct
+import numpy as np
+
+from recjax.specs import DatasetSpec
+
+
+@flax.struct.dataclass
+class Batch:
+    dense: np.ndarray
+    ids: Mapping[str, np.ndarray]
+    lengths: Mapping[str, np.ndarray]
+    labels: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return int(self.labels.shape[0])
+
+
+def validate_batch(batch: Batch, spec: DatasetSpec, *, any_id: frozenset[str] = frozenset(),
+                   where: str = "batch") -> None:
+    """Raise ValueError naming the feature and the offending value if `batch` does not fit `spec`.
+
+    Args:
+      any_id: features whose embedding method accepts ids outside [0, vocab_size) (e.g. hashing).
+      where: a description of the batch's origin for the message (file, line range, step).
+    """
+    b = batch.labels.shape[0]
+    if batch.labels.shape != (b,):
+        raise ValueError(f"{where}: labels must be f32[B], got shape {batch.labels.shape}")
+    if batch.dense.shape != (b, spec.num_dense):
+        raise ValueError(f"{where}: dense must be f32[{b}, {spec.num_dense}], got shape {batch.dense.shape}")
+    if not np.all(np.isfinite(batch.dense)):
+        row, col = np.argwhere(~np.isfinite(batch.dense))[0]
+        raise ValueError(
+            f"{where}: dense feature {col} of example {row} is {batch.dense[row, col]}; "
+            "dense features must be finite (impute missing values and log-transform counts before training)"
+        )
+    bad_labels = ~np.isin(batch.labels, (0.0, 1.0))
+    if np.any(bad_labels):
+        row = int(np.argmax(bad_labels))
+        raise ValueError(f"{where}: label of example {row} is {batch.labels[row]}; labels must be 0 or 1")
+    if set(batch.ids) != set(spec.feature_names) or set(batch.lengths) != set(spec.feature_names):
+        raise ValueError(
+            f"{where}: sparse features {sorted(batch.ids)} do not match the dataset's {list(spec.feature_names)}"
+        )
+    for feature in spec.features:
+        ids, lengths = batch.ids[feature.name], batch.lengths[feature.name]
+        if ids.shape != (b, feature.bag_size):
+            raise ValueError(
+                f"{where}: feature '{feature.name}': ids must be i32[{b}, {feature.bag_size}], got {ids.shape}"
+            )
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"{where}: feature '{feature.name}': ids must be integers, got {ids.dtype}")
+        if lengths.shape != (b,) or np.any(lengths < 0) or np.any(lengths > feature.bag_size):
+            raise ValueError(
+                f"{where}: feature '{feature.name}': lengths must be i32[{b}] in [0, {feature.bag_size}], "
+                f"got shape {lengths.shape}, range [{lengths.min()}, {lengths.max()}]"
+            )
+        if feature.name in any_id:
+            continue
+        valid = np.arange(feature.bag_size)[None, :] < lengths[:, None]
+        bad = valid & ((ids < 0) | (ids >= feature.vocab_size))
+        if np.any(bad):
+            row, slot = np.argwhere(bad)[0]
+            raise ValueError(
+                f"{where}: feature '{feature.name}': id {ids[row, slot]} (example {row}, slot {slot}) is outside "
+                f"[0, {feature.vocab_size}); enable hashing for this feature or raise its vocab_size"
+            )
+
+
+def pad_batch(batch: Batch, size: int) -> Batch:
+    """Pad a short batch to `size` examples (zeros; empty bags) so one compiled step serves it."""
+    n = batch.size
+    if n == size:
+        return batch
+    if n > size:
+        raise ValueError(f"batch of {n} examples does not fit the compiled batch size {size}")
+
+    def pad(x):
+        return np.concatenate([x, np.zeros((size - n,) + x.shape[1:], x.dtype)])
+
+    return Batch(
+        dense=pad(batch.dense),
+        ids={k: pad(v) for k, v in batch.ids.items()},
+        lengths={k: pad(v) for k, v in batch.lengths.items()},
+        labels=pad(batch.labels),
+    )

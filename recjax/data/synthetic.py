@@ -1,0 +1,236 @@
+"""A deterministic, Criteo-shaped synthetic dataset with labels from a planted teacher.
+
+Every batch is a pure function of (seed, split, batch index), so runs are reproducible and resumable by step,
+and nothing is stored but the eval split.
+
+Features
+  - dense: 13 count-like features, observed as log(1 + floor(exp(1.5 z + 1))), z ~ N(0, 1) (the Criteo
+    preprocessing applied to log-normal counts);
+  - sparse: one feature per vocabulary size. Id frequencies follow a power law: the rank r of an id is drawn
+    from the continuous Zipf density p(r) ~ r^(-s) on [1, V + 1) by inverse CDF, then mapped through a seeded
+    random permutation of [0, V), so frequent ids are scattered over the id range as in hashed real data
+    (a frequency-sorted layout would flatter modulo hashing). Multi-hot features draw a bag length uniformly
+    from 1..L and L ids per example.
+
+Teacher (the planted model, a field-aware factorisation machine plus a dense part)
+  Every (feature, id) has a bias a_f(id) and a vector u_f(id) in R^k, derived by hashing (seed, f, id) with
+  splitmix64, so no table of V entries is stored. With bags mean-pooled and the standardised dense features d:
+      logit = c + scale * ( w_bias  * (sum_f a_f)                        / s_bias
+                          + w_pair  * (sum_{(i,j) in S} <v_i, v_j>)      / s_pair     v = u_1..u_F, P d
+                          + w_dense * (w . d)                            / s_dense )
+  S is a seeded random set of `teacher_pairs` field pairs (all pairs if 0): with all 351 pairs of Criteo's
+  27 vectors, each pair's effect is too small to learn from a few million examples. Each term is divided by
+  its standard deviation on a calibration sample, `scale` sets the logit's spread
+  (the task's difficulty) and c is solved so the mean click probability equals `ctr`. Labels are
+  Bernoulli(sigmoid(logit)); `bayes_auc` is the teacher logit's AUC on the eval split, the ceiling a model
+  can approach. DLRM's dot interaction can represent this teacher exactly; ids seen rarely cannot be
+  learned, so the achievable AUC sits below `bayes_auc` by an amount set by the vocabulary and exponent.
+"""
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from recjax import metrics
+from recjax.batch import Batch
+from recjax.specs import DatasetSpec, FeatureSpec
+
+# Per-feature cardinalities of Criteo Kaggle (facebookresearch/dlrm, day-based split).
+KAGGLE_VOCAB_SIZES = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)
+
+_EVAL_CHUNK = 4096  # eval examples are generated in fixed chunks so the eval set ignores the eval batch size
+_CALIBRATION_EXAMPLES = 16384
+_TRAIN, _EVAL, _CALIBRATION = 0, 1, 2
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """Vectorised splitmix64 finaliser (Steele et al. 2014) on uint64; wraps modulo 2^64."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _unit_uniform(h: np.ndarray) -> np.ndarray:
+    """uint64 hash -> float64 uniform on [-sqrt(3), sqrt(3)) (zero mean, unit variance)."""
+    u = (h >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    return (2.0 * u - 1.0) * np.sqrt(3.0)
+
+
+class SyntheticDataset:
+    """Criteo-like data: `spec`, `train_batches`, `eval_batches`, and the teacher's `bayes_auc`."""
+
+    def __init__(self, *, vocab_sizes: Sequence[int], num_dense: int = 13, bag_sizes: Sequence[int] = (),
+                 zipf_exponent: float = 1.1, eval_examples: int = 32768, teacher_dim: int = 8,
+                 teacher_pairs: int = 24, logit_scale: float = 2.0, ctr: float = 0.25,
+                 weights: Sequence[float] = (0.5, 1.0, 0.5), seed: int = 0):
+        vocab_sizes = tuple(int(v) for v in vocab_sizes)
+        bag_sizes = tuple(int(b) for b in bag_sizes) or (1,) * len(vocab_sizes)
+        if len(bag_sizes) != len(vocab_sizes):
+            raise ValueError(f"bag_sizes has {len(bag_sizes)} entries but there are {len(vocab_sizes)} features")
+        if zipf_exponent < 0:
+            raise ValueError(f"zipf_exponent must be >= 0, got {zipf_exponent}")
+        if not 0 < ctr < 1:
+            raise ValueError(f"ctr must be in (0, 1), got {ctr}")
+        self.spec = DatasetSpec(
+            num_dense=num_dense,
+            features=tuple(FeatureSpec(f"C{i + 1}", v, b)
+                           for i, (v, b) in enumerate(zip(vocab_sizes, bag_sizes, strict=True))),
+        )
+        self.seed = seed
+        self.zipf_exponent = zipf_exponent
+        self.eval_examples = eval_examples
+        self.teacher_dim = teacher_dim
+        self.logit_scale = logit_scale
+        self.ctr = ctr
+        self.weights = tuple(weights)
+        self._vocab = np.asarray(vocab_sizes, np.int64)
+        self._max_bag = max(bag_sizes)
+        self._bag = np.asarray(bag_sizes, np.int64)
+
+        rng = np.random.default_rng([seed, 99])
+        # One permutation per feature, concatenated; feature f's ranks map through perm[offset_f + r].
+        self._perm_offset = np.concatenate([[0], np.cumsum(self._vocab)[:-1]])
+        self._perm = np.concatenate([rng.permutation(v).astype(np.int32) for v in vocab_sizes])
+        self._dense_w = rng.normal(size=num_dense)
+        self._dense_proj = rng.normal(size=(num_dense, teacher_dim)) / np.sqrt(num_dense)
+        self._hash_key = np.uint64(rng.integers(0, 2**63))
+        # The interacting pairs among the F sparse vectors and the dense vector (index F).
+        all_pairs = np.asarray([(i, j) for i in range(len(vocab_sizes) + 1) for j in range(i)])
+        if teacher_pairs > 0:
+            all_pairs = all_pairs[np.sort(rng.choice(len(all_pairs), min(teacher_pairs, len(all_pairs)),
+                                                     replace=False))]
+        self._pairs = all_pairs
+
+        # Calibrate: standardise each teacher term, then solve the offset for the target click rate.
+        dense, ids, lengths = self._features(np.random.default_rng([seed, _CALIBRATION]), _CALIBRATION_EXAMPLES)
+        self._dense_mean, self._dense_std = dense.mean(0), dense.std(0) + 1e-6
+        terms = self._teacher_terms(dense, ids, lengths)
+        self._term_std = np.asarray([t.std() + 1e-12 for t in terms])
+        raw = self._combine(terms, offset=0.0)
+        self._offset = _solve_offset(raw, ctr)
+
+        self._eval = self._make_eval()
+
+    # ------------------------------------------------------------------------------------ public API
+    @property
+    def bayes_auc(self) -> float:
+        """AUC of the teacher's own logits on the eval split."""
+        return self._bayes_auc
+
+    def info(self) -> dict:
+        return {"bayes_auc": self._bayes_auc, "bayes_logloss": self._bayes_logloss}
+
+    def train_batches(self, batch_size: int, start_step: int = 0) -> Iterator[Batch]:
+        """Endless training stream; batch i depends only on (seed, batch_size, i)."""
+        step = start_step
+        while True:
+            batch, _ = self._batch(np.random.default_rng([self.seed, _TRAIN, batch_size, step]), batch_size)
+            yield batch
+            step += 1
+
+    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
+        """The fixed eval split in batches of `batch_size` (the last one may be shorter)."""
+        n = self._eval.size
+        for start in range(0, n, batch_size):
+            sl = slice(start, min(start + batch_size, n))
+            yield Batch(dense=self._eval.dense[sl], ids={k: v[sl] for k, v in self._eval.ids.items()},
+                        lengths={k: v[sl] for k, v in self._eval.lengths.items()}, labels=self._eval.labels[sl])
+
+    def teacher_logits(self, batch: Batch) -> np.ndarray:
+        """The planted model's logits for a batch (f64[B])."""
+        ids = np.zeros((batch.size, len(self._vocab), self._max_bag), np.int64)
+        lengths = np.stack([batch.lengths[f.name] for f in self.spec.features], 1)
+        for i, f in enumerate(self.spec.features):
+            ids[:, i, : f.bag_size] = batch.ids[f.name]
+        return self._combine(self._teacher_terms(batch.dense, ids, lengths), self._offset)
+
+    # ----------------------------------------------------------------------------------- generation
+    def _features(self, rng: np.random.Generator, n: int):
+        """dense f32[n, num_dense], ids i64[n, F, Lmax], lengths i64[n, F]."""
+        z = rng.standard_normal((n, self.spec.num_dense))
+        dense = np.log1p(np.floor(np.exp(1.5 * z + 1.0))).astype(np.float32)
+        num_features = len(self._vocab)
+        u = rng.random((n, num_features, self._max_bag))
+        ranks = _zipf_ranks(u, self._vocab[None, :, None], self.zipf_exponent)
+        ids = self._perm[self._perm_offset[None, :, None] + ranks].astype(np.int64)
+        lengths = np.where(self._bag[None, :] > 1, rng.integers(1, self._bag[None, :] + 1, (n, num_features)), 1)
+        slot = np.arange(self._max_bag)[None, None, :]
+        ids = np.where(slot < lengths[:, :, None], ids, 0)
+        return dense, ids, lengths
+
+    def _teacher_terms(self, dense, ids, lengths):
+        """The three un-scaled teacher terms (bias, pairwise, dense), each f64[n]."""
+        n, num_features, max_bag = ids.shape
+        k = self.teacher_dim
+        feat = np.arange(num_features, dtype=np.uint64)[None, :, None]
+        base = _splitmix64(self._hash_key ^ _splitmix64(feat * np.uint64(0x100000001B3) + ids.astype(np.uint64)))
+        j = np.arange(k + 1, dtype=np.uint64)
+        values = _unit_uniform(_splitmix64(base[..., None] + j))  # [n, F, L, k+1]: bias and k-vector
+        mask = (np.arange(max_bag)[None, None, :] < lengths[:, :, None]) / lengths[:, :, None]
+        pooled = np.einsum("nflk,nfl->nfk", values, mask)  # mean over each bag
+        bias = pooled[..., 0].sum(1)
+        d = (dense - self._dense_mean) / self._dense_std
+        vectors = np.concatenate([pooled[..., 1:], (d @ self._dense_proj)[:, None, :]], axis=1)  # [n, F+1, k]
+        pair = (vectors[:, self._pairs[:, 0]] * vectors[:, self._pairs[:, 1]]).sum((1, 2))
+        return bias, pair, d @ self._dense_w
+
+    def _combine(self, terms, offset: float) -> np.ndarray:
+        mix = sum(w * t / s for w, t, s in zip(self.weights, terms, self._term_std, strict=True))
+        return offset + self.logit_scale * mix / np.sqrt(sum(w * w for w in self.weights))
+
+    def _batch(self, rng: np.random.Generator, n: int) -> tuple[Batch, np.ndarray]:
+        dense, ids, lengths = self._features(rng, n)
+        logits = self._combine(self._teacher_terms(dense, ids, lengths), self._offset)
+        labels = (rng.random(n) < 1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+        batch = Batch(
+            dense=dense,
+            ids={f.name: ids[:, i, : f.bag_size].astype(np.int32) for i, f in enumerate(self.spec.features)},
+            lengths={f.name: lengths[:, i].astype(np.int32) for i, f in enumerate(self.spec.features)},
+            labels=labels,
+        )
+        return batch, logits
+
+    def _make_eval(self) -> Batch:
+        parts, logits = [], []
+        for c in range(-(-self.eval_examples // _EVAL_CHUNK)):
+            size = min(_EVAL_CHUNK, self.eval_examples - c * _EVAL_CHUNK)
+            batch, lg = self._batch(np.random.default_rng([self.seed, _EVAL, c]), size)
+            parts.append(batch)
+            logits.append(lg)
+        cat = lambda xs: np.concatenate(xs)  # noqa: E731
+        eval_split = Batch(
+            dense=cat([p.dense for p in parts]),
+            ids={k: cat([p.ids[k] for p in parts]) for k in parts[0].ids},
+            lengths={k: cat([p.lengths[k] for p in parts]) for k in parts[0].lengths},
+            labels=cat([p.labels for p in parts]),
+        )
+        logits = cat(logits)
+        probs = 1.0 / (1.0 + np.exp(-logits))
+        self._bayes_auc = metrics.auc(eval_split.labels, logits)
+        self._bayes_logloss = metrics.logloss(eval_split.labels, probs)
+        return eval_split
+
+
+def _zipf_ranks(u: np.ndarray, vocab: np.ndarray, s: float) -> np.ndarray:
+    """Inverse CDF of p(x) ~ x^(-s) on [1, V+1), floored to ranks 0..V-1."""
+    v1 = (vocab + 1).astype(np.float64)
+    if abs(s - 1.0) < 1e-9:  # the s -> 1 limit: log-uniform
+        return np.minimum(np.floor(v1**u).astype(np.int64) - 1, vocab - 1)
+    x = (1.0 + u * (v1 ** (1.0 - s) - 1.0)) ** (1.0 / (1.0 - s))
+    return np.minimum(np.floor(x).astype(np.int64) - 1, vocab - 1)
+
+
+def _solve_offset(raw: np.ndarray, ctr: float) -> float:
+    """c such that mean(sigmoid(raw + c)) == ctr (bisection; the mean is monotone in c)."""
+    lo, hi = -30.0, 30.0
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        if np.mean(1.0 / (1.0 + np.exp(-(raw + mid)))) < ctr:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)

@@ -1,0 +1,167 @@
+"""Sparse optimizers for physical row tables.
+
+A step touches only the rows a batch looked up: duplicate ids are first aggregated exactly (their gradients
+summed, as FBGEMM's EXACT_* optimizers do), then each distinct row and its optimizer state are gathered,
+updated by a row-wise rule and scattered back into the (donated) table. Cost is O(ids in the batch), never
+O(rows in the table).
+
+Each optimizer is a pure row-wise rule `update_rows(rows, state_rows, grads, lr, step)`; `sparse_apply` owns
+the dedup / gather / scatter around it, so the rules are easy to check against numpy and a fused kernel can
+replace the plumbing without touching them.
+"""
+
+import abc
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from pallas_kernels import dedup_segment_sum_reference
+
+State = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseOptimizer(abc.ABC):
+    learning_rate: float
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def state_shapes(self, rows: int, dim: int) -> dict[str, tuple[int, ...]]:
+        """Shapes of the per-row optimizer state arrays for a [rows, dim] table."""
+
+    def init(self, rows: int, dim: int) -> State:
+        return {k: jnp.full(s, self.initial_state_value(k), jnp.float32)
+                for k, s in self.state_shapes(rows, dim).items()}
+
+    def initial_state_value(self, key: str) -> float:
+        del key
+        return 0.0
+
+    def state_bytes(self, rows: int, dim: int) -> int:
+        total = 0
+        for shape in self.state_shapes(rows, dim).values():
+            n = 1
+            for s in shape:
+                n *= s
+            total += 4 * n
+        return total
+
+    @abc.abstractmethod
+    def update_rows(self, rows: jax.Array, state: State, grads: jax.Array, lr: jax.Array,
+                    step: jax.Array) -> tuple[jax.Array, State]:
+        """New values of distinct rows f32[U, D] and their state, given summed gradients f32[U, D].
+
+        `step` is the 1-based count of optimizer steps taken so far including this one.
+        """
+
+
+@dataclasses.dataclass(frozen=True)
+class SGD(SparseOptimizer):
+    name: ClassVar[str] = "sgd"
+
+    def state_shapes(self, rows, dim):
+        return {}
+
+    def update_rows(self, rows, state, grads, lr, step):
+        return rows - lr * grads, state
+
+
+@dataclasses.dataclass(frozen=True)
+class Adagrad(SparseOptimizer):
+    """Element-wise Adagrad (Duchi et al. 2011): acc += g^2; w -= lr * g / (sqrt(acc) + eps)."""
+
+    eps: float = 1e-8
+    initial_accumulator_value: float = 0.0
+    name: ClassVar[str] = "adagrad"
+
+    def state_shapes(self, rows, dim):
+        return {"accumulator": (rows, dim)}
+
+    def initial_state_value(self, key):
+        return self.initial_accumulator_value
+
+    def update_rows(self, rows, state, grads, lr, step):
+        acc = state["accumulator"] + grads * grads
+        return rows - lr * grads / (jnp.sqrt(acc) + self.eps), {"accumulator": acc}
+
+
+@dataclasses.dataclass(frozen=True)
+class RowwiseAdagrad(SparseOptimizer):
+    """FBGEMM's default: one accumulator per row, fed the mean squared gradient over the row."""
+
+    eps: float = 1e-8
+    initial_accumulator_value: float = 0.0
+    name: ClassVar[str] = "rowwise_adagrad"
+
+    def state_shapes(self, rows, dim):
+        return {"accumulator": (rows,)}
+
+    def initial_state_value(self, key):
+        return self.initial_accumulator_value
+
+    def update_rows(self, rows, state, grads, lr, step):
+        acc = state["accumulator"] + jnp.mean(grads * grads, axis=-1)
+        return rows - lr * grads / (jnp.sqrt(acc)[:, None] + self.eps), {"accumulator": acc}
+
+
+@dataclasses.dataclass(frozen=True)
+class LazyAdam(SparseOptimizer):
+    """Adam whose moments move only for rows in the batch (TF LazyAdam); bias correction uses the global step."""
+
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    name: ClassVar[str] = "lazy_adam"
+
+    def state_shapes(self, rows, dim):
+        return {"m": (rows, dim), "v": (rows, dim)}
+
+    def update_rows(self, rows, state, grads, lr, step):
+        m = self.b1 * state["m"] + (1 - self.b1) * grads
+        v = self.b2 * state["v"] + (1 - self.b2) * grads * grads
+        t = step.astype(jnp.float32)
+        m_hat = m / (1 - self.b1**t)
+        v_hat = v / (1 - self.b2**t)
+        return rows - lr * m_hat / (jnp.sqrt(v_hat) + self.eps), {"m": m, "v": v}
+
+
+SPARSE_OPTIMIZERS: dict[str, type[SparseOptimizer]] = {
+    cls.name: cls for cls in (SGD, Adagrad, RowwiseAdagrad, LazyAdam)
+}
+
+
+def make_sparse_optimizer(config: ml_collections.ConfigDict) -> SparseOptimizer:
+    """From `config.optimizer.sparse`: name, learning_rate and the optimizer's own knobs."""
+    kwargs = dict(config)
+    name = kwargs.pop("name")
+    if name not in SPARSE_OPTIMIZERS:
+        raise ValueError(f"unknown sparse optimizer '{name}'; known: {sorted(SPARSE_OPTIMIZERS)}")
+    cls = SPARSE_OPTIMIZERS[name]
+    allowed = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(kwargs) - allowed
+    if unknown:
+        raise ValueError(f"sparse optimizer '{name}' has no options {sorted(unknown)}; it takes {sorted(allowed)}")
+    return cls(**kwargs)
+
+
+def sparse_apply(optimizer: SparseOptimizer, table: jax.Array, state: State, rows: jax.Array,
+                 grads: jax.Array, lr: jax.Array, step: jax.Array) -> tuple[jax.Array, State]:
+    """Apply one optimizer step to the rows of `table` named in `rows`.
+
+    Args:
+      table: f32[R, D] (donate it: the scatter then writes in place).
+      state: per-row optimizer state, leading dim R.
+      rows: i32[N] row ids, duplicates allowed; ids >= R are padding and ignored.
+      grads: f32[N, D] gradient of each occurrence.
+    """
+    num_rows = table.shape[0]
+    unique_rows, summed = dedup_segment_sum_reference(rows, grads, num_rows)
+    current = jnp.take(table, unique_rows, axis=0, mode="fill", fill_value=0)
+    current_state = {k: jnp.take(v, unique_rows, axis=0, mode="fill", fill_value=0) for k, v in state.items()}
+    new_rows, new_state = optimizer.update_rows(current, current_state, summed, lr, step)
+    table = table.at[unique_rows].set(new_rows, mode="drop")
+    state = {k: state[k].at[unique_rows].set(new_state[k], mode="drop") for k in state}
+    return table, state

@@ -1,0 +1,37 @@
+"""What a dataset looks like to the framework: dense features and sparse features with fixed bag sizes."""
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureSpec:
+    """A sparse (categorical) feature as the data delivers it."""
+
+    name: str
+    vocab_size: int  # valid ids are [0, vocab_size)
+    bag_size: int = 1  # L: ids per example, padded to this length; 1 = one-hot
+
+    def __post_init__(self):
+        if self.vocab_size < 1:
+            raise ValueError(f"feature '{self.name}': vocab_size must be >= 1, got {self.vocab_size}")
+        if self.bag_size < 1:
+            raise ValueError(f"feature '{self.name}': bag_size must be >= 1, got {self.bag_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+    """Dense feature count and the sparse features, in the order the model sees them."""
+
+    num_dense: int
+    features: tuple[FeatureSpec, ...]
+
+    def __post_init__(self):
+        names = [f.name for f in self.features]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate sparse feature names: {names}")
+        if self.num_dense < 0:
+            raise ValueError(f"num_dense must be >= 0, got {self.num_dense}")
+
+    @property
+    def feature_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.features)

@@ -1,0 +1,35 @@
+"""recjax: embedding compression for deep-learning recommendation models in JAX/Flax."""
+
+import pathlib
+
+from setuptools import find_packages, setup
+
+HERE = pathlib.Path(__file__).parent
+
+setup(
+    name="recjax",
+    version="0.1.0",
+    description="JAX/Flax framework for embedding compression in recommendation models",
+    long_description=(HERE / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["recjax*", "compression*", "pallas_kernels*", "experiments*"]),
+    install_requires=[
+        # jax 0.10.x is the newest on Python 3.11; newer Pythons get newer releases.
+        "jax>=0.7,<0.12",
+        "flax>=0.10,<0.14",
+        "optax>=0.2.4,<0.4",
+        "ml_collections>=0.1.1,<2",
+        "absl-py>=2.0,<3",
+        "numpy>=1.26,<3",
+        "tensorboardX>=2.6,<3",
+        "tqdm>=4.66,<5",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8,<10",
+            "scikit-learn>=1.4,<2",
+            "ruff>=0.6",
+        ],
+    },
+)

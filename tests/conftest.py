@@ -1,0 +1,27 @@
+"""Shared fixtures: small specs and deterministic batches."""
+
+import numpy as np
+import pytest
+
+from recjax.batch import Batch
+from recjax.specs import DatasetSpec, FeatureSpec
+
+
+def random_batch(spec: DatasetSpec, batch_size: int, seed: int = 0, full_bags: bool = False) -> Batch:
+    """Valid random batch for `spec`: uniform ids, random bag lengths (>= 1 unless one-hot)."""
+    rng = np.random.default_rng(seed)
+    ids, lengths = {}, {}
+    for f in spec.features:
+        ids[f.name] = rng.integers(0, f.vocab_size, (batch_size, f.bag_size)).astype(np.int32)
+        if full_bags or f.bag_size == 1:
+            lengths[f.name] = np.full(batch_size, f.bag_size, np.int32)
+        else:
+            lengths[f.name] = rng.integers(0, f.bag_size + 1, batch_size).astype(np.int32)
+    return Batch(dense=rng.normal(size=(batch_size, spec.num_dense)).astype(np.float32), ids=ids, lengths=lengths,
+                 labels=(rng.random(batch_size) < 0.3).astype(np.float32))
+
+
+@pytest.fixture
+def small_spec() -> DatasetSpec:
+    return DatasetSpec(num_dense=3, features=(FeatureSpec("a", 7), FeatureSpec("b", 11, bag_size=4),
+                                              FeatureSpec("c", 5, bag_size=2)))
