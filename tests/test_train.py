@@ -97,3 +97,22 @@ def test_launcher_rejects_unknown_override(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "stepz" in result.stderr
+
+
+def test_multi_hot_mean_pooling_run_learns(tmp_path):
+    config = tiny_config(steps=300)
+    config.data.bag_sizes = (1, 3, 1, 5, 1, 2)
+    config.embedding.pooling = "mean"
+    summary = train_and_evaluate(config, tmp_path)
+    assert summary["auc"] > 0.68, summary["auc"]
+
+
+def test_bad_config_is_a_clear_error(tmp_path):
+    config = tiny_config(steps=5)
+    config.model.bottom_mlp = (32, 4)  # dot interaction needs 8 == embedding.dim
+    with pytest.raises(ValueError, match=r"last width \(4\) to equal the embedding dim \(8\)"):
+        train_and_evaluate(config, tmp_path)
+    config = tiny_config(steps=5)
+    config.optimizer.sparse.name = "adamax"
+    with pytest.raises(ValueError, match="unknown sparse optimizer 'adamax'"):
+        train_and_evaluate(config, tmp_path)

@@ -11,38 +11,60 @@ from recjax.batch import Batch
 _DONE = object()
 
 
-def prefetch_to_device(batches: Iterator[Batch], validate: Callable[[Batch, str], None],
-                       size: int = 2) -> Iterator[Batch]:
-    """Yield device batches while the next `size` are prepared; errors surface in the consumer."""
-    q: queue.Queue = queue.Queue(maxsize=size)
-    stop = threading.Event()
+class DevicePrefetcher:
+    """Iterate device batches while the next `size` are validated and transferred on a worker thread.
 
-    def produce():
+    Use as a context manager (or call `close()`): the worker must be stopped and joined before the interpreter
+    exits, or it can be killed inside a device transfer and abort the process.
+    """
+
+    def __init__(self, batches: Iterator[Batch], validate: Callable[[Batch, str], None], size: int = 2):
+        self._batches = batches
+        self._validate = validate
+        self._queue: queue.Queue = queue.Queue(maxsize=size)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, daemon=True)
+        self._thread.start()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _produce(self):
         try:
-            for i, batch in enumerate(batches):
-                validate(batch, f"batch {i}")
-                item = jax.device_put(batch)
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+            for i, batch in enumerate(self._batches):
+                if self._stop.is_set():
                     return
-            q.put(_DONE)
-        except BaseException as e:  # handed to the consumer, which re-raises it with its traceback
-            q.put(e)
+                self._validate(batch, f"batch {i}")
+                if not self._put(jax.device_put(batch)):
+                    return
+            self._put(_DONE)
+        except BaseException as e:  # handed to the consumer, which re-raises it
+            self._put(e)
 
-    thread = threading.Thread(target=produce, daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = q.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Batch:
+        item = self._queue.get()
+        if item is _DONE:
+            self._put(_DONE)  # stay exhausted
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
