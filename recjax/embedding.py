@@ -2,14 +2,16 @@
 
 A batch flows through it in four steps (see WORKSPACE.md):
 
-    routes = collection.route(ids, lengths)       # int math: stacked row ids + pooling weights per feature
-    rows   = collection.gather(tables, routes)     # pooled f32[B, d] or un-pooled f32[B, L, d] per physical table
-    emb    = EmbeddingGlue(collection)(rows, ...)  # Flax: combine per method, pool if not pooled yet -> [B, F, D]
-    tables, state = collection.sparse_update(...)  # gradients w.r.t. `rows` scattered into touched rows only
+    routes = collection.route(ids, lengths)        # int math; one dedup (sort) per stacked group
+    rows   = collection.gather(tables, routes)      # each distinct row once: {group: f32[N, d]}
+    emb    = EmbeddingGlue(collection)(rows, routes) # Flax: pool + combine per method -> f32[B, F, D]
+    tables, state = collection.sparse_update(...)   # d loss / d rows, scattered into the distinct rows only
 
 Physical tables of equal dim are stacked into one array f32[sum(rows), dim] per *group* (FBGEMM TBE style),
-each table at a static row offset, so one gather and one scatter serve many features. Padded bag slots route
-to the group's row count, a sentinel that gathers zeros and is dropped by the scatter.
+each table at a static row offset, so one gather and one scatter serve many features. Within a group all the
+batch's row ids are deduplicated once: `rows` holds each distinct row, bags index into it through `slots`, and
+the gradient with respect to `rows` is the exact sum over duplicate ids. Padded bag slots route to the
+group's row count, a sentinel that gathers zeros and is dropped by the scatter.
 """
 
 import dataclasses
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from compression import EmbeddingMethod, PhysicalTable, TableSpec, build_method
-from pallas_kernels import gather_reduce_reference
+from pallas_kernels import gather_reduce_reference, unique_rows_reference
 from recjax.sparse_optim import SparseOptimizer, sparse_apply
 from recjax.specs import DatasetSpec
 
@@ -124,88 +126,79 @@ class EmbeddingCollection:
 
     # -------------------------------------------------------------------------------------------- route
     def route(self, ids: Mapping[str, jax.Array], lengths: Mapping[str, jax.Array]) -> dict:
-        """Logical ids -> per feature: stacked row ids per physical table and pooling weights.
+        """Logical ids -> distinct stacked rows per group, and per feature where each bag slot reads.
 
-        Returns {feature: {"rows": (i32[B, L], ...), "weights": f32[B, L]}}; padded slots get row id
-        == group row count (a sentinel: gathers zero, scatter drops it) and weight 0.
+        Returns {"unique": {group: i32[N_g]}, "features": {feature: {"slots": (i32[B, L], ...) one per
+        physical table, indexing that table's group in "unique", "weights": f32[B, L]}}}. N_g is the number of
+        bag slots feeding the group; padded slots read the sentinel row (zeros) with weight 0.
         """
-        routes = {}
+        stacked_by_group: dict[str, list] = {g: [] for g in self.group_rows}
+        weights = {}
         for feature in self.spec.features:
             name = feature.name
             x, n = ids[name], lengths[name]
             assert x.ndim == 2 and x.shape[1] == feature.bag_size, (name, x.shape)
             valid = jnp.arange(feature.bag_size)[None, :] < n[:, None]
-            if self.pooling == "mean":
-                weights = valid / jnp.maximum(n, 1)[:, None].astype(jnp.float32)
-            else:
-                weights = valid.astype(jnp.float32)
+            scale = 1.0 / jnp.maximum(n, 1)[:, None] if self.pooling == "mean" else 1.0
+            weights[name] = (valid * scale).astype(jnp.float32)
             local = self.methods[name].route(jnp.where(valid, x, 0))
-            rows = tuple(
-                jnp.where(valid, r + p.offset, self.group_rows[p.group]).astype(jnp.int32)
-                for r, p in zip(local, self.placements[name], strict=True)
-            )
-            routes[name] = {"rows": rows, "weights": weights.astype(jnp.float32)}
-        return routes
+            for r, p in zip(local, self.placements[name], strict=True):
+                stacked = jnp.where(valid, r + p.offset, self.group_rows[p.group]).astype(jnp.int32)
+                stacked_by_group[p.group].append(stacked)
+        unique, slots_by_group = {}, {}
+        for group, parts in stacked_by_group.items():
+            unique[group], inverse = unique_rows_reference(
+                jnp.concatenate([r.reshape(-1) for r in parts]), self.group_rows[group])
+            bounds = np.cumsum([0] + [r.size for r in parts])
+            slots_by_group[group] = [inverse[a:b].reshape(r.shape)
+                                     for a, b, r in zip(bounds[:-1], bounds[1:], parts, strict=True)]
+        features = {}
+        for name, placed in self.placements.items():
+            slots = tuple(slots_by_group[p.group].pop(0) for p in placed)
+            features[name] = {"slots": slots, "weights": weights[name]}
+        return {"unique": unique, "features": features}
 
     # ------------------------------------------------------------------------------------------- gather
-    def gather(self, tables: Mapping[str, jax.Array], routes: Mapping) -> dict[str, tuple[jax.Array, ...]]:
-        """Rows per feature and physical table: f32[B, d] pooled, or f32[B, L, d] if the method can't pool."""
-        out = {}
-        for name, placed in self.placements.items():
-            r = routes[name]
-            if self.methods[name].pools_before_combine:
-                out[name] = tuple(gather_reduce_reference(tables[p.group], rows, r["weights"])
-                                  for p, rows in zip(placed, r["rows"], strict=True))
-            else:
-                out[name] = tuple(jnp.take(tables[p.group], rows, axis=0, mode="fill", fill_value=0)
-                                  for p, rows in zip(placed, r["rows"], strict=True))
-        return out
+    def gather(self, tables: Mapping[str, jax.Array], routes: Mapping) -> dict[str, jax.Array]:
+        """Each distinct row once: {group: f32[N_g, d]} (the sentinel reads zeros)."""
+        return {g: jnp.take(tables[g], u, axis=0, mode="fill", fill_value=0) for g, u in routes["unique"].items()}
 
     # ------------------------------------------------------------------------------------ sparse update
     def sparse_update(self, optimizer: SparseOptimizer, tables: dict[str, jax.Array],
-                      state: dict[str, dict[str, jax.Array]], routes: Mapping,
-                      row_grads: Mapping[str, tuple[jax.Array, ...]], lr: jax.Array,
-                      step: jax.Array) -> tuple[dict, dict]:
-        """Scatter gradients w.r.t. gathered rows into the touched rows of each stacked table.
-
-        A pooled gradient g[b] reaches each id of bag b scaled by its pooling weight (the chain rule of the
-        weighted sum); un-pooled gradients arrive per id already.
-        """
-        ids_by_group: dict[str, list] = {g: [] for g in self.group_rows}
-        grads_by_group: dict[str, list] = {g: [] for g in self.group_rows}
-        for name, placed in self.placements.items():
-            r = routes[name]
-            pooled = self.methods[name].pools_before_combine
-            for p, rows, g in zip(placed, r["rows"], row_grads[name], strict=True):
-                if pooled:
-                    g = g[:, None, :] * r["weights"][:, :, None]
-                ids_by_group[p.group].append(rows.reshape(-1))
-                grads_by_group[p.group].append(g.reshape(-1, p.table.dim))
+                      state: dict[str, dict[str, jax.Array]], routes: Mapping, rows: Mapping[str, jax.Array],
+                      row_grads: Mapping[str, jax.Array], lr: jax.Array, step: jax.Array) -> tuple[dict, dict]:
+        """Apply the optimizer to the distinct rows of each group, given d loss / d rows."""
         new_tables, new_state = dict(tables), dict(state)
-        for group in self.group_rows:
+        for group, unique in routes["unique"].items():
             new_tables[group], new_state[group] = sparse_apply(
-                optimizer, tables[group], state[group], jnp.concatenate(ids_by_group[group]),
-                jnp.concatenate(grads_by_group[group]), lr, step)
+                optimizer, tables[group], state[group], unique, rows[group], row_grads[group], lr, step)
         return new_tables, new_state
 
 
 class EmbeddingGlue(nn.Module):
-    """Dense side of the embedding layer: combine each feature's rows (and pool if not pooled yet).
+    """Dense side of the embedding layer: per feature, read its bag slots from the distinct rows, pool and
+    combine (pool first when the method is linear per row, else combine per id and pool after).
 
-    rows: {feature: (f32[B, d_t] | f32[B, L, d_t], ...)}; weights: {feature: f32[B, L]}.
+    rows: {group: f32[N_g, d]} from `EmbeddingCollection.gather`; features: `routes["features"]`.
     Returns f32[B, F, D] in the dataset's feature order (all features must share D).
     """
 
     collection: EmbeddingCollection
 
     @nn.compact
-    def __call__(self, rows: Mapping, weights: Mapping) -> jax.Array:
+    def __call__(self, rows: Mapping[str, jax.Array], features: Mapping) -> jax.Array:
         outs = []
         for name, method in self.collection.methods.items():
-            x = method.combine_module(name=f"combine_{name}")(tuple(rows[name]))
-            if not method.pools_before_combine:
-                x = jnp.einsum("bld,bl->bd", x, weights[name])
-            outs.append(x)
+            route = features[name]
+            groups = [p.group for p in self.collection.placements[name]]
+            combine = method.combine_module(name=f"combine_{name}")
+            if method.pools_before_combine:
+                pooled = tuple(gather_reduce_reference(rows[g], s, route["weights"])
+                               for g, s in zip(groups, route["slots"], strict=True))
+                outs.append(combine(pooled))
+            else:
+                per_id = tuple(jnp.take(rows[g], s, axis=0) for g, s in zip(groups, route["slots"], strict=True))
+                outs.append(jnp.einsum("bld,bl->bd", combine(per_id), route["weights"]))
         return jnp.stack(outs, axis=1)
 
 

@@ -1,13 +1,12 @@
 """Sparse optimizers for physical row tables.
 
-A step touches only the rows a batch looked up: duplicate ids are first aggregated exactly (their gradients
-summed, as FBGEMM's EXACT_* optimizers do), then each distinct row and its optimizer state are gathered,
-updated by a row-wise rule and scattered back into the (donated) table. Cost is O(ids in the batch), never
-O(rows in the table).
+A step touches only the rows a batch looked up. The engine deduplicates ids and differentiates with respect
+to the distinct rows, so each row arrives here once with its exactly summed gradient (FBGEMM's EXACT_*
+semantics); `sparse_apply` gathers those rows' optimizer state, applies a row-wise rule and scatters rows and
+state back into the (donated) arrays. Cost is O(ids in the batch), never O(rows in the table).
 
-Each optimizer is a pure row-wise rule `update_rows(rows, state_rows, grads, lr, step)`; `sparse_apply` owns
-the dedup / gather / scatter around it, so the rules are easy to check against numpy and a fused kernel can
-replace the plumbing without touching them.
+Each optimizer is a pure row-wise rule `update_rows(rows, state_rows, grads, lr, step)`, easy to check against
+numpy; a fused kernel can replace the gather/scatter plumbing without touching the rules.
 """
 
 import abc
@@ -17,8 +16,6 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import ml_collections
-
-from pallas_kernels import dedup_segment_sum_reference
 
 State = dict[str, jax.Array]
 
@@ -147,21 +144,19 @@ def make_sparse_optimizer(config: ml_collections.ConfigDict) -> SparseOptimizer:
     return cls(**kwargs)
 
 
-def sparse_apply(optimizer: SparseOptimizer, table: jax.Array, state: State, rows: jax.Array,
-                 grads: jax.Array, lr: jax.Array, step: jax.Array) -> tuple[jax.Array, State]:
-    """Apply one optimizer step to the rows of `table` named in `rows`.
+def sparse_apply(optimizer: SparseOptimizer, table: jax.Array, state: State, unique_rows: jax.Array,
+                 current: jax.Array, grads: jax.Array, lr: jax.Array, step: jax.Array) -> tuple[jax.Array, State]:
+    """Apply one optimizer step to distinct rows of `table` and scatter them back.
 
     Args:
       table: f32[R, D] (donate it: the scatter then writes in place).
       state: per-row optimizer state, leading dim R.
-      rows: i32[N] row ids, duplicates allowed; ids >= R are padding and ignored.
-      grads: f32[N, D] gradient of each occurrence.
+      unique_rows: i32[U] distinct row ids; ids >= R are padding and ignored.
+      current: f32[U, D] the rows' current values (the forward pass gathered them already).
+      grads: f32[U, D] summed gradient of each distinct row.
     """
-    num_rows = table.shape[0]
-    unique_rows, summed = dedup_segment_sum_reference(rows, grads, num_rows)
-    current = jnp.take(table, unique_rows, axis=0, mode="fill", fill_value=0)
     current_state = {k: jnp.take(v, unique_rows, axis=0, mode="fill", fill_value=0) for k, v in state.items()}
-    new_rows, new_state = optimizer.update_rows(current, current_state, summed, lr, step)
+    new_rows, new_state = optimizer.update_rows(current, current_state, grads, lr, step)
     table = table.at[unique_rows].set(new_rows, mode="drop")
     state = {k: state[k].at[unique_rows].set(new_state[k], mode="drop") for k in state}
     return table, state

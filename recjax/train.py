@@ -4,8 +4,8 @@ Task pieces (what is trained) are built by `build_task`; `train_and_evaluate` ow
 outputs. A train step is `(state, batch) -> (state, metrics)` with the state donated, so the embedding tables
 are updated in place:
 
-    routes = collection.route(ids, lengths)                 # int math
-    rows   = collection.gather(tables, routes)              # pooled rows per physical table
+    routes = collection.route(ids, lengths)                 # int math + one dedup per stacked group
+    rows   = collection.gather(tables, routes)              # each distinct row once
     loss, (g_dense, g_rows) = value_and_grad(loss_fn, (0, 1))(dense_params, rows)
     dense_params, dense_opt = optax update
     tables, sparse_opt = collection.sparse_update(...)      # only the touched rows
@@ -115,9 +115,8 @@ def init_state(task: Task, rng: jax.Array, batch: Batch) -> TrainState:
     def init_dense(tables, batch):
         routes = task.collection.route(batch.ids, batch.lengths)
         rows = task.collection.gather(tables, routes)
-        weights = {f: r["weights"] for f, r in routes.items()}
-        glue_vars = task.glue.init(glue_rng, rows, weights)
-        emb = task.glue.apply(glue_vars, rows, weights)
+        glue_vars = task.glue.init(glue_rng, rows, routes["features"])
+        emb = task.glue.apply(glue_vars, rows, routes["features"])
         model_vars = task.model.init(model_rng, batch.dense, emb)
         return {"glue": glue_vars.get("params", {}), "model": model_vars["params"]}
 
@@ -132,9 +131,9 @@ def init_state(task: Task, rng: jax.Array, batch: Batch) -> TrainState:
 
 
 # --------------------------------------------------------------------------------------------- steps
-def _forward(task: Task, dense_params, rows, weights, dense: jax.Array) -> jax.Array:
-    """Logits f32[B] from gathered rows and dense features."""
-    emb = task.glue.apply({"params": dense_params["glue"]}, rows, weights)
+def _forward(task: Task, dense_params, rows, routes, dense: jax.Array) -> jax.Array:
+    """Logits f32[B] from the distinct gathered rows and dense features."""
+    emb = task.glue.apply({"params": dense_params["glue"]}, rows, routes["features"])
     return task.model.apply({"params": dense_params["model"]}, dense, emb)
 
 
@@ -144,10 +143,9 @@ def make_train_step(task: Task):
     def train_step(state: TrainState, batch: Batch):
         routes = task.collection.route(batch.ids, batch.lengths)
         rows = task.collection.gather(state.tables, routes)
-        weights = {f: r["weights"] for f, r in routes.items()}
 
         def loss_fn(dense_params, rows):
-            logits = _forward(task, dense_params, rows, weights, batch.dense)
+            logits = _forward(task, dense_params, rows, routes, batch.dense)
             return optax.sigmoid_binary_cross_entropy(logits, batch.labels).mean()
 
         loss, (g_dense, g_rows) = jax.value_and_grad(loss_fn, argnums=(0, 1))(state.dense_params, rows)
@@ -155,7 +153,7 @@ def make_train_step(task: Task):
         dense_params = optax.apply_updates(state.dense_params, updates)
         step = state.step + 1
         tables, sparse_opt_state = task.collection.sparse_update(
-            task.sparse_optimizer, state.tables, state.sparse_opt_state, routes, g_rows,
+            task.sparse_optimizer, state.tables, state.sparse_opt_state, routes, rows, g_rows,
             task.sparse_lr(state.step), step)
         new_state = TrainState(step=step, dense_params=dense_params, dense_opt_state=dense_opt_state,
                                tables=tables, sparse_opt_state=sparse_opt_state)
@@ -170,8 +168,7 @@ def make_predict_step(task: Task):
     def predict_step(state: TrainState, batch: Batch):
         routes = task.collection.route(batch.ids, batch.lengths)
         rows = task.collection.gather(state.tables, routes)
-        weights = {f: r["weights"] for f, r in routes.items()}
-        return jax.nn.sigmoid(_forward(task, state.dense_params, rows, weights, batch.dense))
+        return jax.nn.sigmoid(_forward(task, state.dense_params, rows, routes, batch.dense))
 
     return jax.jit(predict_step)
 

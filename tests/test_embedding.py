@@ -72,37 +72,61 @@ def test_gather_and_glue_match_numpy(small_spec, pooling):
         batch.ids[f.name][slot >= batch.lengths[f.name][:, None]] = 10**6
     routes = collection.route(batch.ids, batch.lengths)
     rows = collection.gather(tables, routes)
-    weights = {f: r["weights"] for f, r in routes.items()}
     glue = EmbeddingGlue(collection)
-    emb = glue.apply(glue.init(jax.random.key(0), rows, weights), rows, weights)
+    emb = glue.apply(glue.init(jax.random.key(0), rows, routes["features"]), rows, routes["features"])
     np.testing.assert_allclose(np.asarray(emb), numpy_embeddings(collection, tables, batch), rtol=1e-5, atol=1e-6)
 
 
-def test_sparse_update_equals_dense_gradient_sgd(small_spec):
-    """SGD through gather -> grad w.r.t. rows -> sparse_update equals SGD with autodiff w.r.t. whole tables."""
-    collection = make_collection(small_spec, pooling="mean")
-    tables = collection.init_tables(jax.random.key(0))
-    batch = random_batch(small_spec, 32, seed=2)
-    target = jax.random.normal(jax.random.key(3), (32, 3, 4))
+def dense_oracle_update(name, collection, tables, batch, target, lr):
+    """The whole-table reference: autodiff w.r.t. every table row, then the rule on the rows the batch used."""
     routes = collection.route(batch.ids, batch.lengths)
-    weights = {f: r["weights"] for f, r in routes.items()}
     glue = EmbeddingGlue(collection)
 
-    def loss_from_rows(rows):
-        return jnp.sum(jnp.sin(glue.apply({}, rows, weights)) * target)
-
     def loss_from_tables(tables):
-        return loss_from_rows(collection.gather(tables, routes))
+        return jnp.sum(jnp.sin(glue.apply({}, collection.gather(tables, routes), routes["features"])) * target)
 
-    lr = 0.5
-    dense_grad = jax.grad(loss_from_tables)(tables)
-    expected = jax.tree_util.tree_map(lambda t, g: t - lr * g, tables, dense_grad)
-    row_grads = jax.grad(loss_from_rows)(collection.gather(tables, routes))
-    opt = SGD(lr)
-    updated, _ = collection.sparse_update(opt, tables, collection.init_optimizer(opt), routes, row_grads,
-                                          jnp.float32(lr), jnp.int32(1))
-    np.testing.assert_allclose(np.asarray(updated["dim4"]), np.asarray(expected["dim4"]), rtol=1e-5, atol=1e-6)
-    assert not np.allclose(np.asarray(updated["dim4"]), np.asarray(tables["dim4"]))
+    grad = np.asarray(jax.grad(loss_from_tables)(tables)["dim4"])
+    table = np.asarray(tables["dim4"]).copy()
+    touched = np.zeros(table.shape[0], bool)
+    for f in collection.spec.features:
+        (p,) = collection.placements[f.name]
+        for b in range(batch.size):
+            touched[p.offset + batch.ids[f.name][b, : batch.lengths[f.name][b]]] = True
+    if name == "sgd":
+        table[touched] -= lr * grad[touched]
+    else:  # row-wise Adagrad from a zero accumulator, eps 1e-8
+        acc = np.mean(grad * grad, axis=1)
+        table[touched] -= lr * grad[touched] / (np.sqrt(acc[touched])[:, None] + 1e-8)
+    return table, touched
+
+
+@pytest.mark.parametrize("optimizer", [SGD(0.5), RowwiseAdagrad(0.5)])
+def test_sparse_update_equals_dense_gradient_oracle(optimizer):
+    """route -> gather distinct rows -> grad w.r.t. them -> sparse_update equals the whole-table oracle, with
+    duplicate ids within bags, across examples and across features sharing the stacked group."""
+    spec = DatasetSpec(num_dense=3, features=(FeatureSpec("a", 40), FeatureSpec("b", 90, bag_size=4),
+                                              FeatureSpec("c", 25, bag_size=2)))
+    collection = make_collection(spec, pooling="mean")
+    tables = collection.init_tables(jax.random.key(0))
+    batch = random_batch(spec, 32, seed=2)
+    batch.ids["b"][:4] = 3  # the same id many times, within and across bags
+    target = jax.random.normal(jax.random.key(3), (32, 3, 4))
+    glue = EmbeddingGlue(collection)
+
+    @jax.jit
+    def step(tables, state, batch):
+        routes = collection.route(batch.ids, batch.lengths)
+        rows = collection.gather(tables, routes)
+        loss = lambda rows: jnp.sum(jnp.sin(glue.apply({}, rows, routes["features"])) * target)  # noqa: E731
+        return collection.sparse_update(optimizer, tables, state, routes, rows, jax.grad(loss)(rows),
+                                        jnp.float32(optimizer.learning_rate), jnp.int32(1))
+
+    expected, touched = dense_oracle_update(optimizer.name, collection, tables, batch, target, optimizer.learning_rate)
+    updated, state = step(tables, collection.init_optimizer(optimizer), batch)
+    np.testing.assert_allclose(np.asarray(updated["dim4"]), expected, rtol=1e-5, atol=1e-6)
+    assert 0 < touched.sum() < touched.size
+    if optimizer.name == "rowwise_adagrad":
+        assert np.all(np.asarray(state["dim4"]["accumulator"])[~touched] == 0)
 
 
 def test_unknown_method_and_missing_table(small_spec):
