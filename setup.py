@@ -24,6 +24,10 @@ setup(
         "numpy>=1.26,<3",
         "tensorboardX>=2.6,<3",
         "tqdm>=4.66,<5",
+        # Prepared real datasets: TFDS builders writing array_record, read without TensorFlow via Grain.
+        "tensorflow-datasets>=4.9.7,<5",
+        "array_record>=0.7",
+        "grain>=0.2.12,<0.3",
     ],
     extras_require={
         "test": [

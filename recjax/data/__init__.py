@@ -15,7 +15,11 @@ def make_dataset(config: ml_collections.ConfigDict, seed: int):
             teacher_dim=config.teacher.dim, teacher_pairs=config.teacher.pairs,
             logit_scale=config.teacher.logit_scale, ctr=config.teacher.ctr,
             weights=config.teacher.weights, seed=seed)
-    raise ValueError(f"unknown dataset '{config.name}'; known: ['synthetic']")
+    if config.name == "movielens":
+        from recjax.data.movielens import movielens_dataset
+
+        return movielens_dataset(config, seed)
+    raise ValueError(f"unknown dataset '{config.name}'; known: ['synthetic', 'movielens']")
 
 
 __all__ = ["KAGGLE_VOCAB_SIZES", "SyntheticDataset", "make_dataset"]

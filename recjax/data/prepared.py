@@ -1,0 +1,203 @@
+"""Prepared datasets on disk: TFDS builders that store blocks of examples in array_record, read without TensorFlow.
+
+Each TFDS example is a *block* of up to `block_rows` examples stored as struct-of-arrays (dense f32[n, num_dense],
+ids i32[n, sum(L_f)], lengths i32[n, F], labels f32[n]). One example per row would cost TFDS's per-example
+Python encoding (~22k rows/s to write, ~1.5k rows/s per-record reads measured here); blocks write and read at
+array_record speed. Builders subclass `BlockBuilder` and implement `_dataset_spec()` and `_split_blocks()`.
+
+Training reads through `PreparedDataset`: `tfds.data_source` (no TensorFlow import) for random access to blocks,
+Grain's `MapDataset` to read blocks on worker threads in a seeded order, and a re-batcher that cuts the stream of
+rows into fixed-size batches. Order is a pure function of (seed, epoch), so step i is reproducible and a run can
+resume at any step.
+"""
+
+import abc
+import json
+from collections.abc import Iterator, Mapping
+
+import grain
+import numpy as np
+import tensorflow_datasets as tfds
+
+from recjax.batch import Batch
+from recjax.data.arrays import concatenate, take
+from recjax.specs import DatasetSpec, FeatureSpec
+
+DEFAULT_BLOCK_ROWS = 8192
+
+
+def spec_to_json(spec: DatasetSpec) -> dict:
+    return {"num_dense": spec.num_dense,
+            "features": [{"name": f.name, "vocab_size": f.vocab_size, "bag_size": f.bag_size} for f in spec.features]}
+
+
+def spec_from_json(data: Mapping) -> DatasetSpec:
+    return DatasetSpec(num_dense=int(data["num_dense"]),
+                       features=tuple(FeatureSpec(f["name"], int(f["vocab_size"]), int(f["bag_size"]))
+                                      for f in data["features"]))
+
+
+def pack_block(batch: Batch, spec: DatasetSpec) -> dict[str, np.ndarray]:
+    """Batch -> the stored struct-of-arrays (ids of all features side by side)."""
+    return {
+        "dense": batch.dense.astype(np.float32),
+        "ids": np.concatenate([batch.ids[f.name] for f in spec.features], axis=1).astype(np.int32),
+        "lengths": np.stack([batch.lengths[f.name] for f in spec.features], axis=1).astype(np.int32),
+        "labels": batch.labels.astype(np.float32),
+    }
+
+
+def unpack_block(block: Mapping[str, np.ndarray], spec: DatasetSpec) -> Batch:
+    """The stored struct-of-arrays -> Batch."""
+    bounds = np.cumsum([0] + [f.bag_size for f in spec.features])
+    ids = np.asarray(block["ids"])
+    lengths = np.asarray(block["lengths"])
+    return Batch(
+        dense=np.asarray(block["dense"], np.float32).reshape(len(block["labels"]), spec.num_dense),
+        ids={f.name: ids[:, a:b] for f, a, b in zip(spec.features, bounds[:-1], bounds[1:], strict=True)},
+        lengths={f.name: lengths[:, i] for i, f in enumerate(spec.features)},
+        labels=np.asarray(block["labels"], np.float32),
+    )
+
+
+def rebatch(blocks: Iterator[Batch], batch_size: int, skip_rows: int = 0) -> Iterator[Batch]:
+    """Cut a stream of blocks into batches of exactly `batch_size` rows (the final remainder is yielded short)."""
+    pending: list[Batch] = []
+    have = 0
+    for block in blocks:
+        if skip_rows:
+            drop = min(skip_rows, block.size)
+            skip_rows -= drop
+            block = take(block, slice(drop, None))
+        pending.append(block)
+        have += block.size
+        while have >= batch_size:
+            merged = concatenate(pending) if len(pending) > 1 else pending[0]
+            yield take(merged, slice(0, batch_size))
+            rest = take(merged, slice(batch_size, None))
+            pending, have = ([rest] if rest.size else []), rest.size
+    if have:
+        yield concatenate(pending)
+
+
+class BlockBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    """A TFDS builder whose examples are blocks of rows; subclasses describe the data and yield blocks."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "Initial release."}
+
+    @abc.abstractmethod
+    def _dataset_spec(self) -> DatasetSpec:
+        """The prepared data's features (called at info time; must not need the raw files)."""
+
+    @abc.abstractmethod
+    def _split_blocks(self, manual_dir) -> Mapping[str, Iterator[Batch]]:
+        """Split name -> stream of Batch blocks (any sizes; re-cut to `block_rows`)."""
+
+    def _extra_metadata(self) -> dict:
+        """JSON-able facts recorded with the data (parse reports, statistics); called after all splits ran."""
+        return {}
+
+    block_rows: int = DEFAULT_BLOCK_ROWS
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        spec = self._dataset_spec()
+        width = sum(f.bag_size for f in spec.features)
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description=self.__doc__,
+            features=tfds.features.FeaturesDict({
+                "dense": tfds.features.Tensor(shape=(None, spec.num_dense), dtype=np.float32),
+                "ids": tfds.features.Tensor(shape=(None, width), dtype=np.int32),
+                "lengths": tfds.features.Tensor(shape=(None, len(spec.features)), dtype=np.int32),
+                "labels": tfds.features.Tensor(shape=(None,), dtype=np.float32),
+            }),
+            metadata=tfds.core.MetadataDict(),
+            # Keep blocks in generation order: eval reads in file order, and only the last block is short.
+            disable_shuffling=True,
+        )
+
+    def _split_generators(self, dl_manager):
+        spec = self._dataset_spec()
+        self.info.metadata["spec"] = spec_to_json(spec)
+        self.info.metadata["block_rows"] = self.block_rows
+        return {name: self._generate_examples(blocks, spec) for name, blocks in
+                self._split_blocks(dl_manager.manual_dir).items()}
+
+    def _generate_examples(self, blocks: Iterator[Batch], spec: DatasetSpec):
+        for i, block in enumerate(rebatch(blocks, self.block_rows)):
+            yield i, pack_block(block, spec)
+        # Each split's generator finishes before info is written, so the latest metadata is recorded.
+        self.info.metadata["extra"] = json.loads(json.dumps(self._extra_metadata()))
+
+
+class PreparedDataset:
+    """Training/eval reader over a prepared BlockBuilder (TFDS data_source + Grain, no TensorFlow)."""
+
+    def __init__(self, builder: BlockBuilder, *, train_split: str, eval_split: str, seed: int,
+                 read_threads: int = 2):
+        self.builder = builder
+        metadata = builder.info.metadata
+        self.spec = spec_from_json(metadata["spec"])
+        self.block_rows = int(metadata["block_rows"])
+        sources = builder.as_data_source()
+        for name in (train_split, eval_split):
+            if name not in sources:
+                raise ValueError(f"split '{name}' not in prepared dataset {builder.name}; it has {sorted(sources)}")
+        self.sources = sources
+        self.train_split, self.eval_split = train_split, eval_split
+        self.seed = seed
+        self.read_threads = read_threads
+        self._extra = dict(metadata.get("extra", {}))
+
+    def info(self) -> dict:
+        return {"dataset": self.builder.name, "prepared_dir": str(self.builder.data_dir), **self._extra}
+
+    def num_rows(self, split: str) -> int:
+        source = self.sources[split]
+        n = len(source)
+        return 0 if n == 0 else (n - 1) * self.block_rows + len(source[n - 1]["labels"])
+
+    def _read_blocks(self, split: str, order: np.ndarray, shuffle_rows_seed: list[int] | None) -> Iterator[Batch]:
+        source = self.sources[split]
+        spec = self.spec
+
+        def read(i):
+            block = unpack_block(source[int(i)], spec)
+            if shuffle_rows_seed is not None:
+                perm = np.random.default_rng(shuffle_rows_seed + [int(i)]).permutation(block.size)
+                block = take(block, perm)
+            return block
+
+        dataset = grain.MapDataset.source(order.tolist()).map(read)
+        options = grain.ReadOptions(num_threads=self.read_threads, prefetch_buffer_size=4)
+        yield from dataset.to_iter_dataset(options)
+
+    def train_batches(self, batch_size: int, start_step: int = 0) -> Iterator[Batch]:
+        """Endless stream: each epoch visits blocks in a seeded random order and shuffles rows within blocks."""
+        source = self.sources[self.train_split]
+        n_blocks = len(source)
+        if n_blocks == 0:
+            raise ValueError(f"train split '{self.train_split}' of {self.builder.name} is empty")
+        rows_per_epoch = self.num_rows(self.train_split)
+        skip = start_step * batch_size
+
+        def blocks():
+            epoch, rows_to_skip = divmod(skip, rows_per_epoch)
+            while True:
+                order = np.random.default_rng([self.seed, epoch]).permutation(n_blocks)
+                for block in self._read_blocks(self.train_split, order, [self.seed, epoch]):
+                    if rows_to_skip >= block.size:
+                        rows_to_skip -= block.size
+                        continue
+                    if rows_to_skip:
+                        block, rows_to_skip = take(block, slice(rows_to_skip, None)), 0
+                    yield block
+                epoch += 1
+
+        return rebatch(blocks(), batch_size)
+
+    def eval_batches(self, batch_size: int, split: str | None = None) -> Iterator[Batch]:
+        split = split or self.eval_split
+        order = np.arange(len(self.sources[split]))
+        return rebatch(self._read_blocks(split, order, None), batch_size)
