@@ -25,13 +25,10 @@ class ToyBlocks(BlockBuilder, skip_registration=True):
     MANUAL_DOWNLOAD_INSTRUCTIONS = "Put toy.txt in the manual dir."
     block_rows = 128
 
-    def _dataset_spec(self):
-        return SPEC
-
     def _split_blocks(self, manual_dir):
         if not (manual_dir / "toy.txt").exists():
             raise FileNotFoundError(f"toy.txt not in {manual_dir}")
-        return {split: self._odd_blocks(split) for split in ROWS}
+        return SPEC, {split: self._odd_blocks(split) for split in ROWS}
 
     def _odd_blocks(self, split):
         # Deliberately odd source block sizes: the builder re-cuts them.

@@ -3,7 +3,7 @@
 Each TFDS example is a *block* of up to `block_rows` examples stored as struct-of-arrays (dense f32[n, num_dense],
 ids i32[n, sum(L_f)], lengths i32[n, F], labels f32[n]). One example per row would cost TFDS's per-example
 Python encoding (~22k rows/s to write, ~1.5k rows/s per-record reads measured here); blocks write and read at
-array_record speed. Builders subclass `BlockBuilder` and implement `_dataset_spec()` and `_split_blocks()`.
+array_record speed. Builders subclass `BlockBuilder` and implement `_split_blocks()`.
 
 Training reads through `PreparedDataset`: `tfds.data_source` (no TensorFlow import) for random access to blocks,
 Grain's `MapDataset` to read blocks on worker threads in a seeded order, and a re-batcher that cuts the stream of
@@ -87,12 +87,8 @@ class BlockBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     RELEASE_NOTES = {"1.0.0": "Initial release."}
 
     @abc.abstractmethod
-    def _dataset_spec(self) -> DatasetSpec:
-        """The prepared data's features (called at info time; must not need the raw files)."""
-
-    @abc.abstractmethod
-    def _split_blocks(self, manual_dir) -> Mapping[str, Iterator[Batch]]:
-        """Split name -> stream of Batch blocks (any sizes; re-cut to `block_rows`)."""
+    def _split_blocks(self, manual_dir) -> tuple[DatasetSpec, Mapping[str, Iterator[Batch]]]:
+        """Read the raw files: the dataset's spec, and split name -> stream of Batch blocks (any sizes)."""
 
     def _extra_metadata(self) -> dict:
         """JSON-able facts recorded with the data (parse reports, statistics); called after all splits ran."""
@@ -101,15 +97,15 @@ class BlockBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     block_rows: int = DEFAULT_BLOCK_ROWS
 
     def _info(self) -> tfds.core.DatasetInfo:
-        spec = self._dataset_spec()
-        width = sum(f.bag_size for f in spec.features)
+        # Widths depend on the data (vocabularies, bag sizes) and are only known once the raw files are read;
+        # they are recorded in metadata["spec"].
         return tfds.core.DatasetInfo(
             builder=self,
             description=self.__doc__,
             features=tfds.features.FeaturesDict({
-                "dense": tfds.features.Tensor(shape=(None, spec.num_dense), dtype=np.float32),
-                "ids": tfds.features.Tensor(shape=(None, width), dtype=np.int32),
-                "lengths": tfds.features.Tensor(shape=(None, len(spec.features)), dtype=np.int32),
+                "dense": tfds.features.Tensor(shape=(None, None), dtype=np.float32, encoding="bytes"),
+                "ids": tfds.features.Tensor(shape=(None, None), dtype=np.int32, encoding="bytes"),
+                "lengths": tfds.features.Tensor(shape=(None, None), dtype=np.int32, encoding="bytes"),
                 "labels": tfds.features.Tensor(shape=(None,), dtype=np.float32),
             }),
             metadata=tfds.core.MetadataDict(),
@@ -118,11 +114,10 @@ class BlockBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         )
 
     def _split_generators(self, dl_manager):
-        spec = self._dataset_spec()
+        spec, splits = self._split_blocks(dl_manager.manual_dir)
         self.info.metadata["spec"] = spec_to_json(spec)
         self.info.metadata["block_rows"] = self.block_rows
-        return {name: self._generate_examples(blocks, spec) for name, blocks in
-                self._split_blocks(dl_manager.manual_dir).items()}
+        return {name: self._generate_examples(blocks, spec) for name, blocks in splits.items()}
 
     def _generate_examples(self, blocks: Iterator[Batch], spec: DatasetSpec):
         for i, block in enumerate(rebatch(blocks, self.block_rows)):
