@@ -28,6 +28,7 @@ setup(
         "tensorflow-datasets>=4.9.7,<5",
         "array_record>=0.7",
         "grain>=0.2.12,<0.3",
+        "importlib_resources>=5",  # TFDS (via etils.epath) needs it to locate builder code; not always pulled in
     ],
     extras_require={
         "test": [

@@ -7,8 +7,8 @@ import pytest
 import tensorflow_datasets as tfds
 from conftest import random_batch
 
-from recjax.data.arrays import concatenate, take
-from recjax.data.prepared import BlockBuilder, PreparedDataset, rebatch
+from recjax.data.arrays import concatenate
+from recjax.data.prepared import BlockBuilder, PreparedDataset, blocks_of, rebatch
 from recjax.specs import DatasetSpec, FeatureSpec
 
 SPEC = DatasetSpec(num_dense=2, features=(FeatureSpec("u", 50), FeatureSpec("g", 9, bag_size=3)))
@@ -32,8 +32,7 @@ class ToyBlocks(BlockBuilder, skip_registration=True):
 
     def _odd_blocks(self, split):
         # Deliberately odd source block sizes: the builder re-cuts them.
-        rows = source_rows(split)
-        return (take(rows, slice(a, a + 77)) for a in range(0, ROWS[split], 77))
+        return blocks_of(source_rows(split), 77)
 
     def _extra_metadata(self):
         return {"note": "hello", "rows": dict(ROWS)}

@@ -16,9 +16,9 @@ def make_dataset(config: ml_collections.ConfigDict, seed: int):
             logit_scale=config.teacher.logit_scale, ctr=config.teacher.ctr,
             weights=config.teacher.weights, seed=seed)
     if config.name == "movielens":
-        from recjax.data.movielens import movielens_dataset
+        from recjax.data.builders import movielens_prepared
 
-        return movielens_dataset(config, seed)
+        return movielens_prepared(config, seed)
     raise ValueError(f"unknown dataset '{config.name}'; known: ['synthetic', 'movielens']")
 
 

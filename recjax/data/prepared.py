@@ -60,6 +60,11 @@ def unpack_block(block: Mapping[str, np.ndarray], spec: DatasetSpec) -> Batch:
     )
 
 
+def blocks_of(batch: Batch, rows: int) -> Iterator[Batch]:
+    """Consecutive slices of `rows` examples (the last may be shorter)."""
+    return (take(batch, slice(a, a + rows)) for a in range(0, batch.size, rows))
+
+
 def rebatch(blocks: Iterator[Batch], batch_size: int, skip_rows: int = 0) -> Iterator[Batch]:
     """Cut a stream of blocks into batches of exactly `batch_size` rows (the final remainder is yielded short)."""
     pending: list[Batch] = []

@@ -3,16 +3,17 @@
 import ml_collections
 
 from recjax.models.dlrm import DLRM
+from recjax.models.linear import FactorizationMachine, LogisticRegression
 
 
 def make_model(config: ml_collections.ConfigDict):
     """The Flax module named by `config.name`, built from the remaining fields."""
     kwargs = dict(config)
     name = kwargs.pop("name")
-    models = {"dlrm": DLRM}
+    models = {"dlrm": DLRM, "logistic_regression": LogisticRegression, "fm": FactorizationMachine}
     if name not in models:
         raise ValueError(f"unknown model '{name}'; known: {sorted(models)}")
     return models[name](**{k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()})
 
 
-__all__ = ["DLRM", "make_model"]
+__all__ = ["DLRM", "FactorizationMachine", "LogisticRegression", "make_model"]
