@@ -79,7 +79,10 @@ class EmbeddingMethod(abc.ABC):
 
     @abc.abstractmethod
     def route(self, ids: jax.Array) -> tuple[jax.Array, ...]:
-        """Logical ids i32[...] -> one local row-id array i32[...] per physical table."""
+        """Logical ids i32[...] -> one local row-id array i32[...] per physical table.
+
+        A negative local row means the id has no row in that table: it reads zeros and is never updated.
+        """
 
     @abc.abstractmethod
     def combine_module(self, name: str) -> nn.Module:
@@ -88,3 +91,26 @@ class EmbeddingMethod(abc.ABC):
     def glue_params(self) -> int:
         """Number of dense glue parameters (0 for methods without any)."""
         return 0
+
+
+# Keys the collection-level planner (compression/plan.py) consumes; they never reach a method.
+PLAN_OPTIONS = ("threshold",)
+
+
+def method_options(spec: TableSpec, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """`spec.options` over `defaults`; an option the method does not take is a ValueError naming the table.
+
+    Every method reads its knobs through this, so a misspelt key (`colisions=4`) fails loudly instead of
+    silently falling back to a default.
+    """
+    options = dict(spec.options)
+    planned = sorted(set(options) & set(PLAN_OPTIONS))
+    if planned:
+        raise ValueError(
+            f"table '{spec.name}': option(s) {planned} are applied by compression.plan.plan_tables (a table at or "
+            f"under its threshold stays full); build table specs with plan_tables instead of passing them here")
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise ValueError(f"table '{spec.name}': method '{spec.method}' has no option(s) {unknown}; "
+                         f"it takes {sorted(defaults)}")
+    return {**defaults, **options}

@@ -143,7 +143,8 @@ class EmbeddingCollection:
             weights[name] = (valid * scale).astype(jnp.float32)
             local = self.methods[name].route(jnp.where(valid, x, 0))
             for r, p in zip(local, self.placements[name], strict=True):
-                stacked = jnp.where(valid, r + p.offset, self.group_rows[p.group]).astype(jnp.int32)
+                # A negative local row means "this id has no row in this physical table" (e.g. mixed-dim blocks).
+                stacked = jnp.where(valid & (r >= 0), r + p.offset, self.group_rows[p.group]).astype(jnp.int32)
                 stacked_by_group[p.group].append(stacked)
         unique, slots_by_group = {}, {}
         for group, parts in stacked_by_group.items():
