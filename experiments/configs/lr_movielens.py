@@ -9,21 +9,15 @@ is ML-100K's random 90/10 split. Point data.dir at an unzipped ml-1m or ml-lates
 
 import ml_collections
 
+from experiments.configs import dlrm_movielens
+
 
 def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.seed = 0  # seeds the training order and initialisation (data.split_seed seeds the split)
 
-    config.data = ml_collections.ConfigDict()
-    config.data.name = "movielens"
-    config.data.dir = ""  # the unzipped GroupLens folder (ml-100k, ml-1m or ml-latest-small); required
-    config.data.variant = "auto"  # "auto" (from the files present), "100k", "1m" or "latest-small"
-    config.data.rating_threshold = 4.0  # label = rating >= threshold
-    config.data.split = "random"  # "random" (seeded) or "time" (the latest ratings are the test split)
-    config.data.test_fraction = 0.1  # share of the ratings held out as the test split
-    config.data.split_seed = 0  # draws the random split; fixed so the run's seed changes only training
-    config.data.zip_prefix_length = 3  # zip_prefix feature: this many leading characters of the zip code
-    config.data.prepared_dir = ""  # where the prepared blocks go; "" = $TFDS_DATA_DIR or ~/tensorflow_datasets
+    # The same data, split and preprocessing options as the DLRM config, so the results compare.
+    config.data = dlrm_movielens.get_config().data
 
     config.embedding = ml_collections.ConfigDict()
     config.embedding.dim = 1  # one scalar weight per id
