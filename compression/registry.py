@@ -1,10 +1,20 @@
 """Method name (the config's `embedding.method`) -> EmbeddingMethod class."""
 
 from compression.base import EmbeddingMethod, TableSpec
+from compression.compositional import ChineseRemainder, MixedRadix, PathQuotientRemainder, QuotientRemainder
 from compression.full import FullEmbedding
+from compression.hashing import HashingEmbedding
+from compression.mixed_dim import MixedDimBlocks, MixedDimEmbedding
 
 METHODS: dict[str, type[EmbeddingMethod]] = {
     "full": FullEmbedding,
+    "hashing": HashingEmbedding,  # hashing trick, modulo or universal, optional sign hash
+    "qr": QuotientRemainder,  # quotient-remainder trick (Shi et al. 2019)
+    "mixed_radix": MixedRadix,  # generalised QR: one table per mixed-radix digit
+    "crt": ChineseRemainder,  # Chinese-remainder partitions, pairwise coprime moduli
+    "qr_path": PathQuotientRemainder,  # path-based compositional embedding (Shi et al. §4)
+    "md": MixedDimEmbedding,  # mixed dims per table (Ginart et al. 2019), dims from compression.plan
+    "md_blocks": MixedDimBlocks,  # mixed dims per frequency block within a table
 }
 
 

@@ -30,6 +30,7 @@ import tqdm
 from tensorboardX import SummaryWriter
 
 from compression import TableSpec
+from compression.plan import load_id_counts, plan_tables
 from recjax import metrics
 from recjax.batch import Batch, pad_batch, validate_batch
 from recjax.data import make_dataset
@@ -63,10 +64,26 @@ class Task:
 
 
 # ------------------------------------------------------------------------------------------ building
-def table_specs(spec: DatasetSpec, config: ml_collections.ConfigDict) -> list[TableSpec]:
-    """One logical table per sparse feature, from `config.embedding` (dim, method, options)."""
-    options = dict(config.get("options", {}))
-    return [TableSpec(f.name, f.vocab_size, config.dim, config.method, options) for f in spec.features]
+def table_specs(spec: DatasetSpec, config: ml_collections.ConfigDict, dataset=None) -> list[TableSpec]:
+    """One logical table per sparse feature, planned from `config.embedding` by `compression.plan.plan_tables`
+    (default method and options, per-table overrides in `tables`, size thresholds, mixed dims).
+
+    `config.embedding.id_counts` feeds per-id counts to md_blocks tables: "dataset" asks `dataset` for its
+    expected counts over the run (`train.steps * train.batch_size` examples); any other non-empty value is the
+    path of an .npz with one array per feature.
+    """
+    embedding = config.embedding
+    source = embedding.get("id_counts", "")
+    counts = None
+    if source == "dataset":
+        if dataset is None or not hasattr(dataset, "id_counts"):
+            raise ValueError(f"config.embedding.id_counts='dataset', but dataset '{config.data.name}' has no "
+                             "expected id counts; pass an .npz of per-feature counts instead")
+        counts = dataset.id_counts(int(config.train.steps) * int(config.train.batch_size))
+    elif source:
+        counts = load_id_counts(source)
+    return plan_tables([f.name for f in spec.features], [f.vocab_size for f in spec.features], embedding.dim,
+                       embedding, id_counts=counts)
 
 
 def schedule(base_lr: float, config: ml_collections.ConfigDict) -> optax.Schedule:
@@ -93,8 +110,9 @@ def make_dense_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTra
     raise ValueError(f"unknown dense optimizer '{dense.name}'; use 'sgd', 'adam' or 'adagrad'")
 
 
-def build_task(config: ml_collections.ConfigDict, spec: DatasetSpec) -> Task:
-    collection = EmbeddingCollection(spec, table_specs(spec, config.embedding), config.embedding.pooling)
+def build_task(config: ml_collections.ConfigDict, spec: DatasetSpec, dataset=None) -> Task:
+    """`dataset` is only consulted for per-id counts (config.embedding.id_counts = "dataset")."""
+    collection = EmbeddingCollection(spec, table_specs(spec, config, dataset), config.embedding.pooling)
     sparse_config = config.optimizer.sparse
     return Task(
         spec=spec,
@@ -214,7 +232,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
 
     # --- data and task ----------------------------------------------------------------------------
     dataset = make_dataset(config.data, seed=config.seed)
-    task = build_task(config, dataset.spec)
+    task = build_task(config, dataset.spec, dataset)
     validate = lambda b, where: validate_batch(b, task.spec, any_id=task.collection.any_id_features,
                                                where=where)
     with DevicePrefetcher(dataset.train_batches(int(config.train.batch_size)), validate) as batches:

@@ -53,7 +53,9 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     config.embedding = ml_collections.ConfigDict()
     config.embedding.dim = dim  # D, the width every feature embeds to
     config.embedding.method = "full"  # compression method (compression/registry.py)
-    config.embedding.options = ml_collections.ConfigDict()  # method-specific knobs
+    config.embedding.options = ml_collections.ConfigDict()  # the method's knobs, incl. threshold (compression/plan.py)
+    config.embedding.tables = ml_collections.ConfigDict()  # per-feature overrides: {feature: {method, options}}
+    config.embedding.id_counts = ""  # per-id counts for md_blocks: "" (none), "dataset" or an .npz path
     config.embedding.pooling = "sum"  # multi-hot bags: "sum" or "mean"
 
     config.model = ml_collections.ConfigDict()

@@ -140,6 +140,29 @@ class SyntheticDataset:
             yield Batch(dense=self._eval.dense[sl], ids={k: v[sl] for k, v in self._eval.ids.items()},
                         lengths={k: v[sl] for k, v in self._eval.lengths.items()}, labels=self._eval.labels[sl])
 
+    def id_counts(self, examples: int) -> dict[str, np.ndarray]:
+        """Expected lookups of every id in `examples` training examples: {feature: f64[vocab_size]}.
+
+        Exact for the generator: rank r is drawn with P(r) = F(r + 2) - F(r + 1) under the continuous Zipf CDF
+        F(x) = (x^(1-s) - 1) / ((V+1)^(1-s) - 1) on [1, V + 1) (log x / log(V + 1) at s = 1), goes to id
+        perm[r], and a bag holds (L + 1) / 2 ids on average (lengths uniform on 1..L; 1 for one-hot).
+        """
+        out = {}
+        s = self.zipf_exponent
+        for i, feature in enumerate(self.spec.features):
+            v = int(self._vocab[i])
+            edges = np.arange(1, v + 2, dtype=np.float64)  # rank r covers x in [r + 1, r + 2)
+            if abs(s - 1.0) < 1e-9:
+                cdf = np.log(edges) / np.log(v + 1.0)
+            else:
+                cdf = (edges ** (1.0 - s) - 1.0) / ((v + 1.0) ** (1.0 - s) - 1.0)
+            p_rank = np.diff(cdf)
+            mean_bag = (feature.bag_size + 1) / 2 if feature.bag_size > 1 else 1.0
+            counts = np.zeros(v, np.float64)
+            counts[self._perm[self._perm_offset[i]: self._perm_offset[i] + v]] = examples * mean_bag * p_rank
+            out[feature.name] = counts
+        return out
+
     def teacher_logits(self, batch: Batch) -> np.ndarray:
         """The planted model's logits for a batch (f64[B])."""
         ids = np.zeros((batch.size, len(self._vocab), self._max_bag), np.int64)
