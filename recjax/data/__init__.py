@@ -19,7 +19,12 @@ def make_dataset(config: ml_collections.ConfigDict, seed: int):
         from recjax.data.builders import movielens_prepared
 
         return movielens_prepared(config, seed)
-    raise ValueError(f"unknown dataset '{config.name}'; known: ['synthetic', 'movielens']")
+    if config.name in ("criteo_kaggle", "criteo_terabyte"):
+        from recjax.data.builders import criteo_prepared
+
+        return criteo_prepared(config, seed)
+    raise ValueError(
+        f"unknown dataset '{config.name}'; known: ['synthetic', 'movielens', 'criteo_kaggle', 'criteo_terabyte']")
 
 
 __all__ = ["KAGGLE_VOCAB_SIZES", "SyntheticDataset", "make_dataset"]

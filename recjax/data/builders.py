@@ -58,6 +58,81 @@ class MovielensBlocks(OptionsBuilder, skip_registration=True):
         return self._info_extra
 
 
+class CriteoKaggleBlocks(OptionsBuilder, skip_registration=True):
+    """Criteo Kaggle Display Advertising Challenge click logs (train.txt), DLRM preprocessing (data/criteo.py)."""
+
+    CONFIG_PREFIX = "criteo-kaggle"
+    MANUAL_DOWNLOAD_INSTRUCTIONS = """
+    Get `train.txt` (45,840,617 lines, ~11 GB) of the Criteo Kaggle Display Advertising Challenge dataset
+    (e.g. https://ailab.criteo.com/ressources/ -> "Kaggle Display Advertising Challenge dataset", untar dac.tar.gz)
+    and point `--config.data.dir` (the TFDS manual_dir) at the folder that holds it.
+    """
+
+    def _criteo_options(self):
+        from recjax.data.criteo import CriteoOptions
+
+        return CriteoOptions(**{k: v for k, v in self.options.items() if k in CRITEO_OPTION_KEYS})
+
+    def _input_splits(self, manual_dir):
+        from recjax.data.criteo import kaggle_splits
+
+        path = pathlib.Path(manual_dir) / "train.txt"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found.\n{self.MANUAL_DOWNLOAD_INSTRUCTIONS}")
+        return kaggle_splits(path)
+
+    def _split_blocks(self, manual_dir):
+        from recjax.data.criteo import prepare_criteo
+
+        self._prepared = prepare_criteo(self._input_splits(manual_dir), self._criteo_options(),
+                                        block_rows=self.block_rows)
+        return self._prepared.spec, {s: self._prepared.blocks(s) for s in self._prepared.splits}
+
+    def _extra_metadata(self):
+        return {"parse_report": self._prepared.report.to_dict(), "criteo_stats": self._prepared.stats.summary}
+
+    def _finish(self):
+        # Per-id train counts (for frequency-aware compression and the sharding planner) beside the data.
+        self._prepared.stats.save(pathlib.Path(self.data_dir))
+        self._prepared.close()
+
+
+class CriteoTerabyteBlocks(CriteoKaggleBlocks, skip_registration=True):
+    """Criteo 1TB click logs (day_0 ... day_23, plain or .gz), DLRM preprocessing, split by day."""
+
+    CONFIG_PREFIX = "criteo-terabyte"
+    MANUAL_DOWNLOAD_INSTRUCTIONS = """
+    Get the 24 files `day_0` ... `day_23` (plain or `.gz`) of the Criteo 1TB Click Logs dataset
+    (https://ailab.criteo.com/ressources/ -> "Criteo 1TB Click Logs dataset") and point `--config.data.dir`
+    (the TFDS manual_dir) at the folder that holds them.
+    """
+
+    def _input_splits(self, manual_dir):
+        from recjax.data.criteo import terabyte_splits
+
+        return terabyte_splits(manual_dir, train_days=tuple(self.options["train_days"]))
+
+
+CRITEO_OPTION_KEYS = ("vocab", "frequency_threshold", "max_index", "strict")
+
+
+def criteo_prepared(config: ml_collections.ConfigDict, seed: int) -> PreparedDataset:
+    """Criteo Kaggle (`config.name == "criteo_kaggle"`) or Terabyte, prepared once per preprocessing options."""
+    options = {
+        "vocab": config.vocab,
+        "frequency_threshold": int(config.frequency_threshold),
+        "max_index": int(config.max_index) or None,
+        "strict": bool(config.strict),
+    }
+    if config.name == "criteo_terabyte":
+        options["train_days"] = list(config.train_days)
+        cls = CriteoTerabyteBlocks
+    else:
+        cls = CriteoKaggleBlocks
+    builder = cls(options=options, data_dir=prepared_dir(config), file_format="array_record")
+    return open_prepared(builder, config.dir, train_split="train", eval_split=config.eval_split, seed=seed)
+
+
 def prepared_dir(config: ml_collections.ConfigDict) -> str:
     """Where prepared data lives: config.data.prepared_dir, else $TFDS_DATA_DIR, else ~/tensorflow_datasets."""
     return config.get("prepared_dir") or os.environ.get("TFDS_DATA_DIR") or str(

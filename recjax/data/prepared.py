@@ -96,8 +96,11 @@ class BlockBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         """Read the raw files: the dataset's spec, and split name -> stream of Batch blocks (any sizes)."""
 
     def _extra_metadata(self) -> dict:
-        """JSON-able facts recorded with the data (parse reports, statistics); called after all splits ran."""
+        """JSON-able facts recorded with the data (parse reports, statistics); called after each split ran."""
         return {}
+
+    def _finish(self) -> None:
+        """Called once every split has been generated (release temp files, save side outputs)."""
 
     block_rows: int = DEFAULT_BLOCK_ROWS
 
@@ -122,6 +125,7 @@ class BlockBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         spec, splits = self._split_blocks(dl_manager.manual_dir)
         self.info.metadata["spec"] = spec_to_json(spec)
         self.info.metadata["block_rows"] = self.block_rows
+        self._splits_pending = len(splits)
         return {name: self._generate_examples(blocks, spec) for name, blocks in splits.items()}
 
     def _generate_examples(self, blocks: Iterator[Batch], spec: DatasetSpec):
@@ -129,6 +133,9 @@ class BlockBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
             yield i, pack_block(block, spec)
         # Each split's generator finishes before info is written, so the latest metadata is recorded.
         self.info.metadata["extra"] = json.loads(json.dumps(self._extra_metadata()))
+        self._splits_pending -= 1
+        if self._splits_pending == 0:
+            self._finish()
 
 
 class PreparedDataset:

@@ -1,0 +1,54 @@
+"""Criteo through the TFDS block builder and the trainer: the real sample, and the skip report in the summary."""
+
+import json
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+from experiments.configs import dlrm_criteo_kaggle
+from recjax.data import make_dataset
+from recjax.data.arrays import concatenate
+from recjax.train import train_and_evaluate
+
+SHARED = pathlib.Path(os.environ.get("RECJAX_SHARED_DATA", pathlib.Path(__file__).parents[2] / "shared" / "data"))
+SAMPLE = SHARED / "criteo_kaggle_sample"
+pytestmark = pytest.mark.skipif(not (SAMPLE / "train.txt").exists(), reason=f"Criteo sample not found in {SAMPLE}")
+
+
+def sample_config(tmp_path, data_dir=SAMPLE):
+    config = dlrm_criteo_kaggle.get_config()
+    config.data.dir = str(data_dir)
+    config.data.prepared_dir = str(tmp_path / "prepared")
+    config.train.steps = 30
+    config.train.eval_every = 30
+    config.train.log_every = 10
+    config.train.progress_bar = False
+    return config
+
+
+def test_sample_prepares_to_all_rows_and_positives(tmp_path):
+    data = make_dataset(sample_config(tmp_path).data, seed=0)
+    sizes = {s: data.num_rows(s) for s in ("train", "validation", "test")}
+    assert sizes == {"train": 1714, "validation": 142, "test": 143}
+    labels = np.concatenate([concatenate(list(data.eval_batches(512, split=s))).labels for s in sizes])
+    assert labels.size == 1999 and labels.sum() == 418
+    assert data.info()["parse_report"]["skipped"] == 0 and data.info()["parse_report"]["rows_kept"] == 1999
+    counts = np.load(pathlib.Path(data.builder.data_dir) / "index_counts.npz")
+    assert int(counts["C1"].sum()) == 1714  # every train row counted once per feature
+
+
+def test_skipped_lines_reach_the_run_summary(tmp_path):
+    lines = (SAMPLE / "train.txt").read_bytes().split(b"\n")
+    lines[4] = lines[4].replace(b"\t", b"\t\t", 1)  # line 5: one field too many
+    lines[9] = b"2" + lines[9][1:]  # line 10: label 2
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "train.txt").write_bytes(b"\n".join(lines))  # a temporary copy, deleted with tmp_path
+    summary = train_and_evaluate(sample_config(tmp_path, raw), tmp_path / "run")
+    report = summary["parse_report"]
+    assert report["skipped"] == 2
+    assert [entry["line"] for entry in report["first_skipped"]] == [5, 10]
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert saved["parse_report"]["skipped"] == 2 and 0 <= saved["auc"] <= 1
