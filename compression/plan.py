@@ -39,13 +39,36 @@ The knobs alpha, budget and round_pow2 must agree across md tables; a table's ow
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import ml_collections
 import numpy as np
+from ml_collections.config_dict import placeholder
 
 from compression.base import TableSpec
 from compression.mixed_dim import DEFAULT_ALPHA, md_budget_dims, md_dims, projection_params
 from compression.registry import METHODS
 
 MD_GROUP_KNOBS = {"alpha": DEFAULT_ALPHA, "budget": 0, "round_pow2": False}
+
+# Every option any method takes, with its type. Configs declare them as unset ml_collections placeholders
+# (`option_placeholders()`), because config_flags cannot add keys from the command line: this makes
+# `--config.embedding.method=qr --config.embedding.options.collisions=4` work while a misspelt key still fails.
+# Unset (None) options are dropped before they reach a method.
+OPTION_TYPES: dict[str, type] = {
+    "threshold": int, "buckets": int, "collisions": float, "hash": str, "seed": int, "sign": bool, "op": str,
+    "radices": tuple, "partitions": int, "moduli": tuple, "hidden": int, "transform_by": str, "alpha": float,
+    "budget": int, "round_pow2": bool, "dim": int, "blocks": tuple,
+}
+
+
+def option_placeholders() -> ml_collections.ConfigDict:
+    """`config.embedding.options` with every method knob declared and unset."""
+    return ml_collections.ConfigDict({k: placeholder(t) for k, t in OPTION_TYPES.items()})
+
+
+def _set_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Drop unset (None) options; an integral float from the command line (collisions=4.0) becomes an int."""
+    return {k: int(v) if isinstance(v, float) and v.is_integer() else v
+            for k, v in options.items() if v is not None}
 
 
 def _plain(x: Any) -> Any:
@@ -61,7 +84,7 @@ def resolve_methods(names: Sequence[str], embedding: Mapping) -> list[tuple[str,
     """(method, options) per table: the defaults, then `embedding.tables[name]` overrides."""
     embedding = _plain(embedding)
     default_method = embedding.get("method", "full")
-    default_options = embedding.get("options") or {}
+    default_options = _set_options(embedding.get("options") or {})
     overrides = embedding.get("tables") or {}
     unknown = sorted(set(overrides) - set(names))
     if unknown:
@@ -75,7 +98,7 @@ def resolve_methods(names: Sequence[str], embedding: Mapping) -> list[tuple[str,
             raise ValueError(f"config.embedding.tables.{name} has key(s) {bad_keys}; it takes 'method' and 'options'")
         if "method" in override and override["method"] != method:
             method, options = override["method"], {}
-        options.update(override.get("options") or {})
+        options.update(_set_options(override.get("options") or {}))
         if method not in METHODS:
             raise ValueError(f"table '{name}': unknown embedding method '{method}'; known: {sorted(METHODS)}")
         resolved.append((method, options))

@@ -116,3 +116,16 @@ def test_bad_config_is_a_clear_error(tmp_path):
     config.optimizer.sparse.name = "adamax"
     with pytest.raises(ValueError, match="unknown sparse optimizer 'adamax'"):
         train_and_evaluate(config, tmp_path)
+
+
+@pytest.mark.slow
+def test_launcher_sets_method_options_from_the_command_line(tmp_path):
+    cmd = [sys.executable, "-m", "experiments.train", f"--workdir={tmp_path}", "--config.train.steps=5",
+           "--config.train.eval_every=5", "--config.data.eval_examples=1024", "--config.train.progress_bar=False",
+           "--config.embedding.method=qr", "--config.embedding.options.collisions=4",
+           "--config.embedding.options.threshold=2000"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["tables"]["C3"]["method"] == "qr" and summary["tables"]["C1"]["method"] == "full"  # 40000 vs 1460
+    assert 2.0 < summary["compression_ratio"] < 4.0

@@ -10,6 +10,8 @@ experiments/configs/lr_movielens.py (the linear baseline) and fm_movielens.py.
 
 import ml_collections
 
+from compression.plan import option_placeholders
+
 
 def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
@@ -29,7 +31,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.embedding = ml_collections.ConfigDict()
     config.embedding.dim = 16  # D, the width every feature embeds to
     config.embedding.method = "full"  # compression method (compression/registry.py)
-    config.embedding.options = ml_collections.ConfigDict()  # the method's knobs, incl. threshold (compression/plan.py)
+    config.embedding.options = option_placeholders()  # the method's knobs, unset = default (compression/plan.py)
     config.embedding.tables = ml_collections.ConfigDict()  # per-feature overrides: {feature: {method, options}}
     config.embedding.id_counts = ""  # per-id counts for md_blocks: "" (none), "dataset" or an .npz path
     config.embedding.pooling = "sum"  # genres bag: "sum" or "mean"

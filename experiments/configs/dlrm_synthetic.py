@@ -16,6 +16,7 @@ Any field can be overridden, e.g. `--config.train.steps=100 --config.embedding.d
 
 import ml_collections
 
+from compression.plan import option_placeholders
 from recjax.data.synthetic import KAGGLE_VOCAB_SIZES
 
 PRESETS = {
@@ -53,7 +54,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     config.embedding = ml_collections.ConfigDict()
     config.embedding.dim = dim  # D, the width every feature embeds to
     config.embedding.method = "full"  # compression method (compression/registry.py)
-    config.embedding.options = ml_collections.ConfigDict()  # the method's knobs, incl. threshold (compression/plan.py)
+    config.embedding.options = option_placeholders()  # the method's knobs, unset = default (compression/plan.py)
     config.embedding.tables = ml_collections.ConfigDict()  # per-feature overrides: {feature: {method, options}}
     config.embedding.id_counts = ""  # per-id counts for md_blocks: "" (none), "dataset" or an .npz path
     config.embedding.pooling = "sum"  # multi-hot bags: "sum" or "mean"

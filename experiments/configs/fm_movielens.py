@@ -9,6 +9,7 @@ dlrm_movielens.py (labels: rating >= 4, ML-100K's random 90/10 split by default)
 
 import ml_collections
 
+from compression.plan import option_placeholders
 from experiments.configs import dlrm_movielens
 
 
@@ -22,7 +23,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.embedding = ml_collections.ConfigDict()
     config.embedding.dim = 9  # model.factor_dim + 1: the id's linear weight, then its factors
     config.embedding.method = "full"  # compression method (compression/registry.py)
-    config.embedding.options = ml_collections.ConfigDict()  # the method's knobs, incl. threshold (compression/plan.py)
+    config.embedding.options = option_placeholders()  # the method's knobs, unset = default (compression/plan.py)
     config.embedding.tables = ml_collections.ConfigDict()  # per-feature overrides: {feature: {method, options}}
     config.embedding.id_counts = ""  # per-id counts for md_blocks: "" (none), "dataset" or an .npz path
     config.embedding.pooling = "sum"  # genres bag: one field whose vector is the sum of its genres'
