@@ -52,3 +52,17 @@ def test_skipped_lines_reach_the_run_summary(tmp_path):
     assert [entry["line"] for entry in report["first_skipped"]] == [5, 10]
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert saved["parse_report"]["skipped"] == 2 and 0 <= saved["auc"] <= 1
+
+
+def test_missing_train_txt_says_what_to_put_where(tmp_path):
+    config = sample_config(tmp_path, tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="does not exist") as missing:
+        make_dataset(config.data, seed=0)
+    assert "train.txt" in str(missing.value)
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    (wrong / "day_0").write_text("x")
+    config = sample_config(tmp_path, wrong)
+    with pytest.raises(FileNotFoundError, match=r"train\.txt not found") as not_there:
+        make_dataset(config.data, seed=0)
+    assert "Kaggle Display Advertising Challenge" in str(not_there.value)
