@@ -1,5 +1,6 @@
 """Shared fixtures: small specs and deterministic batches."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -25,3 +26,20 @@ def random_batch(spec: DatasetSpec, batch_size: int, seed: int = 0, full_bags: b
 def small_spec() -> DatasetSpec:
     return DatasetSpec(num_dense=3, features=(FeatureSpec("a", 7), FeatureSpec("b", 11, bag_size=4),
                                               FeatureSpec("c", 5, bag_size=2)))
+
+
+def embed(collection, tables, ids, lengths):
+    """Embeddings f32[B, F, D] (numpy) and the glue's initialised variables, through route -> gather -> glue."""
+    from recjax.embedding import EmbeddingGlue
+
+    glue = EmbeddingGlue(collection)
+
+    @jax.jit
+    def run(tables, ids, lengths):
+        routes = collection.route(ids, lengths)
+        rows = collection.gather(tables, routes)
+        variables = glue.init(jax.random.key(1), rows, routes["features"])
+        return glue.apply(variables, rows, routes["features"]), variables
+
+    emb, variables = run(tables, ids, lengths)
+    return np.asarray(emb), variables

@@ -7,9 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import embed
 
 from compression import TableSpec, build_method
-from recjax.embedding import EmbeddingCollection, EmbeddingGlue
+from recjax.embedding import EmbeddingCollection
 from recjax.specs import DatasetSpec, FeatureSpec
 
 
@@ -114,21 +115,6 @@ def test_float32_quotient_of_the_reference_is_wrong_above_2_24_and_ours_is_not()
     np.testing.assert_array_equal(routed(ours, ids)[:, 0], ids // m)
 
 
-def glue_output(collection, tables, ids, lengths):
-    """(f32[B, F, D] embeddings, glue variables) through the engine, in one jit."""
-    glue = EmbeddingGlue(collection)
-
-    @jax.jit
-    def run(tables, ids, lengths):
-        routes = collection.route(ids, lengths)
-        rows = collection.gather(tables, routes)
-        variables = glue.init(jax.random.key(1), rows, routes["features"])
-        return glue.apply(variables, rows, routes["features"]), variables
-
-    emb, variables = run(tables, ids, lengths)
-    return np.asarray(emb), variables
-
-
 def table_block(collection, tables, feature, index):
     p = collection.placements[feature][index]
     return np.asarray(tables[p.group])[p.offset: p.offset + p.table.rows]
@@ -146,7 +132,7 @@ def test_mult_bags_combine_per_id_then_pool(pooling):
     ids = rng.integers(0, n, (32, 6)).astype(np.int32)
     lengths = rng.integers(0, 7, 32).astype(np.int32)
     ids[np.arange(6)[None, :] >= lengths[:, None]] = 0
-    emb, _ = glue_output(collection, tables, {"x": ids}, {"x": lengths})
+    emb, _ = embed(collection, tables, {"x": ids}, {"x": lengths})
     q, r = table_block(collection, tables, "x", 0), table_block(collection, tables, "x", 1)
     expected = np.zeros((32, d), np.float32)
     pooled_first = np.zeros((32, d), np.float32)
@@ -169,7 +155,7 @@ def test_linear_ops_pool_first_and_match_numpy(op):
     tables = collection.init_tables(jax.random.key(0))
     ids = np.random.default_rng(5).integers(0, n, (16, 3)).astype(np.int32)
     lengths = np.full(16, 3, np.int32)
-    emb, _ = glue_output(collection, tables, {"x": ids}, {"x": lengths})
+    emb, _ = embed(collection, tables, {"x": ids}, {"x": lengths})
     t = [table_block(collection, tables, "x", i) for i in range(3)]
     digits = [ids % 4, ids // 4 % 5, ids // 20]
     parts = [t[i][digits[i]].sum(1) for i in range(3)]  # [16, d_i] pooled per table
@@ -188,7 +174,7 @@ def test_path_based_applies_each_remainder_class_transform(hidden):
     tables = collection.init_tables(jax.random.key(0))
     ids = np.random.default_rng(6).integers(0, n, (8, 2)).astype(np.int32)
     lengths = np.array([2, 1, 0, 2, 2, 1, 2, 2], np.int32)
-    emb, variables = glue_output(collection, tables, {"x": ids}, {"x": lengths})
+    emb, variables = embed(collection, tables, {"x": ids}, {"x": lengths})
     assert jax.tree_util.tree_leaves(variables) == [] and collection.methods["x"].glue_params() == 0
     w, path = table_block(collection, tables, "x", 0), table_block(collection, tables, "x", 1)
     expected = np.zeros((8, d), np.float32)

@@ -4,12 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import embed
 
 from compression import TableSpec, build_method
 from compression.mixed_dim import md_budget_dims, md_dims, pow2_round
 from compression.plan import plan_tables
 from recjax.data.synthetic import SyntheticDataset
-from recjax.embedding import EmbeddingCollection, EmbeddingGlue
+from recjax.embedding import EmbeddingCollection
 from recjax.specs import DatasetSpec, FeatureSpec
 
 REFERENCE_ROWS = [100_000, 5_000, 300, 50]
@@ -89,17 +90,8 @@ def test_md_projection_glue_is_counted_exactly():
 
 def run_glue(collection, ids, lengths):
     tables = collection.init_tables(jax.random.key(0))
-    glue = EmbeddingGlue(collection)
-
-    @jax.jit
-    def run(tables, ids, lengths):
-        routes = collection.route(ids, lengths)
-        rows = collection.gather(tables, routes)
-        variables = glue.init(jax.random.key(1), rows, routes["features"])
-        return glue.apply(variables, rows, routes["features"]), variables
-
-    emb, variables = run(tables, ids, lengths)
-    return np.asarray(emb), variables, {g: np.asarray(t) for g, t in tables.items()}
+    emb, variables = embed(collection, tables, ids, lengths)
+    return emb, variables, {g: np.asarray(t) for g, t in tables.items()}
 
 
 def blocks_method(counts, dim=16, **options):

@@ -4,10 +4,11 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
+from conftest import embed
 
 from compression import TableSpec
 from compression.plan import plan_tables
-from recjax.embedding import EmbeddingCollection, EmbeddingGlue
+from recjax.embedding import EmbeddingCollection
 from recjax.sparse_optim import RowwiseAdagrad
 from recjax.specs import DatasetSpec, FeatureSpec
 
@@ -114,16 +115,7 @@ def test_mixed_methods_in_one_collection_count_glue_exactly():
     rng = np.random.default_rng(0)
     ids = {f.name: rng.integers(0, 1000, (4, 2)).astype(np.int32) for f in spec.features}
     lengths = {f.name: np.array([2, 1, 0, 2], np.int32) for f in spec.features}
-    glue = EmbeddingGlue(collection)
-
-    @jax.jit
-    def init(tables, ids, lengths):
-        routes = collection.route(ids, lengths)
-        rows = collection.gather(tables, routes)
-        variables = glue.init(jax.random.key(0), rows, routes["features"])
-        return variables, glue.apply(variables, rows, routes["features"])
-
-    variables, emb = init(collection.init_tables(jax.random.key(1)), ids, lengths)
+    emb, variables = embed(collection, collection.init_tables(jax.random.key(1)), ids, lengths)
     assert emb.shape == (4, len(tables), 8) and np.all(np.isfinite(np.asarray(emb)))
     assert np.all(np.asarray(emb)[2] == 0)  # empty bags embed to zero under every method
     per_feature = {name: sum(x.size for x in jax.tree_util.tree_leaves(p))
