@@ -29,12 +29,17 @@ setup(
         "array_record>=0.7",
         "grain>=0.2.12,<0.3",
         "importlib_resources>=5",  # TFDS (via etils.epath) needs it to locate builder code; not always pulled in
+        "matplotlib>=3.8,<4",  # experiments/sweep_compression.py: the Pareto plot (Agg canvas, no display)
     ],
     extras_require={
         "test": [
             "pytest>=8,<10",
             "scikit-learn>=1.4,<2",
             "ruff>=0.6",
+            # tests/test_sweep_compression.py executes experiments/notebooks/compression_pareto.ipynb
+            "nbformat>=5.9,<6",
+            "nbclient>=0.9,<1",
+            "ipykernel>=6.25,<8",
         ],
     },
 )

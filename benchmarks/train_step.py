@@ -1,7 +1,8 @@
 r"""Train-step benchmark: throughput, compile time and memory of the jitted DLRM train step.
 
-    python benchmarks/train_step.py                                  # everything (~1.5 min on 2 CPU cores)
+    python benchmarks/train_step.py                                  # everything (~3 min on 2 CPU cores)
     python benchmarks/train_step.py --only vocab_scaling --steps 10  # one measurement, 10 timed steps
+    python benchmarks/train_step.py --only compression_step_ratio    # QR and MD vs full (~1.5 min, 7 GB peak RSS)
 
 Prints one JSON line per measurement to stdout (progress goes to stderr). Every line carries the run's
 config, its results and the machine (platform, CPU count, jax version, device kind). Each run executes in a
@@ -24,6 +25,14 @@ Measurements
                     fastest steps, less sensitive to other processes on the machine): a sparse update costs
                     O(ids in the batch), so the goal is ratio <= 1.2 (random access into a bigger table costs
                     some TLB and cache misses, nothing proportional to the row count).
+  compression_step_ratio
+                    The kaggle_onehot shape and optimizers at batch 2048 with three embeddings: full; QR
+                    (collisions 4, op mult, tables of <= 200 ids kept full: the reference's --qr-threshold); and
+                    MD (budget mode, alpha 0.3, budget = full params / 4, threshold 200). One line per method, then
+                    a `compression_step_ratio` line with each method's step time (median, min) and
+                    `ratio_vs_full` = step time(method) / step time(full) (medians; `ratio_min_vs_full` from the
+                    fastest steps). The goal is ratio <= 1.3: QR gathers and updates two rows per id and combines
+                    per id (mult is not linear, so it cannot pool first); MD adds a small projection per table.
 
 Fields of each run's line
   step_time_ms          median over the timed steps (after warmup), each step blocked until ready; also
@@ -87,6 +96,8 @@ class Run:
     sparse_optimizer: dict[str, Any] | None = None  # None: the preset's default
     warmup_steps: int = 3
     timed_steps: int = 50
+    embedding_method: str = "full"  # config.embedding.method
+    embedding_options: dict[str, Any] | None = None  # config.embedding.options (incl. threshold)
     note: str = ""
 
 
@@ -114,10 +125,32 @@ def _runs() -> list[Run]:
             top_mlp=(64, 1), sparse_optimizer={"name": "rowwise_adagrad", "learning_rate": 0.01})
         for label, rows in (("1M", 1_000_000), ("10M", 10_000_000))
     ]
-    return [*kaggle, reference, *vocab]
+    return [*kaggle, reference, *vocab, *_compression_runs()]
 
 
-MEASUREMENTS = ("kaggle_onehot", "reference_random", "vocab_scaling")
+_COMPRESSION_THRESHOLD = 200  # tables with <= 200 ids stay full (the reference's --qr-threshold / --md-threshold)
+
+
+def _compression_runs() -> list[Run]:
+    """full vs QR (4 collisions, mult) vs MD (budget for 4x) on the kaggle_onehot shape at batch 2048."""
+    vocab = _kaggle_vocab_sizes()
+    dim = 16
+    md_budget = sum(vocab) * dim // 4  # params of every table, full ones included (compression/plan.py)
+    methods = (
+        ("full", {}),
+        ("qr", {"collisions": 4, "op": "mult", "threshold": _COMPRESSION_THRESHOLD}),
+        ("md", {"budget": md_budget, "alpha": 0.3, "threshold": _COMPRESSION_THRESHOLD}),
+    )
+    return [
+        Run(key=f"compression_step_ratio_{method}", name=f"compression_step_ratio_{method}",
+            measurement="compression_step_ratio", preset="kaggle", batch_size=2048, vocab_sizes=vocab, bag_size=1,
+            dim=dim, bottom_mlp=(512, 256, 64, 16), top_mlp=(512, 256, 1), warmup_steps=3, timed_steps=30,
+            embedding_method=method, embedding_options=options, note=_KAGGLE_RUNS_NOTE)
+        for method, options in methods
+    ]
+
+
+MEASUREMENTS = ("kaggle_onehot", "reference_random", "vocab_scaling", "compression_step_ratio")
 
 
 # ------------------------------------------------------------------------------------------- machine
@@ -162,6 +195,8 @@ def _config(run: Run):
     config.model.top_mlp = run.top_mlp
     config.model.interaction = "dot"
     config.train.batch_size = run.batch_size
+    config.embedding.method = run.embedding_method
+    config.embedding.options = ml_collections.ConfigDict(run.embedding_options or {})
     if run.dense_optimizer is not None:
         config.optimizer.dense = ml_collections.ConfigDict(run.dense_optimizer)
     if run.sparse_optimizer is not None:
@@ -227,9 +262,11 @@ def run_single(run: Run, timed_steps: int, warmup_steps: int) -> dict[str, Any]:
     dense_param_bytes = _tree_bytes(state.dense_params)
     dense_opt_bytes = _tree_bytes(state.dense_opt_state)
     table_array_bytes = _tree_bytes(state.tables) + _tree_bytes(state.sparse_opt_state)
-    assert table_array_bytes == accounting["bytes"] + accounting["optimizer_bytes"], (
-        table_array_bytes, accounting["bytes"], accounting["optimizer_bytes"])
-    accounted = accounting["bytes"] + accounting["optimizer_bytes"] + dense_param_bytes + dense_opt_bytes
+    # accounting["bytes"] includes the methods' glue params (MD projections), which live in the dense params.
+    glue_bytes = 4 * sum(m.glue_params() for m in task.collection.methods.values())
+    assert table_array_bytes == accounting["bytes"] - glue_bytes + accounting["optimizer_bytes"], (
+        table_array_bytes, accounting["bytes"], glue_bytes, accounting["optimizer_bytes"])
+    accounted = accounting["bytes"] - glue_bytes + accounting["optimizer_bytes"] + dense_param_bytes + dense_opt_bytes
 
     train_step = make_train_step(task)
     t0 = time.perf_counter()
@@ -284,6 +321,9 @@ def run_single(run: Run, timed_steps: int, warmup_steps: int) -> dict[str, Any]:
         "top_mlp": list(run.top_mlp),
         "interaction": config.model.interaction,
         "pooling": config.embedding.pooling,
+        "embedding_method": run.embedding_method,
+        "embedding_options": dict(run.embedding_options or {}),
+        "compression_ratio": accounting["full_bytes"] / accounting["bytes"],
         "sparse_optimizer": sparse_cfg,
         "dense_optimizer": dense_cfg,
         "warmup_steps": warmup_steps,
@@ -337,6 +377,30 @@ def _run_child(run: Run, args: argparse.Namespace) -> dict[str, Any]:
     record = json.loads(lines[-1])
     record["wall_time_s"] = wall
     return record
+
+
+def _compression_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The `compression_step_ratio` line: each method's step time relative to full at the same batch."""
+    by_method = {r["embedding_method"]: r for r in records}
+    full = by_method["full"]
+    return {
+        "name": "compression_step_ratio",
+        "batch_size": full["batch_size"],
+        "dim": full["dim"],
+        "total_rows": full["total_rows"],
+        "sparse_optimizer": full["sparse_optimizer"],
+        "methods": {m: r["embedding_options"] for m, r in by_method.items()},
+        "compression_ratio": {m: r["compression_ratio"] for m, r in by_method.items()},
+        "embedding_bytes": {m: r["embedding_bytes"] for m, r in by_method.items()},
+        "step_time_ms": {m: r["step_time_ms"] for m, r in by_method.items()},
+        "step_time_min_ms": {m: r["step_time_min_ms"] for m, r in by_method.items()},
+        "ratio_vs_full": {m: r["step_time_ms"] / full["step_time_ms"] for m, r in by_method.items()},
+        "ratio_min_vs_full": {m: r["step_time_min_ms"] / full["step_time_min_ms"] for m, r in by_method.items()},
+        "train_flops_per_example": {m: r["train_flops_per_example"] for m, r in by_method.items()},
+        "xla_temp_bytes": {m: r["xla_temp_bytes"] for m, r in by_method.items()},
+        "goal": "ratio_vs_full <= 1.3",
+        "machine": full["machine"],
+    }
 
 
 def _emit(record: dict[str, Any]) -> None:
@@ -399,6 +463,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "memory_ratio": [small["memory_ratio"], large["memory_ratio"]],
                 "machine": small["machine"],
             })
+        if measurement == "compression_step_ratio" and not any("error" in r for r in records):
+            _emit(_compression_summary(records))
     print(f"[train_step] total wall time {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return 1 if failed else 0
 

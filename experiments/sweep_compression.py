@@ -1,0 +1,492 @@
+r"""Sweep embedding compression: methods x target compression ratios x seeds -> results.csv and pareto.png.
+
+    python -m experiments.sweep_compression                       # synthetic, full/hashing/qr/md, 57 runs
+    python -m experiments.sweep_compression --dataset=movielens --data_dir=/path/to/ml-100k \
+        --methods=full,hashing,qr,md --ratios=1,4,16 --seeds=0 --workdir=runs/sweep_ml100k
+    python -m experiments.sweep_compression --dataset=criteo_kaggle --data_dir=/path/to/kaggle \
+        --ratios=4,16 --seeds=0 --steps=20000 --workdir=runs/sweep_kaggle
+
+Datasets: `synthetic` (experiments/configs/dlrm_synthetic.py shrunk by `synthetic_sweep_config` so the default
+sweep takes a few minutes on 2 CPU cores), `movielens` (dlrm_movielens.py) and `criteo_kaggle`
+(dlrm_criteo_kaggle.py); the real ones need --data_dir.
+
+For every (method, target ratio) `compression_plan` derives the method's knobs so that the model's embedding bytes
+come as close as the method allows to (full bytes) / ratio. Tables with vocab_size <= --threshold stay full (as
+the facebookresearch/dlrm reference's --qr-threshold / --md-threshold), and the other tables are compressed a bit
+harder to make up for them:
+  hashing  buckets = round(n / r') per table,
+  qr       the remainder rows m (collisions) per table with ceil(n / m) + m rows ~ n / r' (both tables counted;
+           with op "concat" each table has half the columns),
+where one per-table ratio r' for all compressed tables is found by bisection on the total bytes;
+  md       the plan's budget mode (compression/plan.py) with budget = full params / ratio.
+"full" is the baseline and runs once per seed, at ratio 1. A ratio a method cannot reach (QR needs at least
+2 sqrt(n) rows, MD at least dim 1 per table, tables kept full cost what they cost) is run at the method's
+maximum compression. Every CSV and the plot report the *achieved* ratio: the run summary's
+`compression_ratio` (full bytes / embedding bytes, recjax.train).
+
+Each run calls `recjax.train.train_and_evaluate` in `<workdir>/<method>_x<ratio>_seed<seed>/`. A run whose
+summary.json exists is not trained again (the sweep resumes); if its config.json differs from the config the
+sweep would run, the sweep stops rather than mix results. A run whose config equals an earlier one of the sweep
+(two targets past the method's reach) reuses that run. The script keeps compiled steps in <workdir>/.jax_cache
+(--compilation_cache), so runs that differ only in their seed skip most of the compile. Outputs in --workdir:
+  results.csv          one row per (method, target_ratio, seed): method, target_ratio, ratio, params (dense +
+                       embedding), embedding_params, embedding_bytes, auc, logloss, ne, examples_per_sec, seed,
+                       run (the subdirectory with its summary.json)
+  results_summary.csv  one row per (method, target_ratio): runs, ratio, embedding_bytes, mean and std over
+                       seeds of auc, logloss, ne (std is the sample std; 0 for a single seed)
+  pareto.png           test AUC vs embedding bytes (log x), one line per method, error bars = std over seeds
+"""
+
+import csv
+import json
+import math
+import pathlib
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ml_collections
+from absl import app, flags
+
+from compression.base import TableSpec
+from compression.plan import plan_tables
+from compression.registry import build_method
+from recjax.data import make_dataset
+from recjax.embedding import EmbeddingCollection
+from recjax.specs import DatasetSpec
+from recjax.train import train_and_evaluate
+
+DATASETS = ("synthetic", "movielens", "criteo_kaggle")
+METHODS = ("full", "hashing", "qr", "md")
+RESULT_FIELDS = ("method", "target_ratio", "ratio", "params", "embedding_params", "embedding_bytes", "auc",
+                 "logloss", "ne", "examples_per_sec", "seed", "run")
+SUMMARY_METRICS = ("auc", "logloss", "ne")
+METHOD_COLORS = {"hashing": "tab:blue", "qr": "tab:orange", "md": "tab:green"}  # the same in every plot
+DEFAULT_THRESHOLD = 200  # the facebookresearch/dlrm reference's --qr-threshold / --md-threshold default
+
+
+# -------------------------------------------------------------------------------------------- configs
+def synthetic_sweep_config() -> ml_collections.ConfigDict:
+    """dlrm_synthetic.py's `small` preset shrunk for a sweep: 8 features (19,900 rows), 250 steps of 512.
+
+    Big enough that compression costs AUC (hashing at 64x is ~0.05 AUC below full in the default sweep), small
+    enough that one run (compile, train, evaluate) takes a few seconds on 2 CPU cores.
+    """
+    from experiments.configs import dlrm_synthetic
+
+    config = dlrm_synthetic.get_config("small")
+    config.data.vocab_cap = 0
+    config.data.vocab_sizes = (8_000, 6_000, 3_000, 2_000, 600, 250, 40, 10)
+    config.data.eval_examples = 16_384
+    config.data.teacher.pairs = 8
+    config.model.bottom_mlp = (64, 16)
+    config.model.top_mlp = (64, 1)
+    config.train.steps = 250
+    config.train.eval_every = 250  # one evaluation, at the end
+    config.train.log_every = 50
+    return config
+
+
+def base_config(dataset: str, data_dir: str = "", steps: int | None = None,
+                prepared_dir: str = "") -> ml_collections.ConfigDict:
+    """The dataset's DLRM config with the progress bar off; `steps` overrides train.steps."""
+    if dataset == "synthetic":
+        config = synthetic_sweep_config()
+    elif dataset == "movielens":
+        from experiments.configs import dlrm_movielens
+
+        config = dlrm_movielens.get_config()
+    elif dataset == "criteo_kaggle":
+        from experiments.configs import dlrm_criteo_kaggle
+
+        config = dlrm_criteo_kaggle.get_config()
+    else:
+        raise ValueError(f"unknown dataset '{dataset}'; choose one of {DATASETS}")
+    if dataset != "synthetic":
+        if not data_dir:
+            raise ValueError(f"dataset '{dataset}' needs --data_dir (the folder with the raw files)")
+        config.data.dir = str(pathlib.Path(data_dir).expanduser().resolve())
+        if prepared_dir:
+            config.data.prepared_dir = prepared_dir
+    if steps is not None:
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        config.train.steps = steps
+        config.train.eval_every = min(int(config.train.eval_every), steps)
+        config.train.log_every = min(int(config.train.log_every), steps)
+    config.train.progress_bar = False
+    return config
+
+
+def dataset_spec(config: ml_collections.ConfigDict) -> DatasetSpec:
+    """The feature spec of `config.data` (prepares a real dataset on first use, as training would)."""
+    return make_dataset(config.data, seed=config.seed).spec
+
+
+# --------------------------------------------------------------------------------- knobs for a ratio
+def table_params(name: str, vocab_size: int, dim: int, method: str, options: dict[str, Any]) -> int:
+    """Params of one logical table (physical rows + glue), from the method itself (compression/registry.py)."""
+    m = build_method(TableSpec(name, vocab_size, dim, method, options))
+    return sum(t.params for t in m.physical_tables()) + m.glue_params()
+
+
+def _qr_collisions(name: str, n: int, dim: int, op: str, target_params: float) -> int:
+    """The QR remainder size m whose table params (ceil(n/m) + m rows) come closest to `target_params` (in log).
+
+    Params fall with m up to ~sqrt(n) (the most QR can compress), so the crossing is found by bisection there.
+    """
+    params = lambda m: table_params(name, n, dim, "qr", {"collisions": m, "op": op})
+    m_best = max(1, math.isqrt(n))  # minimises ceil(n/m) + m up to +-1
+    m_best = min((m_best, m_best + 1), key=params)
+    if params(1) <= target_params:
+        return 1
+    if params(m_best) > target_params:
+        return m_best
+    lo, hi = 1, m_best  # params(lo) > target >= params(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if params(mid) > target_params else (lo, mid)
+    return min((lo, hi), key=lambda m: abs(math.log(params(m) / target_params)))
+
+
+def _per_table_knobs(method: str, name: str, n: int, dim: int, table_ratio: float, qr_op: str) -> dict[str, Any]:
+    """The knobs compressing one table by about `table_ratio`."""
+    if method == "hashing":
+        return {"buckets": max(1, min(n, round(n / table_ratio)))}
+    if method == "qr":
+        return {"collisions": _qr_collisions(name, n, dim, qr_op, n * dim / table_ratio)}
+    raise ValueError(f"no per-table knobs for method '{method}'")
+
+
+def embedding_section(method: str, spec: DatasetSpec, dim: int, target_ratio: float,
+                      threshold: int = DEFAULT_THRESHOLD, qr_op: str = "mult", seed: int = 0,
+                      md_alpha: float = 0.3) -> ml_collections.ConfigDict:
+    """`config.embedding`'s method, options and per-table overrides for `method` at `target_ratio`.
+
+    Args:
+      method: "full", "hashing", "qr" or "md".
+      spec: the dataset's features (names and vocab sizes).
+      dim: config.embedding.dim (D).
+      target_ratio: full embedding bytes / wanted embedding bytes (>= 1).
+      threshold: tables with vocab_size <= threshold stay full.
+      qr_op: the QR combine ("mult", "add" or "concat").
+      seed: draws the universal hash (hashing).
+      md_alpha: the mixed-dim temperature.
+    """
+    if target_ratio < 1:
+        raise ValueError(f"target ratio must be >= 1 (full bytes / compressed bytes), got {target_ratio}")
+    names = [f.name for f in spec.features]
+    vocab = [f.vocab_size for f in spec.features]
+    full_params = sum(vocab) * dim
+    section = ml_collections.ConfigDict()
+    section.method = method
+    section.options = ml_collections.ConfigDict()
+    section.tables = ml_collections.ConfigDict()
+    if method == "full":
+        return section
+    section.options.threshold = threshold
+    budget = full_params / target_ratio
+    compressed = [(name, n) for name, n in zip(names, vocab, strict=True) if n > threshold]
+    fixed = sum(n for n in vocab if n <= threshold) * dim  # tables kept full
+
+    if method == "md":
+        # Ginart et al. 2019 per-table dims, solved by compression.plan over all tables for the budget; the least
+        # it can spend is every compressed table at dim 1 (plus its 1 x D projection).
+        section.options.alpha = md_alpha
+        floor = fixed + sum(table_params(name, n, dim, "md", {"dim": 1}) for name, n in compressed)
+        if budget <= floor:
+            section.options.budget = floor
+            return section
+
+        def planned_params(md_budget: int) -> int:
+            section.options.budget = md_budget
+            return sum(table_params(t.name, t.vocab_size, t.dim, t.method, t.options)
+                       for t in plan_tables(names, vocab, dim, section))
+
+        # Rounded dims make the planned params a step function of the budget: take the step just under the
+        # target or the one just above it, whichever is closer.
+        under = int(budget)
+        lo, hi = under, full_params  # planned_params(lo) <= budget < planned_params(hi), unless hi is the top
+        if planned_params(hi) <= budget:
+            section.options.budget = hi
+            return section
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if planned_params(mid) <= budget else (lo, mid)
+        section.options.budget = min((under, hi), key=lambda b: abs(math.log(planned_params(b) / budget)))
+        return section
+    if method not in ("hashing", "qr"):
+        raise ValueError(f"unknown sweep method '{method}'; choose from {METHODS}")
+    if method == "qr":
+        section.options.op = qr_op
+    else:
+        section.options.seed = seed
+    if not compressed:
+        return section
+
+    def knobs_at(table_ratio: float) -> list[dict[str, Any]]:
+        return [_per_table_knobs(method, name, n, dim, table_ratio, qr_op) for name, n in compressed]
+
+    def total_params(knobs: list[dict[str, Any]]) -> int:
+        defaults = _method_options(section)
+        return fixed + sum(table_params(name, n, dim, method, {**defaults, **k})
+                           for (name, n), k in zip(compressed, knobs, strict=True))
+
+    # One per-table ratio r' for every compressed table; total params fall (weakly) as r' grows.
+    lo, hi = 1.0, float(max(n for _, n in compressed))  # hi: every table as small as the method allows
+    if total_params(knobs_at(lo)) <= budget:
+        best = knobs_at(lo)
+    elif total_params(knobs_at(hi)) > budget:
+        best = knobs_at(hi)
+    else:
+        for _ in range(60):  # bisection in log r': total(lo) > budget >= total(hi)
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if total_params(knobs_at(mid)) > budget else (lo, mid)
+        best = min((knobs_at(lo), knobs_at(hi)), key=lambda k: abs(math.log(total_params(k) / budget)))
+    for (name, _), k in zip(compressed, best, strict=True):
+        section.tables[name] = ml_collections.ConfigDict({"options": k})
+    return section
+
+
+def _method_options(section: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The section's default options a method object takes (without the planner's threshold)."""
+    return {k: v for k, v in section.options.to_dict().items() if k != "threshold"}
+
+
+def planned_accounting(spec: DatasetSpec, config: ml_collections.ConfigDict) -> dict:
+    """`EmbeddingCollection.accounting()` of the tables `config.embedding` plans (what the run will report)."""
+    names = [f.name for f in spec.features]
+    tables = plan_tables(names, [f.vocab_size for f in spec.features], config.embedding.dim, config.embedding)
+    return EmbeddingCollection(spec, tables, config.embedding.pooling).accounting()
+
+
+# ---------------------------------------------------------------------------------------------- runs
+def sweep_runs(methods: Sequence[str], ratios: Sequence[float], seeds: Sequence[int]) -> list[tuple[str, float, int]]:
+    """(method, target_ratio, seed) of every run, seed-major; "full" runs once per seed, at ratio 1."""
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise ValueError(f"unknown sweep method(s) {unknown}; choose from {list(METHODS)}")
+    bad = [r for r in ratios if not r >= 1]
+    if bad:
+        raise ValueError(f"target ratios must be >= 1 (full bytes / compressed bytes), got {bad}")
+    runs = []
+    for seed in seeds:
+        for method in methods:
+            for ratio in [1.0] if method == "full" else ratios:
+                runs.append((method, float(ratio), int(seed)))
+    return list(dict.fromkeys(runs))  # drop repeats, keep order
+
+
+def run_name(method: str, target_ratio: float, seed: int) -> str:
+    """The run's subdirectory: e.g. `qr_x4_seed0`."""
+    return f"{method}_x{target_ratio:g}_seed{seed}"
+
+
+def run_config(base: ml_collections.ConfigDict, spec: DatasetSpec, method: str, target_ratio: float, seed: int,
+               threshold: int = DEFAULT_THRESHOLD, qr_op: str = "mult") -> ml_collections.ConfigDict:
+    """`base` with the run's seed and the embedding section of `method` at `target_ratio`."""
+    config = ml_collections.ConfigDict(base.to_dict())
+    config.seed = seed
+    section = embedding_section(method, spec, int(config.embedding.dim), target_ratio, threshold, qr_op, seed)
+    config.embedding.method = section.method
+    config.embedding.options = section.options
+    config.embedding.tables = section.tables
+    return config
+
+
+def result_row(method: str, target_ratio: float, seed: int, summary: dict, run: str) -> dict[str, Any]:
+    """One results.csv row from a run's summary (the ratio is the achieved `compression_ratio`); `run` is the
+    subdirectory holding that summary."""
+    return {"method": method, "target_ratio": target_ratio, "ratio": summary["compression_ratio"],
+            "params": summary["params"], "embedding_params": summary["embedding_params"],
+            "embedding_bytes": summary["embedding_bytes"], "auc": summary["auc"], "logloss": summary["logloss"],
+            "ne": summary["ne"], "examples_per_sec": summary["examples_per_sec"], "seed": seed,
+            "run": run}
+
+
+def run_sweep(base: ml_collections.ConfigDict, workdir: str | pathlib.Path, methods: Sequence[str],
+              ratios: Sequence[float], seeds: Sequence[int], threshold: int = DEFAULT_THRESHOLD,
+              qr_op: str = "mult", title: str = "", log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Train every (method, target ratio, seed) not trained yet; write results.csv, results_summary.csv and
+    pareto.png to `workdir`; return the results rows."""
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec = dataset_spec(base)
+    runs = sweep_runs(methods, ratios, seeds)
+    rows = []
+    done: dict[str, tuple[str, dict]] = {}  # config.json text -> (run name, summary) of runs in this sweep
+    for i, (method, target_ratio, seed) in enumerate(runs, 1):
+        config = run_config(base, spec, method, target_ratio, seed, threshold, qr_op)
+        run_dir = workdir / run_name(method, target_ratio, seed)
+        prefix = f"[{i}/{len(runs)}] {run_dir.name}:"
+        summary_path = run_dir / "summary.json"
+        config_json = config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
+        if config_json in done and not summary_path.exists():
+            # A target beyond the method's reach gives the same config as a smaller one (e.g. md at 16x and 64x
+            # both put every table at dim 1): reuse that run instead of training the same thing again.
+            source, summary = done[config_json]
+            log(f"{prefix} same config as {source}, reused (ratio {summary['compression_ratio']:.2f})")
+            rows.append(result_row(method, target_ratio, seed, summary, source))
+            write_csv(workdir / "results.csv", rows, RESULT_FIELDS)
+            continue
+        if summary_path.exists():
+            _check_same_config(run_dir, config_json)
+            summary = json.loads(summary_path.read_text())
+            log(f"{prefix} done before, skipped (ratio {summary['compression_ratio']:.2f}, auc {summary['auc']:.4f})")
+        else:
+            planned = planned_accounting(spec, config)
+            planned_ratio = planned["full_bytes"] / planned["bytes"]
+            log(f"{prefix} training (target {target_ratio:g}x, planned {planned_ratio:.2f}x, {planned['bytes']:,} "
+                "embedding bytes)")
+            t0 = time.perf_counter()
+            summary = train_and_evaluate(config, run_dir)
+            log(f"{prefix} ratio {summary['compression_ratio']:.2f}, auc {summary['auc']:.4f}, "
+                f"logloss {summary['logloss']:.4f} ({time.perf_counter() - t0:.1f} s)")
+        done[config_json] = run_dir.name, summary
+        rows.append(result_row(method, target_ratio, seed, summary, run_dir.name))
+        write_csv(workdir / "results.csv", rows, RESULT_FIELDS)  # after every run: a long sweep is readable early
+    write_outputs(rows, workdir, title or f"{base.data.name}, {int(base.train.steps)} steps, seeds {list(seeds)}")
+    return rows
+
+
+def _check_same_config(run_dir: pathlib.Path, config_json: str) -> None:
+    saved_path = run_dir / "config.json"
+    if not saved_path.exists() or saved_path.read_text() != config_json:
+        raise ValueError(f"{run_dir} holds a finished run with a different config.json than this sweep would "
+                         "train (other steps, dataset, threshold or code?); use a new --workdir or delete that run")
+
+
+# ------------------------------------------------------------------------------------------ outputs
+def write_csv(path: pathlib.Path, rows: Sequence[dict[str, Any]], fields: Sequence[str]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def read_results(path: str | pathlib.Path) -> list[dict[str, Any]]:
+    """results.csv rows with numbers parsed (target_ratio, ratio, metrics: float; counts and seed: int)."""
+    ints = {"params", "embedding_params", "embedding_bytes", "seed"}
+    with pathlib.Path(path).open(newline="") as f:
+        return [{k: (int(v) if k in ints else v if k in ("method", "run") else float(v)) for k, v in row.items()}
+                for row in csv.DictReader(f)]
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean and std over seeds of auc, logloss and ne per (method, target_ratio), in first-seen order."""
+    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["method"], float(row["target_ratio"])), []).append(row)
+    out = []
+    for (method, target_ratio), members in groups.items():
+        entry = {"method": method, "target_ratio": target_ratio, "runs": len(members),
+                 "ratio": statistics.fmean(float(r["ratio"]) for r in members),
+                 "embedding_bytes": statistics.fmean(float(r["embedding_bytes"]) for r in members)}
+        for metric in SUMMARY_METRICS:
+            values = [float(r[metric]) for r in members]
+            entry[f"{metric}_mean"] = statistics.fmean(values)
+            entry[f"{metric}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
+        entry["examples_per_sec_mean"] = statistics.fmean(float(r["examples_per_sec"]) for r in members)
+        out.append(entry)
+    return out
+
+
+SUMMARY_FIELDS = ("method", "target_ratio", "runs", "ratio", "embedding_bytes",
+                  *(f"{m}_{s}" for m in SUMMARY_METRICS for s in ("mean", "std")), "examples_per_sec_mean")
+
+
+def plot_pareto(summary: Sequence[dict[str, Any]], path: str | pathlib.Path, title: str = "") -> None:
+    """AUC vs embedding bytes (log x), one line per method with std-over-seeds error bars; full is a point and a
+    dashed reference line. Drawn on matplotlib's Agg canvas (no display, no pyplot state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    methods = list(dict.fromkeys(s["method"] for s in summary))
+    for method in methods:
+        points = sorted((s for s in summary if s["method"] == method), key=lambda s: s["embedding_bytes"])
+        x = [s["embedding_bytes"] for s in points]
+        y = [s["auc_mean"] for s in points]
+        yerr = [s["auc_std"] for s in points]
+        if method == "full":  # the baseline: a star on top of the other methods' ~1x points, and a reference line
+            ax.errorbar(x, y, yerr=yerr, marker="*", markersize=12, color="black", linestyle="none", capsize=3,
+                        label=method, zorder=5)
+            ax.axhline(y[-1], color="black", linestyle="--", linewidth=0.8)
+            continue
+        ax.errorbar(x, y, yerr=yerr, marker="o", capsize=3, label=method, color=METHOD_COLORS.get(method),
+                    linestyle="-" if len(points) > 1 else "none")
+        for s in points:
+            if s["ratio"] >= 1.05:  # the ~1x points sit on top of each other next to full's star
+                ax.annotate(f"{s['ratio']:.1f}x", (s["embedding_bytes"], s["auc_mean"]), textcoords="offset points",
+                            xytext=(4, 4), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("embedding bytes (log scale)")
+    ax.set_ylabel("test AUC (mean over seeds, +- std)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=120)
+
+
+def write_outputs(rows: Sequence[dict[str, Any]], workdir: str | pathlib.Path, title: str = "") -> None:
+    """results.csv, results_summary.csv and pareto.png in `workdir`."""
+    workdir = pathlib.Path(workdir)
+    write_csv(workdir / "results.csv", rows, RESULT_FIELDS)
+    summary = summarize(rows)
+    write_csv(workdir / "results_summary.csv", summary, SUMMARY_FIELDS)
+    plot_pareto(summary, workdir / "pareto.png", title)
+
+
+# ------------------------------------------------------------------------------------------------ main
+def define_flags() -> None:
+    """The command-line flags; defined only when run as a script, so importing this module (tests, notebooks,
+    next to experiments/train.py's --workdir) never clashes with other absl flags."""
+    flags.DEFINE_enum("dataset", "synthetic", list(DATASETS), "Dataset config to sweep on.")
+    flags.DEFINE_string("data_dir", "", "Raw data folder (config.data.dir) for movielens / criteo_kaggle.")
+    flags.DEFINE_string("prepared_dir", "", "config.data.prepared_dir; '' = the config's default.")
+    flags.DEFINE_string("workdir", None, "Sweep output directory; a fresh temp directory if unset.")
+    flags.DEFINE_list("methods", list(METHODS), f"Methods, from {list(METHODS)}.")
+    flags.DEFINE_list("ratios", ["1", "2", "4", "8", "16", "64"], "Target compression ratios (>= 1).")
+    flags.DEFINE_list("seeds", ["0", "1", "2"], "Run seeds (config.seed).")
+    flags.DEFINE_integer("steps", None, "Override train.steps of every run.")
+    flags.DEFINE_integer("threshold", DEFAULT_THRESHOLD, "Tables with vocab_size <= this stay full.")
+    flags.DEFINE_enum("qr_op", "mult", ["mult", "add", "concat"], "QR combine op.")
+    flags.DEFINE_bool("compilation_cache", True, "Keep XLA executables in <workdir>/.jax_cache: runs that differ "
+                      "only in their seed (and resumed sweeps) skip most of the compile time.")
+
+
+def main(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    args = flags.FLAGS
+    try:  # flag mistakes are usage errors, not tracebacks
+        methods = [m.strip() for m in args.methods]
+        ratios = [float(r) for r in args.ratios]
+        seeds = [int(s) for s in args.seeds]
+        sweep_runs(methods, ratios, seeds)
+        base = base_config(args.dataset, args.data_dir, args.steps, args.prepared_dir)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from e
+    workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="recjax_sweep_"))
+    print(f"sweep workdir: {workdir}", flush=True)
+    if args.compilation_cache:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", str(workdir / ".jax_cache"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    t0 = time.perf_counter()
+    rows = run_sweep(base, workdir, methods, ratios, seeds, args.threshold, args.qr_op,
+                     log=lambda line: print(line, flush=True))
+    print(f"{len(rows)} runs in {time.perf_counter() - t0:.0f} s")
+    with (workdir / "results_summary.csv").open() as f:
+        print(f.read(), end="")
+    print(f"results: {workdir / 'results.csv'}\nplot: {workdir / 'pareto.png'}")
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main)

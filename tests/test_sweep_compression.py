@@ -1,0 +1,216 @@
+"""The compression sweep: knobs that hit a target ratio, a tiny sweep's outputs, resuming, and the notebook."""
+
+import csv
+import json
+import math
+import pathlib
+import struct
+
+import pytest
+
+from experiments import sweep_compression as sc
+from recjax.specs import DatasetSpec, FeatureSpec
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+NOTEBOOK = REPO / "experiments" / "notebooks" / "compression_pareto.ipynb"
+VOCAB = (2000, 1000, 300, 20)  # C4 is under the default threshold (200) and stays full
+DIM = 16
+
+
+def tiny_base(steps: int = 30):
+    config = sc.base_config("synthetic", steps=steps)
+    config.data.vocab_sizes = VOCAB
+    config.data.teacher.pairs = 4
+    config.data.eval_examples = 2048
+    config.train.batch_size = 256
+    return config
+
+
+def spec_of(vocab) -> DatasetSpec:
+    return DatasetSpec(num_dense=13, features=tuple(FeatureSpec(f"C{i + 1}", n) for i, n in enumerate(vocab)))
+
+
+def planned_ratio(spec: DatasetSpec, method: str, ratio: float, **kwargs) -> float:
+    config = tiny_base()
+    config.embedding.dim = DIM
+    section = sc.embedding_section(method, spec, DIM, ratio, **kwargs)
+    config.embedding.method, config.embedding.options, config.embedding.tables = (
+        section.method, section.options, section.tables)
+    accounting = sc.planned_accounting(spec, config)
+    assert accounting["full_bytes"] == 4 * DIM * sum(f.vocab_size for f in spec.features)  # by hand
+    return accounting["full_bytes"] / accounting["bytes"]
+
+
+# ------------------------------------------------------------------------------------ knobs for a ratio
+@pytest.mark.parametrize("method", ["hashing", "qr", "md"])
+@pytest.mark.parametrize("ratio", [1, 2, 4, 8])
+def test_knobs_hit_the_target_ratio(method, ratio):
+    """The compressed tables make up for the one kept full, so the whole collection lands on the target."""
+    spec = spec_of((50_000, 20_000, 3_000, 150, 40))
+    tolerance = {"hashing": 0.001, "qr": 0.02, "md": 0.1}[method]  # md dims are small integers
+    assert planned_ratio(spec, method, ratio) == pytest.approx(ratio, rel=tolerance)
+
+
+def test_hashing_buckets_and_threshold():
+    spec = spec_of((10_000, 4_000, 100))
+    section = sc.embedding_section("hashing", spec, DIM, 4.0, threshold=200, seed=3)
+    assert section.method == "hashing" and section.options.threshold == 200 and section.options.seed == 3
+    assert sorted(section.tables) == ["C1", "C2"]  # C3 (100 ids) stays full
+    b1, b2 = section.tables.C1.options.buckets, section.tables.C2.options.buckets
+    # Bytes by hand: (b1 + b2 + 100) rows x D = (14_100 x D) / 4, so b1 + b2 = 3425, shared as 10_000 : 4_000.
+    assert abs(b1 + b2 - 3425) <= 1
+    assert b1 / b2 == pytest.approx(10_000 / 4_000, rel=0.01)
+
+
+def qr_rows_brute_force(n: int) -> int:
+    """The fewest rows QR can store n ids in: min over every m of ceil(n / m) + m."""
+    return min(-(-n // m) + m for m in range(1, n + 1))
+
+
+def test_qr_beyond_its_reach_runs_at_maximum_compression():
+    spec = spec_of((5_000, 900))
+    section = sc.embedding_section("qr", spec, DIM, 1000.0, threshold=0)
+    for name, n in (("C1", 5_000), ("C2", 900)):
+        m = section.tables[name].options.collisions
+        assert -(-n // m) + m == qr_rows_brute_force(n), (name, m)
+    assert planned_ratio(spec, "qr", 1000.0, threshold=0) == pytest.approx(
+        5_900 / (qr_rows_brute_force(5_000) + qr_rows_brute_force(900)))
+
+
+@pytest.mark.parametrize("n, target", [(10_000, 4), (10_000, 33.3), (777, 3), (50_000, 1.5)])
+def test_qr_collisions_closest_to_target(n, target):
+    """Against a brute-force search over every m up to sqrt(n) (beyond it QR only grows again)."""
+    goal = n * DIM / target
+    m = sc._qr_collisions("C1", n, DIM, "mult", goal)
+    rows = lambda m: -(-n // m) + m
+    best = min(range(1, math.isqrt(n) + 2), key=lambda k: abs(math.log(rows(k) * DIM / goal)))
+    assert abs(math.log(rows(m) * DIM / goal)) == pytest.approx(abs(math.log(rows(best) * DIM / goal)))
+
+
+def test_qr_concat_counts_half_width_tables():
+    spec = spec_of((40_000,))
+    section = sc.embedding_section("qr", spec, DIM, 8.0, threshold=0, qr_op="concat")
+    m = section.tables.C1.options.collisions
+    assert section.options.op == "concat"
+    assert (-(-40_000 // m) + m) * DIM // 2 == pytest.approx(40_000 * DIM / 8, rel=0.01)  # each table D/2 wide
+
+
+def test_md_uses_the_plan_budget_and_never_goes_below_dim_one():
+    spec = spec_of((50_000, 20_000, 150))
+    section = sc.embedding_section("md", spec, DIM, 1000.0)
+    # Floor by hand: both big tables at dim 1 with a 1 x 16 projection each, C3 full.
+    assert section.options.budget == 50_000 + 16 + 20_000 + 16 + 150 * DIM
+    assert section.tables.to_dict() == {}
+
+
+def test_sweep_runs_full_once_per_seed_and_validates():
+    runs = sc.sweep_runs(["full", "hashing"], [1, 4], [0, 1])
+    assert runs == [("full", 1.0, 0), ("hashing", 1.0, 0), ("hashing", 4.0, 0),
+                    ("full", 1.0, 1), ("hashing", 1.0, 1), ("hashing", 4.0, 1)]
+    with pytest.raises(ValueError, match="unknown sweep method"):
+        sc.sweep_runs(["tt"], [4], [0])
+    with pytest.raises(ValueError, match=">= 1"):
+        sc.sweep_runs(["qr"], [0.5], [0])
+    with pytest.raises(ValueError, match="needs --data_dir"):
+        sc.base_config("movielens")
+
+
+# ---------------------------------------------------------------------------------------- a tiny sweep
+def png_size(path: pathlib.Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", data[:16]
+    return struct.unpack(">II", data[16:24])
+
+
+def test_tiny_sweep_writes_results_plot_and_resumes(tmp_path, monkeypatch):
+    base = tiny_base()
+    rows = sc.run_sweep(base, tmp_path, ["hashing", "qr"], [2, 8], [0], log=lambda _: None)
+
+    with (tmp_path / "results.csv").open(newline="") as f:
+        reader = csv.DictReader(f)
+        results = list(reader)
+    required = ["method", "target_ratio", "ratio", "params", "embedding_bytes", "auc", "logloss", "ne",
+                "examples_per_sec", "seed"]
+    assert set(required) <= set(reader.fieldnames)
+    assert [(r["method"], float(r["target_ratio"]), int(r["seed"])) for r in results] == [
+        ("hashing", 2.0, 0), ("hashing", 8.0, 0), ("qr", 2.0, 0), ("qr", 8.0, 0)]
+    full_bytes = 4 * DIM * sum(VOCAB)
+    for r, row in zip(results, rows, strict=True):
+        summary = json.loads((tmp_path / r["run"] / "summary.json").read_text())
+        ratio = float(r["ratio"])
+        assert ratio == pytest.approx(full_bytes / int(r["embedding_bytes"]))  # achieved, not target
+        assert ratio == pytest.approx(summary["compression_ratio"]) and float(r["auc"]) == summary["auc"]
+        assert abs(ratio / float(r["target_ratio"]) - 1) < 0.05, r
+        assert 0.5 < float(r["auc"]) <= 1 and float(r["logloss"]) > 0 and float(r["examples_per_sec"]) > 0
+        assert int(r["params"]) > int(r["embedding_bytes"]) // 4  # dense params on top of the tables
+        assert row["run"] == r["run"]
+
+    with (tmp_path / "results_summary.csv").open(newline="") as f:
+        summary_rows = list(csv.DictReader(f))
+    assert len(summary_rows) == 4
+    for s, r in zip(summary_rows, results, strict=True):
+        assert (s["method"], s["target_ratio"], s["runs"]) == (r["method"], r["target_ratio"], "1")
+        assert float(s["auc_mean"]) == float(r["auc"]) and float(s["auc_std"]) == 0.0
+    assert png_size(tmp_path / "pareto.png") == (840, 540)
+
+    # Resume: nothing retrains, summaries stay untouched, results are the same.
+    mtimes = {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/summary.json")}
+    trained = []
+    monkeypatch.setattr(sc, "train_and_evaluate", lambda config, workdir: trained.append(workdir))
+    again = sc.run_sweep(base, tmp_path, ["hashing", "qr"], [2, 8], [0], log=lambda _: None)
+    assert trained == [] and again == rows
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/summary.json")} == mtimes
+
+    # A sweep with other settings refuses to reuse finished runs.
+    with pytest.raises(ValueError, match="different config.json"):
+        sc.run_sweep(tiny_base(steps=31), tmp_path, ["hashing"], [2], [0], log=lambda _: None)
+
+
+def test_summary_aggregates_over_seeds():
+    rows = [{"method": "qr", "target_ratio": 4.0, "ratio": 3.9, "embedding_bytes": 100, "auc": auc, "logloss": logloss,
+             "ne": 0.9, "examples_per_sec": 10.0} for auc, logloss in ((0.70, 0.5), (0.72, 0.4), (0.74, 0.6))]
+    (entry,) = sc.summarize(rows)
+    assert entry["runs"] == 3 and entry["auc_mean"] == pytest.approx(0.72)
+    assert entry["auc_std"] == pytest.approx(0.02)  # sample std of 0.70, 0.72, 0.74
+    assert entry["logloss_std"] == pytest.approx(0.1)
+
+
+# ------------------------------------------------------------------------------------------- notebook
+@pytest.mark.slow
+def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    monkeypatch.setenv("RECJAX_NOTEBOOK_TINY", "1")
+    monkeypatch.setenv("RECJAX_NOTEBOOK_WORKDIR", str(tmp_path))
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    results = sc.read_results(tmp_path / "results.csv")
+    assert sorted((r["method"], r["target_ratio"]) for r in results) == [
+        ("hashing", 4.0), ("hashing", 16.0), ("md", 4.0), ("md", 16.0)]
+    assert png_size(tmp_path / "pareto.png")[0] > 0
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    assert any("image/png" in o.get("data", {}) for o in outputs), "the notebook shows no plot"
+    assert not any(o.get("output_type") == "error" for o in outputs)
+
+
+def test_identical_configs_train_once(tmp_path, monkeypatch):
+    """md at 100x and 1000x both saturate (every big table at dim 1): one training run serves both rows."""
+    trained = []
+
+    def fake_train(config, workdir):
+        trained.append(pathlib.Path(workdir).name)
+        workdir.mkdir(parents=True)
+        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
+        summary = {"compression_ratio": 12.5, "params": 9000, "embedding_params": 5000, "embedding_bytes": 20000,
+                   "auc": 0.7, "logloss": 0.5, "ne": 0.9, "examples_per_sec": 1e4}
+        (workdir / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+    monkeypatch.setattr(sc, "train_and_evaluate", fake_train)
+    rows = sc.run_sweep(tiny_base(), tmp_path, ["md"], [100, 1000], [0], log=lambda _: None)
+    assert trained == ["md_x100_seed0"]
+    assert [(r["target_ratio"], r["run"]) for r in rows] == [(100.0, "md_x100_seed0"), (1000.0, "md_x100_seed0")]
+    assert not (tmp_path / "md_x1000_seed0").exists()
+    sc.run_sweep(tiny_base(), tmp_path, ["md"], [100, 1000], [0], log=lambda _: None)  # resumes: nothing new
+    assert trained == ["md_x100_seed0"]
