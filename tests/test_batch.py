@@ -7,8 +7,12 @@ from conftest import random_batch
 from recjax.batch import pad_batch, validate_batch
 
 
-def test_valid_batch_passes(small_spec):
-    validate_batch(random_batch(small_spec, 8), small_spec)
+def test_valid_batch_passes_and_one_bad_id_fails_it(small_spec):
+    batch = random_batch(small_spec, 8, full_bags=True)
+    assert validate_batch(batch, small_spec) is None
+    batch.ids["c"][7, 1] = 5  # vocab_size of c is 5
+    with pytest.raises(ValueError, match="feature 'c': id 5"):
+        validate_batch(batch, small_spec)
 
 
 @pytest.mark.parametrize("bad_id", [11, 10**9, -1])
@@ -23,13 +27,18 @@ def test_ids_in_padded_slots_are_ignored(small_spec):
     batch = random_batch(small_spec, 8)
     batch.lengths["b"][:] = 1
     batch.ids["b"][:, 1:] = -5
-    validate_batch(batch, small_spec)
+    assert validate_batch(batch, small_spec) is None
+    batch.lengths["b"][3] = 2  # slot 1 of example 3 is now a real id
+    with pytest.raises(ValueError, match=r"feature 'b': id -5 \(example 3, slot 1\)"):
+        validate_batch(batch, small_spec)
 
 
 def test_any_id_features_skip_the_range_check(small_spec):
     batch = random_batch(small_spec, 8)
     batch.ids["a"][0, 0] = 10**6
-    validate_batch(batch, small_spec, any_id=frozenset({"a"}))
+    assert validate_batch(batch, small_spec, any_id=frozenset({"a"})) is None
+    with pytest.raises(ValueError, match="feature 'a': id 1000000"):
+        validate_batch(batch, small_spec)
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
