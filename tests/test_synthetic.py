@@ -84,3 +84,67 @@ def test_bad_arguments():
         small(bag_sizes=(1, 2))
     with pytest.raises(ValueError, match="ctr must be in"):
         small(ctr=1.5)
+
+
+# ----------------------------------------------------------------------------- the high-order teacher
+def hard(**kw):
+    args = dict(vocab_sizes=(50, 1000, 3, 20, 7), teacher_tuples=7, teacher_order=5, teacher_decay=0.5,
+                weights=(0.3, 0.3, 0.2, 1.0))
+    args.update(kw)
+    return small(**args)
+
+
+def test_high_order_tuples_cycle_orders_over_distinct_fields_with_power_law_weights():
+    ds = hard()
+    assert [len(t) for t in ds._tuples] == [3, 4, 5, 3, 4, 5, 3]
+    for t in ds._tuples:
+        assert len(set(t.tolist())) == len(t) and t.min() >= 0 and t.max() <= 5  # 5 features + the dense vector
+    np.testing.assert_allclose(ds._tuple_weights, np.arange(1, 8) ** -0.5)
+
+
+def test_high_order_logit_is_the_weighted_staircase_product_of_the_tuple_vectors():
+    """The teacher logit rebuilt with explicit loops over tuples, members and k."""
+    ds = hard()
+    batch = next(ds.train_batches(16))
+    ids = np.zeros((16, 5, 1), np.int64)
+    for i, f in enumerate(ds.spec.features):
+        ids[:, i, :] = batch.ids[f.name]
+    lengths = np.ones((16, 5), np.int64)
+    biases, vectors = ds._teacher_vectors(batch.dense, ids, lengths)
+    d = (batch.dense - ds._dense_mean) / ds._dense_std
+    for n in range(16):
+        pair = sum(vectors[n, i] @ vectors[n, j] for i, j in ds._pairs)
+        high = 0.0
+        for m, t in enumerate(ds._tuples):
+            product = sum(np.prod([1.0 + vectors[n, f, k] for f in t]) for k in range(ds.teacher_dim))
+            high += (m + 1) ** -0.5 * product / ds._tuple_std[m]
+        terms = (biases[n].sum(), pair, d[n] @ ds._dense_w, high)
+        mix = sum(w * t / s for w, t, s in zip(ds.weights, terms, ds._term_std, strict=True))
+        expected = ds._offset + ds.logit_scale * mix / np.linalg.norm(ds.weights)
+        assert ds.teacher_logits(batch)[n] == pytest.approx(expected, rel=1e-9, abs=1e-9)
+
+
+def test_high_order_term_changes_labels_but_not_the_features_and_keeps_the_ctr():
+    plain, high = small(vocab_sizes=(50, 1000, 3, 20, 7)), hard(ctr=0.25)
+    a, b = next(plain.train_batches(4096)), next(high.train_batches(4096))
+    for k in a.ids:
+        np.testing.assert_array_equal(a.ids[k], b.ids[k])  # the same ids and dense features ...
+    assert not np.array_equal(a.labels, b.labels)  # ... labelled by another teacher
+    assert b.labels.mean() == pytest.approx(0.25, abs=0.02)
+    # Three weights and four with a zero high-order weight are the same teacher.
+    three, four = small(weights=(1.0, 0.7, 0.5)), small(weights=(1.0, 0.7, 0.5, 0.0))
+    np.testing.assert_array_equal(next(three.train_batches(256)).labels, next(four.train_batches(256)).labels)
+    assert three.bayes_auc == four.bayes_auc
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(teacher_tuples=4, weights=(1.0, 0.7, 0.5)), "needs a 4th weight"),
+    (dict(teacher_tuples=0, weights=(1.0, 0.7, 0.5, 1.0)), "teacher_tuples is 0"),
+    (dict(teacher_tuples=4, teacher_order=2, weights=(1, 1, 1, 1)), "teacher_order must be in"),
+    (dict(teacher_tuples=4, teacher_order=5, weights=(1, 1, 1, 1)), r"in \[3, 4\]"),  # 3 features + dense
+    (dict(teacher_tuples=-1), "teacher_tuples must be >= 0"),
+    (dict(weights=(1.0, 0.5)), "weights must be"),
+])
+def test_bad_teacher_settings_are_rejected(kw, match):
+    with pytest.raises(ValueError, match=match):
+        small(**kw)

@@ -47,9 +47,12 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     config.data.teacher = ml_collections.ConfigDict()
     config.data.teacher.dim = 4  # k of the planted factorisation machine
     config.data.teacher.pairs = 16  # interacting field pairs in the teacher (0 = all pairs)
+    config.data.teacher.tuples = 0  # high-order field tuples (orders 3..order, weights m^-decay); 0 = none
+    config.data.teacher.order = 3  # largest interaction order among the tuples
+    config.data.teacher.decay = 1.0  # tuple m of the spectrum has weight (m + 1)^-decay
     config.data.teacher.logit_scale = 1.6  # std of the teacher logit: larger = easier task, higher bayes_auc
     config.data.teacher.ctr = 0.25  # mean click probability
-    config.data.teacher.weights = (1.0, 0.7, 0.5)  # relative std of the per-id bias, pairwise and dense terms
+    config.data.teacher.weights = (1.0, 0.7, 0.5)  # relative std of the bias, pairwise, dense (, high-order) terms
 
     config.embedding = ml_collections.ConfigDict()
     config.embedding.dim = dim  # D, the width every feature embeds to

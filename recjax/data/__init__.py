@@ -12,7 +12,8 @@ def make_dataset(config: ml_collections.ConfigDict, seed: int):
         return SyntheticDataset(
             vocab_sizes=config.vocab_sizes, num_dense=config.num_dense, bag_sizes=config.bag_sizes,
             zipf_exponent=config.zipf_exponent, eval_examples=config.eval_examples,
-            teacher_dim=config.teacher.dim, teacher_pairs=config.teacher.pairs,
+            teacher_dim=config.teacher.dim, teacher_pairs=config.teacher.pairs, teacher_tuples=config.teacher.tuples,
+            teacher_order=config.teacher.order, teacher_decay=config.teacher.decay,
             logit_scale=config.teacher.logit_scale, ctr=config.teacher.ctr,
             weights=config.teacher.weights, seed=seed)
     if config.name == "movielens":

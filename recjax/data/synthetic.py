@@ -12,19 +12,31 @@ Features
     (a frequency-sorted layout would flatter modulo hashing). Multi-hot features draw a bag length uniformly
     from 1..L and L ids per example.
 
-Teacher (the planted model, a field-aware factorisation machine plus a dense part)
+Teacher (the planted model, a field-aware factorisation machine plus a dense part and optional high-order terms)
   Every (feature, id) has a bias a_f(id) and a vector u_f(id) in R^k, derived by hashing (seed, f, id) with
   splitmix64, so no table of V entries is stored. With bags mean-pooled and the standardised dense features d:
       logit = c + scale * ( w_bias  * (sum_f a_f)                        / s_bias
                           + w_pair  * (sum_{(i,j) in S} <v_i, v_j>)      / s_pair     v = u_1..u_F, P d
-                          + w_dense * (w . d)                            / s_dense )
+                          + w_dense * (w . d)                            / s_dense
+                          + w_high  * (sum_m (m+1)^-decay h_m / s_m)     / s_high )  / ||w||
   S is a seeded random set of `teacher_pairs` field pairs (all pairs if 0): with all 351 pairs of Criteo's
   27 vectors, each pair's effect is too small to learn from a few million examples. Each term is divided by
   its standard deviation on a calibration sample, `scale` sets the logit's spread
   (the task's difficulty) and c is solved so the mean click probability equals `ctr`. Labels are
   Bernoulli(sigmoid(logit)); `bayes_auc` is the teacher logit's AUC on the eval split, the ceiling a model
-  can approach. DLRM's dot interaction can represent this teacher exactly; ids seen rarely cannot be
-  learned, so the achievable AUC sits below `bayes_auc` by an amount set by the vocabulary and exponent.
+  can approach. Without high-order terms DLRM's dot interaction can represent this teacher exactly; ids seen
+  rarely cannot be learned, so the achievable AUC sits below `bayes_auc` by an amount set by the vocabulary and
+  exponent.
+
+High-order terms (`teacher_tuples` > 0, the scaling-law sweep's "hard teacher")
+  Tuple m = 0, 1, ... is a seeded random set of 3 + m mod (order - 2) distinct vectors among v_1..v_F, P d (the
+  orders cycle through 3..`teacher_order`), and contributes the staircase product
+      h_m = sum_k prod_{f in tuple m} (1 + v_f[k])
+  weighted (m + 1)^-decay: a power-law spectrum of interaction strengths, so a bigger model can capture more of
+  it. Expanded, h_m holds every sub-product of its tuple (orders 1..|tuple|), the "staircase" under which
+  gradient descent reaches the top order through the lower ones (Abbe et al. 2022). A plain product of zero-mean
+  factors is uncorrelated with every lower-order function; in a trial no model learnt any of it from 1M examples.
+  No pairwise model (DLRM's dot interaction) can represent the order >= 3 parts; Wukong and DCNv2 can.
 """
 
 from collections.abc import Iterator, Sequence
@@ -65,7 +77,8 @@ class SyntheticDataset:
 
     def __init__(self, *, vocab_sizes: Sequence[int], num_dense: int = 13, bag_sizes: Sequence[int] = (),
                  zipf_exponent: float = 1.1, eval_examples: int = 32768, teacher_dim: int = 8,
-                 teacher_pairs: int = 24, logit_scale: float = 2.0, ctr: float = 0.25,
+                 teacher_pairs: int = 24, teacher_tuples: int = 0, teacher_order: int = 3,
+                 teacher_decay: float = 1.0, logit_scale: float = 2.0, ctr: float = 0.25,
                  weights: Sequence[float] = (0.5, 1.0, 0.5), seed: int = 0):
         vocab_sizes = tuple(int(v) for v in vocab_sizes)
         bag_sizes = tuple(int(b) for b in bag_sizes) or (1,) * len(vocab_sizes)
@@ -75,6 +88,18 @@ class SyntheticDataset:
             raise ValueError(f"zipf_exponent must be >= 0, got {zipf_exponent}")
         if not 0 < ctr < 1:
             raise ValueError(f"ctr must be in (0, 1), got {ctr}")
+        if len(weights) not in (3, 4):
+            raise ValueError(f"weights must be (bias, pair, dense) or (bias, pair, dense, high_order), got {weights}")
+        if teacher_tuples < 0:
+            raise ValueError(f"teacher_tuples must be >= 0, got {teacher_tuples}")
+        if teacher_tuples and not 3 <= teacher_order <= len(vocab_sizes) + 1:
+            raise ValueError(f"teacher_order must be in [3, {len(vocab_sizes) + 1}] (3 up to the number of sparse "
+                             f"features + 1 for the dense vector), got {teacher_order}")
+        if not teacher_tuples and len(weights) == 4 and weights[3] != 0:
+            raise ValueError(f"weights {tuple(weights)} give the high-order term weight {weights[3]} but "
+                             "teacher_tuples is 0; set teacher_tuples > 0 or the 4th weight to 0")
+        if teacher_tuples and len(weights) == 3:
+            raise ValueError("teacher_tuples > 0 needs a 4th weight (the high-order term's), e.g. (1.0, 0.7, 0.5, 1.0)")
         self.spec = DatasetSpec(
             num_dense=num_dense,
             features=tuple(FeatureSpec(f"C{i + 1}", v, b)
@@ -86,7 +111,7 @@ class SyntheticDataset:
         self.teacher_dim = teacher_dim
         self.logit_scale = logit_scale
         self.ctr = ctr
-        self.weights = tuple(weights)
+        self.weights = tuple(weights) if len(weights) == 4 else (*weights, 0.0)
         self._vocab = np.asarray(vocab_sizes, np.int64)
         self._max_bag = max(bag_sizes)
         self._bag = np.asarray(bag_sizes, np.int64)
@@ -104,10 +129,18 @@ class SyntheticDataset:
             all_pairs = all_pairs[np.sort(rng.choice(len(all_pairs), min(teacher_pairs, len(all_pairs)),
                                                      replace=False))]
         self._pairs = all_pairs
+        # High-order tuples: tuple m (m = 0, 1, ...) joins 3 + m mod (order - 2) distinct vectors (the orders cycle
+        # through 3..order) and is weighted (m + 1)^-decay, a power-law spectrum of interaction strengths.
+        self._tuples = [np.sort(rng.choice(len(vocab_sizes) + 1, 3 + m % (teacher_order - 2), replace=False))
+                        for m in range(teacher_tuples)]
+        self._tuple_weights = (np.arange(teacher_tuples) + 1.0) ** -float(teacher_decay)
+        self._tuple_std = np.ones(teacher_tuples)
 
         # Calibrate: standardise each teacher term, then solve the offset for the target click rate.
         dense, ids, lengths = self._features(np.random.default_rng([seed, _CALIBRATION]), _CALIBRATION_EXAMPLES)
         self._dense_mean, self._dense_std = dense.mean(0), dense.std(0) + 1e-6
+        if self._tuples:
+            self._tuple_std = self._tuple_products(self._teacher_vectors(dense, ids, lengths)[1]).std(0) + 1e-12
         terms = self._teacher_terms(dense, ids, lengths)
         self._term_std = np.asarray([t.std() + 1e-12 for t in terms])
         raw = self._combine(terms, offset=0.0)
@@ -185,8 +218,8 @@ class SyntheticDataset:
         ids = np.where(slot < lengths[:, :, None], ids, 0)
         return dense, ids, lengths
 
-    def _teacher_terms(self, dense, ids, lengths):
-        """The three un-scaled teacher terms (bias, pairwise, dense), each f64[n]."""
+    def _teacher_vectors(self, dense, ids, lengths):
+        """The bag-pooled per-id biases f64[n, F] and the vectors v_1..v_F, P d as f64[n, F + 1, k]."""
         n, num_features, max_bag = ids.shape
         k = self.teacher_dim
         feat = np.arange(num_features, dtype=np.uint64)[None, :, None]
@@ -195,11 +228,20 @@ class SyntheticDataset:
         values = _unit_uniform(_splitmix64(base[..., None] + j))  # [n, F, L, k+1]: bias and k-vector
         mask = (np.arange(max_bag)[None, None, :] < lengths[:, :, None]) / lengths[:, :, None]
         pooled = np.einsum("nflk,nfl->nfk", values, mask)  # mean over each bag
-        bias = pooled[..., 0].sum(1)
         d = (dense - self._dense_mean) / self._dense_std
-        vectors = np.concatenate([pooled[..., 1:], (d @ self._dense_proj)[:, None, :]], axis=1)  # [n, F+1, k]
+        return pooled[..., 0], np.concatenate([pooled[..., 1:], (d @ self._dense_proj)[:, None, :]], axis=1)
+
+    def _tuple_products(self, vectors):
+        """Each high-order tuple's staircase product sum_k prod_{f in tuple} (1 + v_f[k]): f64[n, teacher_tuples]."""
+        return np.stack([np.prod(1.0 + vectors[:, t], axis=1).sum(-1) for t in self._tuples], axis=1)
+
+    def _teacher_terms(self, dense, ids, lengths):
+        """The four un-scaled teacher terms (bias, pairwise, dense, high-order), each f64[n]."""
+        biases, vectors = self._teacher_vectors(dense, ids, lengths)
         pair = (vectors[:, self._pairs[:, 0]] * vectors[:, self._pairs[:, 1]]).sum((1, 2))
-        return bias, pair, d @ self._dense_w
+        d = (dense - self._dense_mean) / self._dense_std
+        high = (self._tuple_products(vectors) / self._tuple_std) @ self._tuple_weights if self._tuples else 0 * pair
+        return biases.sum(1), pair, d @ self._dense_w, high
 
     def _combine(self, terms, offset: float) -> np.ndarray:
         mix = sum(w * t / s for w, t, s in zip(self.weights, terms, self._term_std, strict=True))
