@@ -38,7 +38,6 @@ sweep would run, the sweep stops rather than mix results. A run whose config equ
 """
 
 import csv
-import json
 import math
 import pathlib
 import statistics
@@ -53,10 +52,10 @@ from absl import app, flags
 from compression.base import TableSpec
 from compression.plan import plan_tables
 from compression.registry import build_method
+from experiments.runs import config_json, enable_compilation_cache, train_or_resume, write_csv
 from recjax.data import make_dataset
 from recjax.embedding import EmbeddingCollection
 from recjax.specs import DatasetSpec
-from recjax.train import train_and_evaluate
 
 DATASETS = ("synthetic", "movielens", "criteo_kaggle")
 METHODS = ("full", "hashing", "qr", "md")
@@ -322,50 +321,33 @@ def run_sweep(base: ml_collections.ConfigDict, workdir: str | pathlib.Path, meth
         run_dir = workdir / run_name(method, target_ratio, seed)
         prefix = f"[{i}/{len(runs)}] {run_dir.name}:"
         summary_path = run_dir / "summary.json"
-        config_json = config.to_json_best_effort(indent=2, sort_keys=True) + "\n"
-        if config_json in done and not summary_path.exists():
+        planned_json = config_json(config)
+        if planned_json in done and not summary_path.exists():
             # A target beyond the method's reach gives the same config as a smaller one (e.g. md at 16x and 64x
             # both put every table at dim 1): reuse that run instead of training the same thing again.
-            source, summary = done[config_json]
+            source, summary = done[planned_json]
             log(f"{prefix} same config as {source}, reused (ratio {summary['compression_ratio']:.2f})")
             rows.append(result_row(method, target_ratio, seed, summary, source))
             write_csv(workdir / "results.csv", rows, RESULT_FIELDS)
             continue
-        if summary_path.exists():
-            _check_same_config(run_dir, config_json)
-            summary = json.loads(summary_path.read_text())
-            log(f"{prefix} done before, skipped (ratio {summary['compression_ratio']:.2f}, auc {summary['auc']:.4f})")
-        else:
+        if not summary_path.exists():
             planned = planned_accounting(spec, config)
             planned_ratio = planned["full_bytes"] / planned["bytes"]
             log(f"{prefix} training (target {target_ratio:g}x, planned {planned_ratio:.2f}x, {planned['bytes']:,} "
                 "embedding bytes)")
-            t0 = time.perf_counter()
-            summary = train_and_evaluate(config, run_dir)
-            log(f"{prefix} ratio {summary['compression_ratio']:.2f}, auc {summary['auc']:.4f}, "
-                f"logloss {summary['logloss']:.4f} ({time.perf_counter() - t0:.1f} s)")
-        done[config_json] = run_dir.name, summary
+        summary = train_or_resume(config, run_dir, prefix, log, _describe)
+        done[planned_json] = run_dir.name, summary
         rows.append(result_row(method, target_ratio, seed, summary, run_dir.name))
         write_csv(workdir / "results.csv", rows, RESULT_FIELDS)  # after every run: a long sweep is readable early
     write_outputs(rows, workdir, title or f"{base.data.name}, {int(base.train.steps)} steps, seeds {list(seeds)}")
     return rows
 
 
-def _check_same_config(run_dir: pathlib.Path, config_json: str) -> None:
-    saved_path = run_dir / "config.json"
-    if not saved_path.exists() or saved_path.read_text() != config_json:
-        raise ValueError(f"{run_dir} holds a finished run with a different config.json than this sweep would "
-                         "train (other steps, dataset, threshold or code?); use a new --workdir or delete that run")
+def _describe(summary: dict) -> str:
+    return f"ratio {summary['compression_ratio']:.2f}, auc {summary['auc']:.4f}, logloss {summary['logloss']:.4f}"
 
 
 # ------------------------------------------------------------------------------------------ outputs
-def write_csv(path: pathlib.Path, rows: Sequence[dict[str, Any]], fields: Sequence[str]) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fields)
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def read_results(path: str | pathlib.Path) -> list[dict[str, Any]]:
     """results.csv rows with numbers parsed (target_ratio, ratio, metrics: float; counts and seed: int)."""
     ints = {"params", "embedding_params", "embedding_bytes", "seed"}
@@ -474,10 +456,7 @@ def main(argv: Sequence[str]) -> None:
     workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="recjax_sweep_"))
     print(f"sweep workdir: {workdir}", flush=True)
     if args.compilation_cache:
-        import jax
-
-        jax.config.update("jax_compilation_cache_dir", str(workdir / ".jax_cache"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        enable_compilation_cache(workdir)
     t0 = time.perf_counter()
     rows = run_sweep(base, workdir, methods, ratios, seeds, args.threshold, args.qr_op,
                      log=lambda line: print(line, flush=True))

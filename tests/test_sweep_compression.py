@@ -8,6 +8,7 @@ import struct
 
 import pytest
 
+from experiments import runs
 from experiments import sweep_compression as sc
 from recjax.specs import DatasetSpec, FeatureSpec
 
@@ -156,7 +157,7 @@ def test_tiny_sweep_writes_results_plot_and_resumes(tmp_path, monkeypatch):
     # Resume: nothing retrains, summaries stay untouched, results are the same.
     mtimes = {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/summary.json")}
     trained = []
-    monkeypatch.setattr(sc, "train_and_evaluate", lambda config, workdir: trained.append(workdir))
+    monkeypatch.setattr(runs, "train_and_evaluate", lambda config, workdir: trained.append(workdir))
     again = sc.run_sweep(base, tmp_path, ["hashing", "qr"], [2, 8], [0], log=lambda _: None)
     assert trained == [] and again == rows
     assert {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/summary.json")} == mtimes
@@ -207,7 +208,7 @@ def test_identical_configs_train_once(tmp_path, monkeypatch):
         (workdir / "summary.json").write_text(json.dumps(summary))
         return summary
 
-    monkeypatch.setattr(sc, "train_and_evaluate", fake_train)
+    monkeypatch.setattr(runs, "train_and_evaluate", fake_train)
     rows = sc.run_sweep(tiny_base(), tmp_path, ["md"], [100, 1000], [0], log=lambda _: None)
     assert trained == ["md_x100_seed0"]
     assert [(r["target_ratio"], r["run"]) for r in rows] == [(100.0, "md_x100_seed0"), (1000.0, "md_x100_seed0")]
