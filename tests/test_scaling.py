@@ -1,0 +1,209 @@
+"""The scaling-law sweep: the power-law fit, equal-FLOPs comparisons, the ladders, a tiny sweep and the notebook."""
+
+import json
+import math
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import scaling_fit as sf
+from experiments import sweep_scaling as ss
+from experiments.configs import scaling
+from recjax.data import make_dataset
+from recjax.train import build_task, flops_per_example, init_state, make_predict_step
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+NOTEBOOK = REPO / "experiments" / "notebooks" / "scaling_law.ipynb"
+
+
+# ------------------------------------------------------------------------------------------ the fit
+@pytest.mark.parametrize("a,b,c", [(3.0, 0.3, 0.4), (50.0, 0.7, 0.35), (0.8, 0.05, 0.5)])
+def test_fit_recovers_an_exact_power_law(a, b, c):
+    flops = np.geomspace(2e4, 9e6, 7)
+    fit = sf.fit_power_law(flops, a * flops**-b + c)
+    assert fit["a"] == pytest.approx(a, rel=1e-4)
+    assert fit["b"] == pytest.approx(b, rel=1e-4)
+    assert fit["c"] == pytest.approx(c, abs=1e-6)
+    assert fit["r2"] == pytest.approx(1.0) and fit["rmse"] < 1e-8
+    assert (fit["points"], fit["flops_min"], fit["flops_max"]) == (7, 2e4, 9e6)
+    assert not fit["b_at_bound"]
+    np.testing.assert_allclose(sf.predict(fit, flops), a * flops**-b + c, rtol=1e-6)
+
+
+def test_fit_with_noise_is_close_and_r2_drops():
+    rng = np.random.default_rng(0)
+    flops = np.repeat(np.geomspace(5e4, 5e6, 6), 3)  # 3 seeds per size
+    clean = 2.0 * flops**-0.25 + 0.38
+    fit = sf.fit_power_law(flops, clean + rng.normal(0, 2e-3, flops.size))
+    assert fit["b"] == pytest.approx(0.25, abs=0.1)
+    assert fit["c"] == pytest.approx(0.38, abs=0.02)
+    assert 0.8 < fit["r2"] < 1.0
+
+
+def test_fit_reports_a_loss_that_grows_with_compute_and_flags_flat_data():
+    flops = np.geomspace(1e4, 1e6, 5)
+    growing = sf.fit_power_law(flops, 0.5 - 0.2 * flops**-0.3)
+    assert growing["a"] < 0  # reported as it is, not clamped
+    flat = sf.fit_power_law(flops, 0.4 + 1e-3 * np.log(flops))  # a line in log F: b runs to its lower bound
+    assert flat["b_at_bound"]
+
+
+@pytest.mark.parametrize("flops,loss,match", [
+    ([1e4, 1e4, 1e5], [0.5, 0.5, 0.4], "3 distinct FLOPs"),
+    ([1e4, 0.0, 1e5], [0.5, 0.45, 0.4], "> 0"),
+    ([1e4, 2e4, 1e5], [0.5, float("nan"), 0.4], "finite"),
+    ([1e4, 2e4, 1e5], [0.5, 0.4], "same length"),
+])
+def test_fit_rejects_data_it_cannot_fit(flops, loss, match):
+    with pytest.raises(ValueError, match=match):
+        sf.fit_power_law(flops, loss)
+
+
+def test_interpolation_is_linear_in_log_flops_and_averages_seeds():
+    flops, loss = [1e4, 1e4, 1e6], [0.50, 0.52, 0.40]
+    assert sf.interpolate_loss(flops, loss, 1e5) == pytest.approx(0.5 * (0.51 + 0.40))
+    assert sf.interpolate_loss(flops, loss, 1e4) == pytest.approx(0.51)
+    assert sf.interpolate_loss(flops, loss, 2e6) is None and sf.interpolate_loss(flops, loss, 5e3) is None
+
+
+def test_equal_flops_comparison_sees_a_constant_gap_only_on_the_overlap():
+    grid = np.geomspace(1e4, 1e7, 7)
+    law = lambda x: 2.0 * x**-0.3 + 0.4  # noqa: E731
+    points = {"wukong": (list(grid[2:]), list(law(grid[2:]) - 0.01)),  # better by 0.01 everywhere
+              "dlrm": (list(grid[:5]), list(law(grid[:5])))}
+    fits = {k: sf.fit_power_law(*v) for k, v in points.items()}
+    out = sf.compare_at_equal_flops("wukong", "dlrm", points, fits)
+    assert out["overlap_flops"] == [pytest.approx(grid[2]), pytest.approx(grid[4])]
+    assert out["measured"]["comparisons"] == 3  # wukong sizes 2, 3, 4 lie inside dlrm's range
+    assert out["measured"]["mean_gap"] == pytest.approx(0.01, abs=1e-6)
+    assert out["measured"]["family_better"] == 1.0
+    assert out["fitted"]["mean_gap"] == pytest.approx(0.01, abs=1e-4) and out["fitted"]["family_better"] == 1.0
+    disjoint = {"wukong": points["wukong"], "dlrm": ([1.0, 2.0, 3.0], [0.6, 0.5, 0.45])}
+    none = sf.compare_at_equal_flops("wukong", "dlrm", disjoint, {})
+    assert none["overlap_flops"] is None and none["measured"]["comparisons"] == 0 and "fitted" not in none
+
+
+# ------------------------------------------------------------------------------------ ladders, configs
+def test_point_configs_set_every_ladder_knob_and_the_hard_teacher():
+    for family, ladder in scaling.LADDERS.items():
+        for size, knobs in enumerate(ladder):
+            config = scaling.point_config(family, size)
+            assert config.model.name == family
+            assert {k: config.model[k] for k in knobs} == knobs
+            assert config.data.teacher.tuples > 0 and max(config.data.vocab_sizes) <= scaling.VOCAB_CAP
+            assert (config.train.steps, config.train.batch_size) == (scaling.STEPS, scaling.BATCH_SIZE)
+    assert scaling.get_config("dcnv2,2").model.low_rank == scaling.LADDERS["dcnv2"][2]["low_rank"]
+
+
+@pytest.mark.parametrize("arg,match", [("mlp,0", "unknown model family"), ("wukong,9", "sizes 0..5"),
+                                       ("wukong,x", "family,size")])
+def test_bad_points_are_rejected(arg, match):
+    with pytest.raises(ValueError, match=match):
+        scaling.get_config(arg)
+
+
+def test_a_ladder_knob_the_model_does_not_have_is_rejected():
+    with pytest.raises(ValueError, match="'num_heads' is not a field"):
+        scaling.point_config("dlrm", 0, {"dlrm": [dict(num_heads=4)]})
+
+
+def test_sweep_points_validate_families_and_sizes():
+    assert ss.sweep_points(["dlrm"], [0, 1], ss.TINY_LADDERS, [0, 2]) == [
+        ("dlrm", 0, 0), ("dlrm", 2, 0), ("dlrm", 0, 1), ("dlrm", 2, 1)]
+    with pytest.raises(ValueError, match="unknown model family"):
+        ss.sweep_points(["transformer"], [0], ss.TINY_LADDERS)
+    with pytest.raises(ValueError, match="sizes 0..2"):
+        ss.sweep_points(["dlrm"], [0], ss.TINY_LADDERS, [3])
+
+
+@pytest.mark.slow
+def test_ladders_grow_flops_and_span_two_orders_of_magnitude():
+    """FLOPs/example from the compiled forward step rise along every ladder; each family covers >= 60x and the
+    sweep as a whole >= 100x."""
+    dataset = make_dataset(scaling.point_config("dlrm", 0).data, seed=0)
+    batch = next(dataset.train_batches(64))
+    spans = []
+    for family, ladder in scaling.LADDERS.items():
+        flops = []
+        for size in range(len(ladder)):
+            task = build_task(scaling.point_config(family, size), dataset.spec)
+            state = init_state(task, jax.random.key(0), batch)
+            flops.append(flops_per_example(make_predict_step(task).lower(state, batch).compile(), 64))
+        assert all(b > a for a, b in zip(flops, flops[1:], strict=False)), (family, flops)
+        assert flops[-1] / flops[0] >= 60, (family, flops)
+        spans.append((flops[0], flops[-1]))
+    assert max(hi for _, hi in spans) / min(lo for lo, _ in spans) >= 100
+
+
+# ---------------------------------------------------------------------------------------- tiny sweep
+def test_tiny_sweep_writes_results_fit_and_plot_and_resumes(tmp_path):
+    lines = []
+    rows, fit = ss.run_sweep(tmp_path, ["wukong", "dlrm"], [0], steps=10, tiny_setting=True, log=lines.append)
+    assert [(r["family"], r["size"]) for r in rows] == [(f, s) for f in ("wukong", "dlrm") for s in range(3)]
+    results = ss.read_results(tmp_path / "results.csv")
+    assert len(results) == 6
+    for row in results:
+        summary = json.loads((tmp_path / row["run"] / "summary.json").read_text())
+        assert row["flops_per_example"] == pytest.approx(summary["flops_per_example"])
+        assert row["logloss"] == pytest.approx(summary["logloss"])
+        assert row["dense_params"] == summary["params"] - summary["embedding_params"]
+        assert json.loads(row["model"]) == json.loads(json.dumps(ss.TINY_LADDERS[row["family"]][row["size"]]))
+        assert math.isfinite(row["bayes_logloss"]) and row["bayes_logloss"] < row["logloss"] + 0.05
+    for family in ("wukong", "dlrm"):
+        flops = [r["flops_per_example"] for r in results if r["family"] == family]
+        assert flops == sorted(flops) and flops[-1] > 5 * flops[0]
+    saved = json.loads((tmp_path / "fit.json").read_text())
+    assert set(saved["fits"]) == {"wukong", "dlrm"} and set(saved["equal_flops"]) == {"wukong_vs_dlrm"}
+    assert saved["fits"]["dlrm"]["points"] == 3 and saved["examples_per_run"] == 10 * 128
+    assert saved["flops_range"] == [min(r["flops_per_example"] for r in results),
+                                    max(r["flops_per_example"] for r in results)]
+    assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A second call trains nothing and gives the same results.
+    again = []
+    rows2, _ = ss.run_sweep(tmp_path, ["wukong", "dlrm"], [0], steps=10, tiny_setting=True, log=again.append)
+    assert all("done before, skipped" in line for line in again) and len(again) == 6
+    assert [r["logloss"] for r in rows2] == [r["logloss"] for r in rows]
+    # Another budget in the same workdir would mix results: refused.
+    with pytest.raises(ValueError, match="different config.json"):
+        ss.run_sweep(tmp_path, ["dlrm"], [0], steps=11, tiny_setting=True, log=lambda _: None)
+
+
+def test_mark_best_lr_keeps_the_lowest_logloss_of_each_point():
+    rows = [dict(family="dlrm", size=0, seed=0, logloss=0.50), dict(family="dlrm", size=0, seed=0, logloss=0.48),
+            dict(family="dlrm", size=1, seed=0, logloss=0.47), dict(family="dlrm", size=0, seed=1, logloss=0.49),
+            dict(family="dlrm", size=0, seed=1, logloss=0.49)]  # a tie keeps the first
+    assert [r["best_lr"] for r in ss.mark_best_lr(rows)] == [False, True, True, True, False]
+
+
+def test_learning_rate_tuning_trains_each_rate_and_keeps_the_best(tmp_path):
+    rows, fit = ss.run_sweep(tmp_path, ["dlrm"], [0], sizes=[0], steps=5, tiny_setting=True,
+                             learning_rates=[1e-3, 3e-2], log=lambda _: None)
+    assert [(r["run"], r["learning_rate"]) for r in rows] == [("dlrm_size0_lr0.001_seed0", 1e-3),
+                                                              ("dlrm_size0_lr0.03_seed0", 3e-2)]
+    for row in rows:
+        config = json.loads((tmp_path / row["run"] / "config.json").read_text())
+        assert config["optimizer"]["dense"]["learning_rate"] == row["learning_rate"]
+    assert rows[0]["logloss"] != rows[1]["logloss"]
+    best = [r for r in ss.read_results(tmp_path / "results.csv") if r["best_lr"]]
+    assert len(best) == 1 and best[0]["logloss"] == min(r["logloss"] for r in rows)
+    assert fit["fits"] == {} and fit["learning_rates"] == [1e-3, 3e-2]  # one size: nothing to fit
+    with pytest.raises(ValueError, match="learning rates must be > 0"):
+        ss.run_config("dlrm", 0, 0, ss.TINY_LADDERS, learning_rate=0.0)
+
+
+# ------------------------------------------------------------------------------------------- notebook
+@pytest.mark.slow
+def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    monkeypatch.setenv("RECJAX_NOTEBOOK_TINY", "1")
+    monkeypatch.setenv("RECJAX_NOTEBOOK_WORKDIR", str(tmp_path))
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    results = ss.read_results(tmp_path / "results.csv")
+    assert sorted({r["family"] for r in results}) == ["dcnv2", "dlrm", "wukong"] and len(results) == 9
+    assert set(json.loads((tmp_path / "fit.json").read_text())["fits"]) == {"dcnv2", "dlrm", "wukong"}
+    assert (tmp_path / "scaling.png").stat().st_size > 0
