@@ -8,6 +8,7 @@ config.json differs from the config the sweep would train now, the sweep stops r
 import csv
 import json
 import pathlib
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -54,10 +55,15 @@ def write_csv(path: pathlib.Path, rows: Sequence[dict[str, Any]], fields: Sequen
         writer.writerows(rows)
 
 
-def enable_compilation_cache(workdir: pathlib.Path) -> None:
-    """Keep XLA executables in <workdir>/.jax_cache, so resumed sweeps and runs that differ only in their seed
-    skip most of the compile time."""
-    import jax
+def open_workdir(path: str | None, prefix: str, compilation_cache: bool) -> pathlib.Path:
+    """The sweep's output directory (`path`, or a fresh temp directory named `prefix`...), printed. With
+    `compilation_cache`, XLA executables are kept in <workdir>/.jax_cache, so resumed sweeps and runs that differ
+    only in their seed skip most of the compile time."""
+    workdir = pathlib.Path(path or tempfile.mkdtemp(prefix=prefix))
+    print(f"sweep workdir: {workdir}", flush=True)
+    if compilation_cache:
+        import jax
 
-    jax.config.update("jax_compilation_cache_dir", str(workdir / ".jax_cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        jax.config.update("jax_compilation_cache_dir", str(workdir / ".jax_cache"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return workdir

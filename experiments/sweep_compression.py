@@ -41,7 +41,6 @@ import csv
 import math
 import pathlib
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -52,7 +51,7 @@ from absl import app, flags
 from compression.base import TableSpec
 from compression.plan import plan_tables
 from compression.registry import build_method
-from experiments.runs import config_json, enable_compilation_cache, train_or_resume, write_csv
+from experiments.runs import config_json, open_workdir, train_or_resume, write_csv
 from recjax.data import make_dataset
 from recjax.embedding import EmbeddingCollection
 from recjax.specs import DatasetSpec
@@ -453,10 +452,7 @@ def main(argv: Sequence[str]) -> None:
         base = base_config(args.dataset, args.data_dir, args.steps, args.prepared_dir)
     except ValueError as e:
         raise app.UsageError(str(e)) from e
-    workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="recjax_sweep_"))
-    print(f"sweep workdir: {workdir}", flush=True)
-    if args.compilation_cache:
-        enable_compilation_cache(workdir)
+    workdir = open_workdir(args.workdir, "recjax_sweep_", args.compilation_cache)
     t0 = time.perf_counter()
     rows = run_sweep(base, workdir, methods, ratios, seeds, args.threshold, args.qr_op,
                      log=lambda line: print(line, flush=True))

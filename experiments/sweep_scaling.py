@@ -33,7 +33,6 @@ Outputs in --workdir:
 import csv
 import json
 import pathlib
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,7 +43,7 @@ from absl import app, flags
 
 from experiments import scaling_fit
 from experiments.configs import scaling
-from experiments.runs import enable_compilation_cache, train_or_resume, write_csv
+from experiments.runs import open_workdir, train_or_resume, write_csv
 
 FAMILIES = tuple(scaling.LADDERS)
 FAMILY_COLORS = {"wukong": "tab:red", "dlrm": "tab:blue", "dcnv2": "tab:green"}
@@ -95,6 +94,8 @@ def sweep_points(families: Sequence[str], seeds: Sequence[int], ladders: dict[st
                 if not 0 <= size < len(ladders[family]):
                     raise ValueError(f"{family} has sizes 0..{len(ladders[family]) - 1}, got {size}")
                 points.append((family, size, int(seed)))
+    if not points:
+        raise ValueError("the sweep has no runs: give at least one family, seed and size")
     return list(dict.fromkeys(points))
 
 
@@ -287,10 +288,7 @@ def main(argv: Sequence[str]) -> None:
             raise ValueError(f"--steps must be >= 1, got {args.steps}")
     except ValueError as e:
         raise app.UsageError(str(e)) from e
-    workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="recjax_scaling_"))
-    print(f"sweep workdir: {workdir}", flush=True)
-    if args.compilation_cache:
-        enable_compilation_cache(workdir)
+    workdir = open_workdir(args.workdir, "recjax_scaling_", args.compilation_cache)
     t0 = time.perf_counter()
     rows, fit = run_sweep(workdir, families, seeds, sizes, args.steps, args.tiny, lrs,
                           log=lambda line: print(line, flush=True))

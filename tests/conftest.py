@@ -22,6 +22,20 @@ def random_batch(spec: DatasetSpec, batch_size: int, seed: int = 0, full_bags: b
                  labels=(rng.random(batch_size) < 0.3).astype(np.float32))
 
 
+def run_notebook(path, workdir, monkeypatch, timeout: int):
+    """Execute the notebook at `path` top to bottom from its folder, in its tiny setting (RECJAX_NOTEBOOK_TINY=1),
+    writing into `workdir` (RECJAX_NOTEBOOK_WORKDIR), and return it with its outputs; skipped without nbformat /
+    nbclient."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    monkeypatch.setenv("RECJAX_NOTEBOOK_TINY", "1")
+    monkeypatch.setenv("RECJAX_NOTEBOOK_WORKDIR", str(workdir))
+    notebook = nbformat.read(path, as_version=4)
+    nbclient.NotebookClient(notebook, timeout=timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}}).execute()
+    return notebook
+
+
 @pytest.fixture
 def small_spec() -> DatasetSpec:
     return DatasetSpec(num_dense=3, features=(FeatureSpec("a", 7), FeatureSpec("b", 11, bag_size=4),

@@ -7,6 +7,7 @@ import pathlib
 import jax
 import numpy as np
 import pytest
+from conftest import run_notebook
 
 from experiments import scaling_fit as sf
 from experiments import sweep_scaling as ss
@@ -196,13 +197,7 @@ def test_learning_rate_tuning_trains_each_rate_and_keeps_the_best(tmp_path):
 # ------------------------------------------------------------------------------------------- notebook
 @pytest.mark.slow
 def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    monkeypatch.setenv("RECJAX_NOTEBOOK_TINY", "1")
-    monkeypatch.setenv("RECJAX_NOTEBOOK_WORKDIR", str(tmp_path))
-    notebook = nbformat.read(NOTEBOOK, as_version=4)
-    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    run_notebook(NOTEBOOK, tmp_path, monkeypatch, timeout=300)
     results = ss.read_results(tmp_path / "results.csv")
     assert sorted({r["family"] for r in results}) == ["dcnv2", "dlrm", "wukong"] and len(results) == 9
     assert set(json.loads((tmp_path / "fit.json").read_text())["fits"]) == {"dcnv2", "dlrm", "wukong"}

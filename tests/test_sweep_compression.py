@@ -7,6 +7,7 @@ import pathlib
 import struct
 
 import pytest
+from conftest import run_notebook
 
 from experiments import runs
 from experiments import sweep_compression as sc
@@ -179,13 +180,7 @@ def test_summary_aggregates_over_seeds():
 # ------------------------------------------------------------------------------------------- notebook
 @pytest.mark.slow
 def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    monkeypatch.setenv("RECJAX_NOTEBOOK_TINY", "1")
-    monkeypatch.setenv("RECJAX_NOTEBOOK_WORKDIR", str(tmp_path))
-    notebook = nbformat.read(NOTEBOOK, as_version=4)
-    nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3",
-                            resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    notebook = run_notebook(NOTEBOOK, tmp_path, monkeypatch, timeout=120)
     results = sc.read_results(tmp_path / "results.csv")
     assert sorted((r["method"], r["target_ratio"]) for r in results) == [
         ("hashing", 4.0), ("hashing", 16.0), ("md", 4.0), ("md", 16.0)]

@@ -110,8 +110,8 @@ def test_high_order_logit_is_the_weighted_staircase_product_of_the_tuple_vectors
     for i, f in enumerate(ds.spec.features):
         ids[:, i, :] = batch.ids[f.name]
     lengths = np.ones((16, 5), np.int64)
-    biases, vectors = ds._teacher_vectors(batch.dense, ids, lengths)
     d = (batch.dense - ds._dense_mean) / ds._dense_std
+    biases, vectors = ds._teacher_vectors(d, ids, lengths)
     for n in range(16):
         pair = sum(vectors[n, i] @ vectors[n, j] for i, j in ds._pairs)
         high = 0.0

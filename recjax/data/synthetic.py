@@ -140,7 +140,8 @@ class SyntheticDataset:
         dense, ids, lengths = self._features(np.random.default_rng([seed, _CALIBRATION]), _CALIBRATION_EXAMPLES)
         self._dense_mean, self._dense_std = dense.mean(0), dense.std(0) + 1e-6
         if self._tuples:
-            self._tuple_std = self._tuple_products(self._teacher_vectors(dense, ids, lengths)[1]).std(0) + 1e-12
+            d = (dense - self._dense_mean) / self._dense_std
+            self._tuple_std = self._tuple_products(self._teacher_vectors(d, ids, lengths)[1]).std(0) + 1e-12
         terms = self._teacher_terms(dense, ids, lengths)
         self._term_std = np.asarray([t.std() + 1e-12 for t in terms])
         raw = self._combine(terms, offset=0.0)
@@ -218,8 +219,9 @@ class SyntheticDataset:
         ids = np.where(slot < lengths[:, :, None], ids, 0)
         return dense, ids, lengths
 
-    def _teacher_vectors(self, dense, ids, lengths):
-        """The bag-pooled per-id biases f64[n, F] and the vectors v_1..v_F, P d as f64[n, F + 1, k]."""
+    def _teacher_vectors(self, d, ids, lengths):
+        """The bag-pooled per-id biases f64[n, F] and the vectors v_1..v_F, P d as f64[n, F + 1, k]; `d` is the
+        standardised dense features."""
         n, num_features, max_bag = ids.shape
         k = self.teacher_dim
         feat = np.arange(num_features, dtype=np.uint64)[None, :, None]
@@ -228,7 +230,6 @@ class SyntheticDataset:
         values = _unit_uniform(_splitmix64(base[..., None] + j))  # [n, F, L, k+1]: bias and k-vector
         mask = (np.arange(max_bag)[None, None, :] < lengths[:, :, None]) / lengths[:, :, None]
         pooled = np.einsum("nflk,nfl->nfk", values, mask)  # mean over each bag
-        d = (dense - self._dense_mean) / self._dense_std
         return pooled[..., 0], np.concatenate([pooled[..., 1:], (d @ self._dense_proj)[:, None, :]], axis=1)
 
     def _tuple_products(self, vectors):
@@ -237,9 +238,9 @@ class SyntheticDataset:
 
     def _teacher_terms(self, dense, ids, lengths):
         """The four un-scaled teacher terms (bias, pairwise, dense, high-order), each f64[n]."""
-        biases, vectors = self._teacher_vectors(dense, ids, lengths)
-        pair = (vectors[:, self._pairs[:, 0]] * vectors[:, self._pairs[:, 1]]).sum((1, 2))
         d = (dense - self._dense_mean) / self._dense_std
+        biases, vectors = self._teacher_vectors(d, ids, lengths)
+        pair = (vectors[:, self._pairs[:, 0]] * vectors[:, self._pairs[:, 1]]).sum((1, 2))
         high = (self._tuple_products(vectors) / self._tuple_std) @ self._tuple_weights if self._tuples else 0 * pair
         return biases.sum(1), pair, d @ self._dense_w, high
 
