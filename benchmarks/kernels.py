@@ -19,14 +19,17 @@ Measurements
   copy_bandwidth    a streaming copy of a 512 MiB f32 array (jit), GB/s = bytes read + written per second: the
                     machine's memory bandwidth as XLA sees it, the yardstick for the embedding stage.
   stages            the recjax train step cut into its stages, each jitted alone and timed on the same inputs:
-                    route (integer math + dedup), gather (distinct rows), glue forward (pool + combine), glue
-                    backward (its VJP w.r.t. the distinct rows), dense (the model's forward + backward given the
-                    embeddings), update (sparse optimizer on the distinct rows, donated), and the whole fused step.
-                    The stages sum to more than the step (XLA fuses across them); the proportions are the point.
-  embedding_stage   lookup + backward + update only (the dense model replaced by a fixed cotangent), for SGD and
-                    row-wise Adagrad, donated: ms per step and GB/s, where bytes = distinct rows x dim x 4 x 3
-                    (gather read, update read + write; plus the optimizer state read + written) -- the traffic an
-                    exact deduplicated update cannot avoid -- and that GB/s as a fraction of copy_bandwidth.
+                    route (integer math + dedup), gather (distinct rows; without dedup: the pooled lookups from
+                    the tables), glue forward (pool + combine), glue backward (its VJP w.r.t. what gather returned),
+                    dense (the model's forward + backward given the embeddings), update (sparse optimizer, donated),
+                    and the whole fused step; once with embedding.dedup="auto" (SGD: no dedup, scatter-add update)
+                    and once with "always". The stages sum to more than the step (XLA fuses across them); the
+                    proportions are the point.
+  embedding_stage   lookup + backward + update only (the dense model replaced by a fixed cotangent), side by side for
+                    SGD without and with dedup and row-wise Adagrad, donated: ms per step and GB/s, where bytes = the
+                    traffic the path cannot avoid (with dedup: distinct rows x dim x 4 x 3 -- gather read, update
+                    read + write -- plus the optimizer state read + written; without: every id's row read by the
+                    lookup and read + written by the scatter-add), and that GB/s as a fraction of copy_bandwidth.
   torch             (when torch is installed; an optional benchmark-only comparator, never a dependency) the same
                     model in PyTorch with the reference's layers: nn.EmbeddingBag(mode="sum", sparse=True) per table,
                     the same MLPs, dot interaction, SGD (torch.optim.SGD for dense, sparse gradients for the bags);
@@ -115,8 +118,9 @@ def vocab_sizes(shape: dict) -> tuple[int, ...]:
     return tuple(KAGGLE_VOCAB_SIZES)
 
 
-def build(shape: dict, sparse: str, seed: int = 0):
-    """(task, state, batch) for `shape` with sparse optimizer `sparse` (dense SGD), on device."""
+def build(shape: dict, sparse: str, seed: int = 0, dedup: str = "auto"):
+    """(task, state, batch) for `shape` with sparse optimizer `sparse` (dense SGD) and `embedding.dedup`, on
+    device."""
     import jax
     import ml_collections
 
@@ -131,6 +135,7 @@ def build(shape: dict, sparse: str, seed: int = 0):
     config.model.dlrm.bottom_mlp = shape["bottom"]
     config.model.dlrm.top_mlp = shape["top"]
     config.train.batch_size = shape["batch"]
+    config.embedding.dedup = dedup
     config.optimizer.dense = ml_collections.ConfigDict({"name": "sgd", "learning_rate": shape["lr"],
                                                         "weight_decay": 0.0})
     config.optimizer.sparse = ml_collections.ConfigDict({"name": sparse, "learning_rate": shape["lr"],
@@ -162,13 +167,13 @@ def copy_bandwidth(repeats: int) -> dict[str, Any]:
             "gb_per_s": 2 * x.nbytes / seconds / 1e9}
 
 
-def stages(shape_name: str, shape: dict, repeats: int) -> dict[str, Any]:
+def stages(shape_name: str, shape: dict, repeats: int, dedup: str = "auto") -> dict[str, Any]:
     import jax
     import optax
 
     from recjax.train import make_train_step
 
-    task, state, batch = build(shape, shape["sparse"])
+    task, state, batch = build(shape, shape["sparse"], dedup=dedup)
     collection, glue, model = task.collection, task.glue, task.model
     copy = lambda tree: jax.tree_util.tree_map(lambda x: x.copy(), tree)  # noqa: E731  (the step donates `state`)
     glue_params, model_params = copy(state.dense_params["glue"]), copy(state.dense_params["model"])
@@ -210,51 +215,74 @@ def stages(shape_name: str, shape: dict, repeats: int) -> dict[str, Any]:
         "glue_forward": lambda: glue_fwd(rows, routes), "glue_backward": lambda: glue_bwd(rows, routes, cotangent),
         "dense": lambda: dense(model_params, emb), "update": run_update, "step": run_step,
     }, repeats)
-    record = {"name": "stages", "shape": shape_name, **{f"{k}_ms": ms(v) for k, v in times.items()}}
+    record = {"name": "stages", "shape": shape_name, "embedding_dedup": dedup, "dedup": collection.dedup,
+              **{f"{k}_ms": ms(v) for k, v in times.items()}}
     parts = [k for k in times if k != "step"]
     total = sum(record[f"{k}_ms"] for k in parts)
     record.update({f"{k}_fraction": record[f"{k}_ms"] / total for k in parts})
-    record["distinct_rows"] = int(sum((u < collection.group_rows[g]).sum() for g, u in routes["unique"].items()))
+    record["distinct_rows"] = distinct_rows(collection, batch)
     record["ids"] = int(sum(np.size(routes["features"][f]["weights"]) for f in routes["features"]))
     return record
 
 
-def embedding_stage(shape_name: str, shape: dict, sparse: str, repeats: int, bandwidth: float | None
-                    ) -> dict[str, Any]:
-    """Lookup + backward + update with the dense model replaced by a fixed cotangent on the embeddings."""
+def distinct_rows(collection, batch) -> int:
+    import jax
+
+    routes = jax.jit(lambda b: collection.route(b.ids, b.lengths, dedup=True))(batch)
+    return int(sum((u < collection.group_rows[g]).sum() for g, u in routes["unique"].items()))
+
+
+def embedding_stage(shape_name: str, shape: dict, contenders: tuple[tuple[str, str], ...], repeats: int,
+                    bandwidth: float | None) -> list[dict[str, Any]]:
+    """Lookup + backward + update with the dense model replaced by a fixed cotangent on the embeddings, for each
+    (sparse optimizer, embedding.dedup) contender, timed side by side."""
     import jax
     import jax.numpy as jnp
 
-    task, state, batch = build(shape, sparse)
-    collection, glue = task.collection, task.glue
-    glue_params = state.dense_params["glue"]
+    runs, records = {}, {}
+    for sparse, dedup in contenders:
+        task, state, batch = build(shape, sparse, dedup=dedup)
+        collection, glue = task.collection, task.glue
+        glue_params = state.dense_params["glue"]
 
-    def stage(tables, opt, batch):
-        routes = collection.route(batch.ids, batch.lengths)
-        rows = collection.gather(tables, routes)
-        emb, vjp = jax.vjp(lambda x: glue.apply({"params": glue_params}, x, routes["features"]), rows)
-        (row_grads,) = vjp(jnp.full_like(emb, 1e-3))
-        return collection.sparse_update(task.sparse_optimizer, tables, opt, routes, rows, row_grads,
-                                        jnp.float32(0.01), jnp.int32(1))
+        def stage(tables, opt, batch, collection=collection, glue=glue, glue_params=glue_params, task=task):
+            routes = collection.route(batch.ids, batch.lengths)
+            rows = collection.gather(tables, routes)
+            emb, vjp = jax.vjp(lambda x: glue.apply({"params": glue_params}, x, routes["features"]), rows)
+            (row_grads,) = vjp(jnp.full_like(emb, 1e-3))
+            return collection.sparse_update(task.sparse_optimizer, tables, opt, routes, rows, row_grads,
+                                            jnp.float32(0.01), jnp.int32(1))
 
-    fn = jax.jit(stage, donate_argnums=(0, 1))
-    box = [(state.tables, state.sparse_opt_state)]
+        fn = jax.jit(stage, donate_argnums=(0, 1))
+        box = [(state.tables, state.sparse_opt_state)]
 
-    def run():
-        box[0] = fn(*box[0], batch)
-        return box[0]
+        def run(fn=fn, box=box, batch=batch):
+            box[0] = fn(*box[0], batch)
+            return box[0]
 
-    seconds = statistics.median(timed(run, repeats))
-    routes = jax.jit(lambda b: collection.route(b.ids, b.lengths))(batch)
-    distinct = int(sum((u < collection.group_rows[g]).sum() for g, u in routes["unique"].items()))
-    state_per_row = sum(np.prod(s[1:], dtype=np.int64) for s in task.sparse_optimizer.state_shapes(1, shape["dim"])
-                        .values()) if task.sparse_optimizer.state_shapes(1, shape["dim"]) else 0
-    moved = distinct * (3 * shape["dim"] + 2 * int(state_per_row)) * 4
-    record = {"name": "embedding_stage", "shape": shape_name, "sparse_optimizer": sparse, "ms": 1000 * seconds,
-              "distinct_rows": distinct, "bytes_moved": moved, "gb_per_s": moved / seconds / 1e9}
-    if bandwidth:
-        record["copy_fraction"] = record["gb_per_s"] / bandwidth
-    return record
+        name = f"{sparse}/{dedup}"
+        runs[name] = run
+        distinct = distinct_rows(collection, batch)
+        ids = int(sum(np.size(batch.ids[f]) for f in batch.ids))
+        state_shapes = task.sparse_optimizer.state_shapes(1, shape["dim"])
+        state_per_row = sum(int(np.prod(s[1:], dtype=np.int64)) for s in state_shapes.values())
+        if collection.dedup:  # each distinct row: gathered, then read + written by the update, with its state
+            moved = distinct * (3 * shape["dim"] + 2 * state_per_row) * 4
+        else:  # each occurrence: read by the pooled lookup, read + written by the scatter-add
+            moved = ids * 3 * shape["dim"] * 4
+        records[name] = {"name": "embedding_stage", "shape": shape_name, "sparse_optimizer": sparse,
+                         "embedding_dedup": dedup, "dedup": collection.dedup, "distinct_rows": distinct, "ids": ids,
+                         "bytes_moved": moved}
+        del state
+    times = interleaved(runs, repeats)
+    out = []
+    for name, record in records.items():
+        seconds = statistics.median(times[name])
+        record.update({"ms": 1000 * seconds, "gb_per_s": record["bytes_moved"] / seconds / 1e9})
+        if bandwidth:
+            record["copy_fraction"] = record["gb_per_s"] / bandwidth
+        out.append(record)
+    return out
 
 
 def torch_comparison(shape_name: str, shape: dict, repeats: int, recjax_step_ms: float | None,
@@ -353,15 +381,17 @@ def main(argv: list[str] | None = None) -> int:
         shape = SHAPES[name]
         step_ms = stage_ms = None
         if "stages" in only:
-            _log(f"{name}: stages")
-            record = stages(name, shape, args.repeats)
-            step_ms = record["step_ms"]
-            _emit({**record, "config": shape, "machine": info})
+            for dedup in ("auto", "always"):
+                _log(f"{name}: stages, embedding.dedup={dedup}")
+                record = stages(name, shape, args.repeats, dedup)
+                if dedup == "auto":
+                    step_ms = record["step_ms"]
+                _emit({**record, "config": shape, "machine": info})
         if "embedding_stage" in only:
-            for sparse in ("sgd", "rowwise_adagrad"):
-                _log(f"{name}: embedding stage, {sparse}")
-                record = embedding_stage(name, shape, sparse, args.repeats, bandwidth)
-                if sparse == shape["sparse"]:
+            _log(f"{name}: embedding stage")
+            contenders = (("sgd", "auto"), ("sgd", "always"), ("rowwise_adagrad", "auto"))
+            for record in embedding_stage(name, shape, contenders, args.repeats, bandwidth):
+                if record["sparse_optimizer"] == shape["sparse"] and record["embedding_dedup"] == "auto":
                     stage_ms = record["ms"]
                 _emit({**record, "config": shape, "machine": info})
         if "torch" in only:

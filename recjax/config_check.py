@@ -206,6 +206,8 @@ def check_embedding(config: Mapping) -> None:
         choice(config, "embedding.bounds_check", ("zero", "error", "off"))
     if "kernel" in _get(config, "embedding"):
         choice(config, "embedding.kernel", ("auto", "xla", "pallas"))
+    if "dedup" in _get(config, "embedding"):
+        choice(config, "embedding.dedup", ("auto", "always"))
 
 
 def check_model(config: Mapping) -> None:

@@ -12,6 +12,11 @@ each table at a static row offset, so one gather and one scatter serve many feat
 batch's row ids are deduplicated once: `rows` holds each distinct row, bags index into it through `slots`, and
 the gradient with respect to `rows` is the exact sum over duplicate ids. Padded bag slots route to the
 group's row count, a sentinel that gathers zeros and is dropped by the scatter.
+
+Without dedup (`dedup=False`: the sparse optimizer sums over duplicates, i.e. plain SGD, or a forward-only
+step), the route skips the sort, `gather` pools straight from the tables (what it returns is then the pooled
+vectors, the values the loss is differentiated against), and `sparse_update` scatter-adds every occurrence's
+update into the table: two passes over the touched rows instead of four plus a sort.
 """
 
 import dataclasses
@@ -24,7 +29,7 @@ import numpy as np
 
 from compression import EmbeddingMethod, PhysicalTable, TableSpec, build_method
 from pallas_kernels import gather, gather_reduce, unique_rows
-from recjax.sparse_optim import SparseOptimizer, sparse_apply
+from recjax.sparse_optim import SparseOptimizer, scatter_apply, sparse_apply
 from recjax.specs import DatasetSpec
 
 POOLINGS = ("sum", "mean")
@@ -37,6 +42,9 @@ BOUNDS_CHECKS = ("zero", "error", "off")
 # Which implementation the gather-reduce and the sparse update use: "auto" (Pallas kernels on TPU / GPU, the XLA
 # path on CPU), "xla", or "pallas" (on a CPU: the kernels in Pallas's interpreter -- slow, for tests).
 KERNELS = ("auto", "xla", "pallas")
+# When the training route deduplicates ids: "auto" (unless the optimizer sums duplicates and the kernel is XLA; see
+# `resolve_dedup`) or "always".
+DEDUP_MODES = ("auto", "always")
 _INIT_CHUNK_ROWS = 1 << 16  # tables are initialised in chunks so peak memory stays ~1x the table
 
 
@@ -51,6 +59,16 @@ class Placement:
     offset: int
 
 
+def resolve_dedup(mode: str, kernel: str, optimizer: SparseOptimizer) -> bool:
+    """Whether training routes deduplicate: always, except in "auto" mode when every occurrence's update can simply
+    be scatter-added (`optimizer.sums_duplicates`) and the update runs in XLA (the Pallas update kernel works on
+    distinct rows)."""
+    if mode not in DEDUP_MODES:
+        raise ValueError(f"unknown dedup mode '{mode}'; use one of {DEDUP_MODES}")
+    xla = kernel == "xla" or (kernel == "auto" and jax.default_backend() not in ("tpu", "gpu"))
+    return mode == "always" or not (optimizer.sums_duplicates and xla)
+
+
 def group_name(dim: int) -> str:
     return f"dim{dim}"
 
@@ -59,7 +77,7 @@ class EmbeddingCollection:
     """All sparse features of a model, compiled to stacked physical tables."""
 
     def __init__(self, spec: DatasetSpec, tables: Sequence[TableSpec], pooling: str = "sum",
-                 bounds_check: str = "zero", kernel: str = "auto"):
+                 bounds_check: str = "zero", kernel: str = "auto", dedup: bool = True):
         if pooling not in POOLINGS:
             raise ValueError(f"unknown pooling '{pooling}'; use one of {POOLINGS}")
         if bounds_check not in BOUNDS_CHECKS:
@@ -69,6 +87,7 @@ class EmbeddingCollection:
             raise ValueError(f"unknown kernel '{kernel}'; use one of {KERNELS}")
         self.kernel = kernel
         self.interpret = kernel == "pallas" and jax.default_backend() == "cpu"  # kernels run interpreted on a CPU
+        self.dedup = dedup  # the training route's default; see the module docstring
         by_name = {t.name: t for t in tables}
         missing = set(spec.feature_names) - set(by_name)
         if missing:
@@ -142,14 +161,18 @@ class EmbeddingCollection:
         return {g: optimizer.init(rows, self.group_dims[g]) for g, rows in sorted(self.group_rows.items())}
 
     # -------------------------------------------------------------------------------------------- route
-    def route(self, ids: Mapping[str, jax.Array], lengths: Mapping[str, jax.Array]) -> dict:
+    def route(self, ids: Mapping[str, jax.Array], lengths: Mapping[str, jax.Array], *,
+              dedup: bool | None = None) -> dict:
         """Logical ids -> distinct stacked rows per group, and per feature where each bag slot reads.
 
         Returns {"unique": {group: i32[N_g]}, "features": {feature: {"slots": (i32[B, L], ...) one per
         physical table, indexing that table's group in "unique", "weights": f32[B, L]}}, "invalid_ids":
         {feature: i32[]}}. N_g is the number of bag slots feeding the group; padded slots read the sentinel row
         (zeros) with weight 0; so do out-of-range ids unless bounds_check is "off" (see BOUNDS_CHECKS).
+        With `dedup` False (default: the collection's `dedup`) there is no "unique" and the slots are the stacked
+        row ids themselves, indexing the group's table.
         """
+        dedup = self.dedup if dedup is None else dedup
         stacked_by_group: dict[str, list] = {g: [] for g in self.group_rows}
         weights, invalid = {}, {}
         for feature in self.spec.features:
@@ -170,6 +193,9 @@ class EmbeddingCollection:
                 stacked_by_group[p.group].append(stacked)
         unique, slots_by_group = {}, {}
         for group, parts in stacked_by_group.items():
+            if not dedup:
+                slots_by_group[group] = parts
+                continue
             unique[group], inverse = unique_rows(
                 jnp.concatenate([r.reshape(-1) for r in parts]), self.group_rows[group])
             bounds = np.cumsum([0] + [r.size for r in parts])
@@ -184,18 +210,61 @@ class EmbeddingCollection:
             jax.lax.cond(jnp.any(counts > 0), lambda: jax.debug.callback(
                 _raise_invalid_ids, tuple(invalid), {f.name: f.vocab_size for f in self.spec.features}, counts),
                 lambda: None)
+        if not dedup:
+            return {"features": features, "invalid_ids": invalid}
         return {"unique": unique, "features": features, "invalid_ids": invalid}
 
     # ------------------------------------------------------------------------------------------- gather
-    def gather(self, tables: Mapping[str, jax.Array], routes: Mapping) -> dict[str, jax.Array]:
-        """Each distinct row once: {group: f32[N_g, d]} (the sentinel reads zeros)."""
+    def gather(self, tables: Mapping[str, jax.Array], routes: Mapping) -> dict:
+        """What the loss is differentiated against: with dedup, each distinct row once, {group: f32[N_g, d]} (the
+        sentinel reads zeros); without, the lookups themselves, pooled from the tables (see `lookup`)."""
+        if "unique" not in routes:
+            return self.lookup(tables, routes["features"])
         return {g: jnp.take(tables[g], u, axis=0, mode="fill", fill_value=0) for g, u in routes["unique"].items()}
+
+    def pool_batches(self, features: Mapping) -> dict[str, tuple[tuple[str, int], ...]]:
+        """The (feature, physical table index) pairs pooled together: one batch per (group, bag size), for the
+        methods that pool before combining. Keys "<group>/L<bag>"; static (from shapes only)."""
+        batches: dict[str, list[tuple[str, int]]] = {}
+        for name, method in self.methods.items():
+            if method.pools_before_combine:
+                for p, slots in zip(self.placements[name], features[name]["slots"], strict=True):
+                    batches.setdefault(f"{p.group}/L{slots.shape[1]}", []).append((name, p.index))
+        return {k: tuple(v) for k, v in batches.items()}
+
+    def _batch_slots(self, features: Mapping, members: tuple[tuple[str, int], ...]) -> tuple[jax.Array, jax.Array]:
+        """Slots and weights of a pool batch, stacked feature-major to [K, B, L] (consecutive bags of one feature
+        read one table: better locality than interleaving the features)."""
+        slots = jnp.stack([features[name]["slots"][index] for name, index in members])
+        weights = jnp.stack([features[name]["weights"] for name, _ in members])
+        return slots, weights
+
+    def lookup(self, source: Mapping[str, jax.Array], features: Mapping) -> dict:
+        """Bags read from `source` ({group: f32[N, d]}: a batch's distinct rows, or whole tables) by the routes'
+        slots: {"pooled": {batch: f32[K, B, d]} per `pool_batches`, "per_id": {feature: (f32[B, L, d], ...)} for
+        methods that combine per id before pooling}. One gather-reduce per pool batch."""
+        pooled = {}
+        for key, members in self.pool_batches(features).items():
+            slots, weights = self._batch_slots(features, members)
+            group = self.placements[members[0][0]][members[0][1]].group
+            pooled[key] = gather_reduce(source[group], slots, weights, impl=self.kernel, interpret=self.interpret)
+        per_id = {}
+        for name, method in self.methods.items():
+            if not method.pools_before_combine:
+                per_id[name] = tuple(gather(source[p.group], s, impl=self.kernel, interpret=self.interpret)
+                                     for p, s in zip(self.placements[name], features[name]["slots"], strict=True))
+        return {"pooled": pooled, "per_id": per_id}
 
     # ------------------------------------------------------------------------------------ sparse update
     def sparse_update(self, optimizer: SparseOptimizer, tables: dict[str, jax.Array],
                       state: dict[str, dict[str, jax.Array]], routes: Mapping, rows: Mapping[str, jax.Array],
                       row_grads: Mapping[str, jax.Array], lr: jax.Array, step: jax.Array) -> tuple[dict, dict]:
-        """Apply the optimizer to the distinct rows of each group, given d loss / d rows."""
+        """Apply the optimizer to the distinct rows of each group, given d loss / d rows (what `gather` returned).
+
+        Without dedup, `row_grads` are d loss / d lookups: each occurrence's gradient (times its pooling weight)
+        is scatter-added by the optimizer's rule into its row (`scatter_apply`; duplicates sum, as in SGD)."""
+        if "unique" not in routes:
+            return self._scatter_update(optimizer, tables, state, routes["features"], row_grads, lr, step)
         new_tables, new_state = dict(tables), dict(state)
         for group, unique in routes["unique"].items():
             new_tables[group], new_state[group] = sparse_apply(
@@ -203,16 +272,32 @@ class EmbeddingCollection:
                 kernel=self.kernel)
         return new_tables, new_state
 
+    def _scatter_update(self, optimizer: SparseOptimizer, tables: dict[str, jax.Array], state: dict,
+                        features: Mapping, grads: Mapping, lr: jax.Array, step: jax.Array) -> tuple[dict, dict]:
+        new_tables = dict(tables)
+        for key, members in self.pool_batches(features).items():
+            slots, weights = self._batch_slots(features, members)  # [K, B, L]
+            group = self.placements[members[0][0]][members[0][1]].group
+            per_id = weights[..., None] * grads["pooled"][key][:, :, None, :]  # [K, B, L, d]
+            new_tables[group] = scatter_apply(optimizer, new_tables[group], slots.reshape(-1),
+                                              per_id.reshape(-1, per_id.shape[-1]), lr, step)
+        for name, per_table in grads["per_id"].items():
+            for p, slots, g in zip(self.placements[name], features[name]["slots"], per_table, strict=True):
+                new_tables[p.group] = scatter_apply(optimizer, new_tables[p.group], slots.reshape(-1),
+                                                    g.reshape(-1, g.shape[-1]), lr, step)
+        return new_tables, dict(state)
+
 
 class EmbeddingGlue(nn.Module):
-    """Dense side of the embedding layer: per feature, read its bag slots from the distinct rows, pool and
+    """Dense side of the embedding layer: per feature, read its bags (`EmbeddingCollection.lookup`), pool and
     combine (pool first when the method is linear per row, else combine per id and pool after).
 
-    rows: {group: f32[N_g, d]} from `EmbeddingCollection.gather`; features: `routes["features"]`.
+    rows: what `EmbeddingCollection.gather` returned -- the distinct rows {group: f32[N_g, d]}, read here by the
+    slots, or (without dedup) the lookups already made from the tables; features: `routes["features"]`.
     Returns f32[B, F, D] in the dataset's feature order (all features must share D).
 
     Every (feature, physical table) that pools first is pooled in one gather-reduce per (group, bag size), over
-    slots stacked to [B, K, L]: autodiff then transposes one gather into one scatter-add into the group's rows,
+    slots stacked to [K, B, L]: autodiff then transposes one gather into one scatter-add into the group's rows,
     instead of one full-size scatter-add per feature (measured on the reference_random shape: 8 features into one
     group made the glue's backward ~4x the cost of the single scatter).
     """
@@ -220,40 +305,21 @@ class EmbeddingGlue(nn.Module):
     collection: EmbeddingCollection
 
     @nn.compact
-    def __call__(self, rows: Mapping[str, jax.Array], features: Mapping) -> jax.Array:
-        pooled = self._pool_first(rows, features)
+    def __call__(self, rows: Mapping, features: Mapping) -> jax.Array:
+        looked = rows if "pooled" in rows else self.collection.lookup(rows, features)
+        pooled = {}
+        for key, members in self.collection.pool_batches(features).items():
+            for k, member in enumerate(members):
+                pooled[member] = looked["pooled"][key][k]
         outs = []
         for name, method in self.collection.methods.items():
-            route = features[name]
             placed = self.collection.placements[name]
             combine = method.combine_module(name=f"combine_{name}")
             if method.pools_before_combine:
                 outs.append(combine(tuple(pooled[(name, p.index)] for p in placed)))
             else:
-                kernel, interpret = self.collection.kernel, self.collection.interpret
-                per_id = tuple(gather(rows[p.group], s, impl=kernel, interpret=interpret)
-                               for p, s in zip(placed, route["slots"], strict=True))
-                outs.append(jnp.einsum("bld,bl->bd", combine(per_id), route["weights"]))
+                outs.append(jnp.einsum("bld,bl->bd", combine(looked["per_id"][name]), features[name]["weights"]))
         return jnp.stack(outs, axis=1)
-
-    def _pool_first(self, rows: Mapping[str, jax.Array], features: Mapping) -> dict[tuple[str, int], jax.Array]:
-        """{(feature, physical table index): f32[B, d]} for the methods that pool before combining."""
-        batches: dict[tuple[str, int], list[tuple[str, int, jax.Array, jax.Array]]] = {}
-        for name, method in self.collection.methods.items():
-            if not method.pools_before_combine:
-                continue
-            route = features[name]
-            for p, slots in zip(self.collection.placements[name], route["slots"], strict=True):
-                batches.setdefault((p.group, slots.shape[1]), []).append((name, p.index, slots, route["weights"]))
-        pooled = {}
-        for (group, _), members in batches.items():
-            slots = jnp.stack([m[2] for m in members], axis=1)  # [B, K, L]
-            weights = jnp.stack([m[3] for m in members], axis=1)
-            out = gather_reduce(rows[group], slots, weights, impl=self.collection.kernel,
-                                interpret=self.collection.interpret)  # [B, K, d]
-            for i, (name, index, _, _) in enumerate(members):
-                pooled[(name, index)] = out[:, i]
-        return pooled
 
 
 def _raise_invalid_ids(names: tuple[str, ...], vocab_sizes: dict[str, int], counts) -> None:

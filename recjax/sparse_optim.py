@@ -37,6 +37,9 @@ class SparseOptimizer(abc.ABC):
     # the subclasses' positional fields keep their order.
     weight_decay: float = dataclasses.field(default=0.0, kw_only=True)
     name: ClassVar[str]
+    # True when the rule is rows + f(grads) with f linear and no state (plain SGD): the update of a row is then the
+    # sum of its occurrences' updates, so it can be scattered with duplicates, without deduplicating ids first.
+    linear_in_grads: ClassVar[bool] = False
 
     def __post_init__(self):
         if not self.weight_decay >= 0:
@@ -64,6 +67,14 @@ class SparseOptimizer(abc.ABC):
             total += 4 * n
         return total
 
+    @property
+    def sums_duplicates(self) -> bool:
+        """Whether scattering each occurrence's update (duplicates included) is exactly this optimizer's step.
+
+        Weight decay breaks it: the decay term is applied once per distinct row, not once per occurrence.
+        """
+        return self.linear_in_grads and not self.weight_decay
+
     @abc.abstractmethod
     def update_rows(self, rows: jax.Array, state: State, grads: jax.Array, lr: jax.Array,
                     step: jax.Array) -> tuple[jax.Array, State]:
@@ -77,6 +88,7 @@ class SparseOptimizer(abc.ABC):
 @dataclasses.dataclass(frozen=True)
 class SGD(SparseOptimizer):
     name: ClassVar[str] = "sgd"
+    linear_in_grads: ClassVar[bool] = True
 
     def state_shapes(self, rows, dim):
         return {}
@@ -205,3 +217,22 @@ def sparse_apply(optimizer: SparseOptimizer, table: jax.Array, state: State, uni
     interpret = kernel == "pallas" and jax.default_backend() == "cpu"  # kernels run interpreted on a CPU
     return fused_row_update(table, state, unique_rows, current, grads, rule, lr, step, impl=kernel,
                             interpret=interpret)
+
+
+def scatter_apply(optimizer: SparseOptimizer, table: jax.Array, ids: jax.Array, grads: jax.Array, lr: jax.Array,
+                  step: jax.Array) -> jax.Array:
+    """One optimizer step as a scatter-add of every occurrence's update, duplicates included, in place.
+
+    Exact only for rules that sum over duplicates (`optimizer.sums_duplicates`: plain SGD): it skips the dedup
+    `sparse_apply` needs. The rule is the optimizer's own, applied to zero rows (its update is then the delta).
+
+    Args:
+      table: f32[R, D] (donate it).
+      ids: int [N] row ids, duplicates allowed; ids >= R (the padding sentinel) are dropped.
+      grads: f32[N, D] the gradient of each occurrence.
+    """
+    if not optimizer.sums_duplicates:
+        raise ValueError(f"sparse optimizer '{optimizer.name}' (weight_decay={optimizer.weight_decay}) needs "
+                         "distinct rows; use sparse_apply")
+    delta, _ = optimizer.update_rows(jnp.zeros((), grads.dtype), {}, grads, lr, step)
+    return table.at[ids].add(delta.astype(table.dtype), mode="drop")

@@ -43,7 +43,7 @@ from recjax.batch import Batch, pad_batch, validate_batch
 from recjax.config_check import config_errors, eval_interval, validate_config
 from recjax.data import make_dataset
 from recjax.data.pipeline import DevicePrefetcher
-from recjax.embedding import EmbeddingCollection, EmbeddingGlue
+from recjax.embedding import EmbeddingCollection, EmbeddingGlue, resolve_dedup
 from recjax.errors import ConfigError
 from recjax.models import embedding_dim, make_model
 from recjax.sparse_optim import SparseOptimizer, make_sparse_optimizer
@@ -189,15 +189,17 @@ def make_dense_optimizer(config: ml_collections.ConfigDict, total_steps: int) ->
 def build_task(config: ml_collections.ConfigDict, spec: DatasetSpec, dataset=None, total_steps: int = 1) -> Task:
     """`dataset` is only consulted for per-id counts (config.embedding.id_counts = "dataset"); `total_steps` sets
     the cosine decay's end and the examples those counts cover."""
+    with config_errors("optimizer.sparse"):
+        sparse_optimizer = make_sparse_optimizer(config.optimizer.sparse)
     with config_errors("embedding"):
         examples = total_steps * int(config.train.batch_size)
         embedding = config.embedding
+        kernel = embedding.get("kernel", "auto")
         collection = EmbeddingCollection(spec, table_specs(spec, config, dataset, examples), embedding.pooling,
-                                         embedding.get("bounds_check", "zero"), embedding.get("kernel", "auto"))
+                                         embedding.get("bounds_check", "zero"), kernel,
+                                         resolve_dedup(embedding.get("dedup", "auto"), kernel, sparse_optimizer))
     with config_errors("model"):
         model = make_model(config.model, embedding_dim(config))
-    with config_errors("optimizer.sparse"):
-        sparse_optimizer = make_sparse_optimizer(config.optimizer.sparse)
     return Task(
         spec=spec,
         collection=collection,
@@ -237,7 +239,8 @@ def init_state(task: Task, rng: jax.Array, batch: Batch) -> TrainState:
 # --------------------------------------------------------------------------------------------- steps
 def _forward(task: Task, dense_params, rows, routes, dense: jax.Array, dropout_rng: jax.Array | None = None
              ) -> jax.Array:
-    """Logits f32[B] from the distinct gathered rows and dense features; dropout only with a `dropout_rng`."""
+    """Logits f32[B] from what `collection.gather` returned and the dense features; dropout only with a
+    `dropout_rng`."""
     emb = task.glue.apply({"params": dense_params["glue"]}, rows, routes["features"])
     if dropout_rng is None:
         return task.model.apply({"params": dense_params["model"]}, dense, emb)
@@ -275,7 +278,8 @@ def make_predict_step(task: Task):
     """jit((state, batch) -> probabilities f32[B])."""
 
     def predict_step(state: TrainState, batch: Batch):
-        routes = task.collection.route(batch.ids, batch.lengths)
+        # Forward only: no update needs distinct rows, so the bags are pooled straight from the tables.
+        routes = task.collection.route(batch.ids, batch.lengths, dedup=False)
         rows = task.collection.gather(state.tables, routes)
         return jax.nn.sigmoid(_forward(task, state.dense_params, rows, routes, batch.dense))
 

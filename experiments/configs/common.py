@@ -33,6 +33,10 @@ def embedding_config(dim: int, pooling: str = "sum") -> ml_collections.ConfigDic
     # Gather-reduce and sparse-update implementation: "auto" (Pallas kernels on TPU / GPU, XLA on CPU), "xla", or
     # "pallas" (on a CPU: the kernels in Pallas's interpreter, slow; for tests).
     embedding.kernel = "auto"
+    # Deduplicate a batch's ids before the lookup and the update: "auto" skips it when the sparse optimizer sums
+    # over duplicates (plain SGD without weight decay) and the kernel is XLA -- the update is then a scatter-add
+    # with duplicates, exact and cheaper; "always" keeps it (recjax/embedding.py).
+    embedding.dedup = "auto"
     return embedding
 
 
