@@ -222,6 +222,17 @@ class EmbeddingCollection:
             return self.lookup(tables, routes["features"])
         return {g: jnp.take(tables[g], u, axis=0, mode="fill", fill_value=0) for g, u in routes["unique"].items()}
 
+    def touched_rows(self, routes: Mapping) -> dict[str, jax.Array]:
+        """The stacked rows a step reads and updates, {group: i32[N_g]}: with dedup the distinct rows, without it
+        every bag slot (duplicates included); padding and skipped ids are the sentinel `group_rows[group]`."""
+        if "unique" in routes:
+            return dict(routes["unique"])
+        parts: dict[str, list[jax.Array]] = {g: [] for g in self.group_rows}
+        for name, placed in self.placements.items():
+            for p, slots in zip(placed, routes["features"][name]["slots"], strict=True):
+                parts[p.group].append(slots.reshape(-1))
+        return {g: jnp.concatenate(v) for g, v in parts.items() if v}
+
     def pool_batches(self, features: Mapping) -> dict[str, tuple[tuple[str, int], ...]]:
         """The (feature, physical table index) pairs pooled together: one batch per (group, bag size), for the
         methods that pool before combining. Keys "<group>/L<bag>"; static (from shapes only)."""

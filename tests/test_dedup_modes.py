@@ -98,3 +98,17 @@ def test_dedup_is_skipped_only_when_every_occurrence_can_be_scatter_added():
     assert resolve_dedup("auto", "xla", RowwiseAdagrad(0.1))
     with pytest.raises(ValueError, match="dedup"):
         resolve_dedup("never", "xla", SGD(0.1))
+
+
+def test_touched_rows_are_the_same_set_with_and_without_dedup():
+    config = tiny_config(steps=1)
+    task = build_task(config, SPEC)
+    collection = task.collection
+    batch = random_batch(SPEC, 8, seed=3)
+    sentinel = collection.group_rows["dim8"]
+    with_dedup = collection.touched_rows(collection.route(batch.ids, batch.lengths, dedup=True))["dim8"]
+    without = collection.touched_rows(collection.route(batch.ids, batch.lengths, dedup=False))["dim8"]
+    expected = {int(collection.placements[f.name][0].offset + i) for f in SPEC.features
+                for row, n in zip(batch.ids[f.name], batch.lengths[f.name], strict=True) for i in row[:n]}
+    assert set(np.asarray(with_dedup).tolist()) - {sentinel} == expected
+    assert set(np.asarray(without).tolist()) - {sentinel} == expected
