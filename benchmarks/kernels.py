@@ -35,6 +35,11 @@ Measurements
                     the same MLPs, dot interaction, SGD (torch.optim.SGD for dense, sparse gradients for the bags);
                     whole step and embedding stage (EmbeddingBag forward + backward + sparse SGD step), with the
                     recjax/torch time ratios (< 1 = recjax faster). torch uses its default intra-op threads.
+  fbgemm            (when fbgemm-gpu-cpu is installed: `pip install torch==2.14.0 fbgemm-gpu-cpu==1.9.0`; optional,
+                    never a dependency) FBGEMM's table-batched embedding on the CPU -- what TorchRec runs there --
+                    (SplitTableBatchedEmbeddingBagsCodegen, HOST / CPU, the optimizer fused into the backward) on the
+                    same lookups: the embedding stage with EXACT_SGD and EXACT_ROWWISE_ADAGRAD, and the recjax/fbgemm
+                    ratios against this run's embedding_stage.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ SHAPES = {
     "kaggle_b2048": dict(tables=None, dim=16, bag=1, batch=2048, bottom=(512, 256, 64, 16), top=(512, 256, 1),
                          sparse="sgd", lr=0.01),
 }
-MEASUREMENTS = ("copy_bandwidth", "stages", "embedding_stage", "torch")
+MEASUREMENTS = ("copy_bandwidth", "stages", "embedding_stage", "torch", "fbgemm")
 NUM_DENSE = 13
 
 
@@ -357,6 +362,52 @@ def torch_comparison(shape_name: str, shape: dict, repeats: int, recjax_step_ms:
     return record
 
 
+def fbgemm_comparison(shape_name: str, shape: dict, repeats: int, recjax_ms: dict[str, float]
+                      ) -> list[dict[str, Any]]:
+    """FBGEMM's CPU TBE embedding stage (forward + backward with the fused update); [] without fbgemm_gpu."""
+    try:
+        import torch
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            EmbeddingLocation,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+    except ImportError:
+        _log("fbgemm_gpu not installed: skipping the FBGEMM comparator "
+             "(pip install torch==2.14.0 fbgemm-gpu-cpu==1.9.0)")
+        return []
+    sizes, dim, bag, b = vocab_sizes(shape), shape["dim"], shape["bag"], shape["batch"]
+    rng = np.random.default_rng(0)
+    # Table-major: all of table 0's bags, then table 1's, ...; offsets delimit T * B bags.
+    indices = torch.from_numpy(np.concatenate([rng.integers(0, v, b * bag) for v in sizes]).astype(np.int64))
+    offsets = torch.arange(0, len(sizes) * b * bag + 1, bag, dtype=torch.int64)
+    records = []
+    for sparse, optimizer in (("sgd", EmbOptimType.EXACT_SGD), ("rowwise_adagrad", EmbOptimType.EXACT_ROWWISE_ADAGRAD)):
+        tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            [(v, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for v in sizes], optimizer=optimizer,
+            learning_rate=shape["lr"], device="cpu")
+
+        def stage(tbe=tbe):
+            out = tbe(indices, offsets)
+            out.backward(torch.full_like(out, 1e-3))
+
+        stage()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            stage()
+            times.append(time.perf_counter() - t0)
+        record = {"name": "fbgemm", "shape": shape_name, "sparse_optimizer": sparse, "torch": torch.__version__,
+                  "threads": torch.get_num_threads(), "embedding_stage_ms": 1000 * statistics.median(times)}
+        if sparse in recjax_ms:
+            record["recjax_embedding_stage_ms"] = recjax_ms[sparse]
+            record["embedding_stage_ratio_recjax_over_fbgemm"] = recjax_ms[sparse] / record["embedding_stage_ms"]
+        records.append(record)
+        del tbe
+    return records
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -380,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in shapes:
         shape = SHAPES[name]
         step_ms = stage_ms = None
+        stage_by_optimizer: dict[str, float] = {}
         if "stages" in only:
             for dedup in ("auto", "always"):
                 _log(f"{name}: stages, embedding.dedup={dedup}")
@@ -391,13 +443,19 @@ def main(argv: list[str] | None = None) -> int:
             _log(f"{name}: embedding stage")
             contenders = (("sgd", "auto"), ("sgd", "always"), ("rowwise_adagrad", "auto"))
             for record in embedding_stage(name, shape, contenders, args.repeats, bandwidth):
-                if record["sparse_optimizer"] == shape["sparse"] and record["embedding_dedup"] == "auto":
-                    stage_ms = record["ms"]
+                if record["embedding_dedup"] == "auto":
+                    stage_by_optimizer[record["sparse_optimizer"]] = record["ms"]
+                    if record["sparse_optimizer"] == shape["sparse"]:
+                        stage_ms = record["ms"]
                 _emit({**record, "config": shape, "machine": info})
         if "torch" in only:
             _log(f"{name}: torch comparator")
             record = torch_comparison(name, shape, args.repeats, step_ms, stage_ms)
             if record:
+                _emit({**record, "config": shape, "machine": info})
+        if "fbgemm" in only:
+            _log(f"{name}: FBGEMM comparator")
+            for record in fbgemm_comparison(name, shape, args.repeats, stage_by_optimizer):
                 _emit({**record, "config": shape, "machine": info})
     return 0
 
