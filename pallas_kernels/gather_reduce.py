@@ -60,8 +60,20 @@ def gather_reference(table: jax.Array, rows: jax.Array) -> jax.Array:
     Returns:
       f32[..., L, D].
     """
-    ids = _sanitize(rows, table.shape[0])
-    return jnp.take(table, ids, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
+    valid, gathered = _gather_valid(table, rows)
+    return jnp.where(valid[..., None], gathered.astype(jnp.float32), 0.0)
+
+
+def _gather_valid(table: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(valid bool[..., L], table[rows] with invalid ids reading row 0). The caller selects zeros for invalid ids.
+
+    An unchecked gather of clamped ids and a select measured 2.3x faster on XLA:CPU than `jnp.take(mode="fill")`
+    followed by the weighted sum (1.6M ids of 64 floats; benchmarks/kernels.py), and a select (not a multiply by 0)
+    keeps padding at exactly zero even if row 0 held inf or NaN.
+    """
+    rows = rows.astype(jnp.int32)
+    valid = (rows >= 0) & (rows < table.shape[0])
+    return valid, table.at[jnp.where(valid, rows, 0)].get(mode="promise_in_bounds")
 
 
 def gather_reduce_reference(table: jax.Array, rows: jax.Array, weights: jax.Array) -> jax.Array:
@@ -76,8 +88,9 @@ def gather_reduce_reference(table: jax.Array, rows: jax.Array, weights: jax.Arra
       f32[..., D] pooled embeddings, accumulated in f32.
     """
     assert rows.shape == weights.shape and rows.ndim >= 1, (rows.shape, weights.shape)
-    gathered = gather_reference(table, rows)  # [..., L, D]
-    return jnp.einsum("...ld,...l->...d", gathered, weights.astype(jnp.float32), precision=_HIGHEST)
+    valid, gathered = _gather_valid(table, rows)  # [..., L], [..., L, D]
+    weighted = gathered.astype(jnp.float32) * weights.astype(jnp.float32)[..., None]
+    return jnp.where(valid[..., None], weighted, 0.0).sum(axis=-2)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from compression import EmbeddingMethod, PhysicalTable, TableSpec, build_method
-from pallas_kernels import gather, gather_reduce, unique_rows
+from pallas_kernels import gather, gather_reduce, gather_reference, unique_rows
 from recjax.sparse_optim import SparseOptimizer, scatter_apply, sparse_apply
 from recjax.specs import DatasetSpec
 
@@ -220,7 +220,7 @@ class EmbeddingCollection:
         sentinel reads zeros); without, the lookups themselves, pooled from the tables (see `lookup`)."""
         if "unique" not in routes:
             return self.lookup(tables, routes["features"])
-        return {g: jnp.take(tables[g], u, axis=0, mode="fill", fill_value=0) for g, u in routes["unique"].items()}
+        return {g: gather_reference(tables[g], u) for g, u in routes["unique"].items()}
 
     def touched_rows(self, routes: Mapping) -> dict[str, jax.Array]:
         """The stacked rows a step reads and updates, {group: i32[N_g]}: with dedup the distinct rows, without it
@@ -287,11 +287,14 @@ class EmbeddingCollection:
                         features: Mapping, grads: Mapping, lr: jax.Array, step: jax.Array) -> tuple[dict, dict]:
         new_tables = dict(tables)
         for key, members in self.pool_batches(features).items():
-            slots, weights = self._batch_slots(features, members)  # [K, B, L]
-            group = self.placements[members[0][0]][members[0][1]].group
-            per_id = weights[..., None] * grads["pooled"][key][:, :, None, :]  # [K, B, L, d]
-            new_tables[group] = scatter_apply(optimizer, new_tables[group], slots.reshape(-1),
-                                              per_id.reshape(-1, per_id.shape[-1]), lr, step)
+            # One scatter per member: XLA materialises a scatter's updates, and per member that temporary is
+            # [B, L, d] rather than [K, B, L, d] (the scatters update the donated table in place, one after another).
+            for k, (name, index) in enumerate(members):
+                group = self.placements[name][index].group
+                ids = features[name]["slots"][index].reshape(-1)
+                per_id = features[name]["weights"][..., None] * grads["pooled"][key][k][:, None, :]  # [B, L, d]
+                new_tables[group] = scatter_apply(optimizer, new_tables[group], ids,
+                                                  per_id.reshape(-1, per_id.shape[-1]), lr, step)
         for name, per_table in grads["per_id"].items():
             for p, slots, g in zip(self.placements[name], features[name]["slots"], per_table, strict=True):
                 new_tables[p.group] = scatter_apply(optimizer, new_tables[p.group], slots.reshape(-1),
