@@ -144,10 +144,12 @@ def config_differences(saved: Mapping, current: Mapping) -> list[str]:
 def _manager(directory: pathlib.Path, *, read_only: bool = False, async_save: bool = True):
     import orbax.checkpoint as ocp
 
+    # Retention is ours (a delta chain must keep its baseline: Checkpointer._settle). Leftovers of saves cut short are
+    # never complete: a writer removes them. Readers (another run's checkpoints) change nothing; Orbax's read_only
+    # option would log warnings on every open, so they are plain managers that never save.
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=None,  # retention is ours: a delta chain must keep its baseline (Checkpointer._retain)
-        create=not read_only, read_only=read_only, enable_async_checkpointing=async_save,
-        cleanup_tmp_directories=not read_only)  # leftovers of saves cut short are never complete: remove them
+        max_to_keep=None, create=not read_only, enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=not read_only)
     return ocp.CheckpointManager(directory, options=options, item_names=_ITEMS)
 
 
