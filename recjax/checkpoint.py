@@ -33,6 +33,7 @@ Sharding (not landed yet): deltas are (row ids, rows) per stacked group, so a ro
 and read its own id range; baselines hold whole groups, which Orbax already saves and restores per shard.
 """
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -120,6 +121,50 @@ def _describe_arrays(item: str, tree: Mapping) -> dict[str, list]:
             for p, a in _flat(tree).items()}
 
 
+class _Checksums:
+    """meta["arrays"] ({item/path: [dtype, shape, sha256]}), hashed on a worker thread while the save goes on; the
+    meta handler below waits for it in Orbax's background commit, so the train loop never does."""
+
+    _pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="recjax-sha256")
+
+    def __init__(self, items: Mapping[str, Mapping]):
+        self._future = self._pool.submit(lambda: {k: v for item, tree in items.items()
+                                                  for k, v in _describe_arrays(item, tree).items()})
+
+    def result(self) -> dict:
+        return self._future.result()
+
+
+def _meta_handler_types():
+    """The meta item's handler and args: Orbax's JSON handler, saving once the checksums are ready. Registered on
+    first use (orbax is imported lazily)."""
+    global _META_TYPES
+    if _META_TYPES is None:
+        import orbax.checkpoint as ocp
+
+        class MetaHandler(ocp.handlers.JsonCheckpointHandler):
+            async def _save_fn(self, x, directory):
+                if isinstance(x.get("arrays"), _Checksums):
+                    x = {**x, "arrays": x["arrays"].result()}
+                await super()._save_fn(x, directory)
+
+        @ocp.args.register_with_handler(MetaHandler, for_save=True)
+        @dataclasses.dataclass
+        class MetaSave(ocp.args.CheckpointArgs):
+            item: dict
+
+        @ocp.args.register_with_handler(MetaHandler, for_restore=True)
+        @dataclasses.dataclass
+        class MetaRestore(ocp.args.CheckpointArgs):
+            item: dict | None = None
+
+        _META_TYPES = (MetaSave, MetaRestore)
+    return _META_TYPES
+
+
+_META_TYPES = None
+
+
 def _config_dict(config: ml_collections.ConfigDict) -> dict:
     return json.loads(config.to_json_best_effort(sort_keys=True))
 
@@ -149,7 +194,7 @@ def _manager(directory: pathlib.Path, *, read_only: bool = False, async_save: bo
     # option would log warnings on every open, so they are plain managers that never save.
     options = ocp.CheckpointManagerOptions(
         max_to_keep=None, create=not read_only, enable_async_checkpointing=async_save,
-        cleanup_tmp_directories=not read_only)
+        cleanup_tmp_directories=not read_only, enable_background_delete=async_save)
     return ocp.CheckpointManager(directory, options=options, item_names=_ITEMS)
 
 
@@ -172,6 +217,9 @@ class _Store:
         self._metas.pop(step, None)
 
     def meta(self, step: int) -> dict:
+        cached = self._metas.get(step)
+        if cached is not None and isinstance(cached["arrays"], _Checksums):  # saved by this process
+            self._metas[step] = {**cached, "arrays": cached["arrays"].result()}
         if step not in self._metas:
             meta = self.item(step, "meta")
             if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
@@ -190,7 +238,7 @@ class _Store:
         if not where.exists():
             raise CheckpointError(f"checkpoint step {step}: {where} is missing; the checkpoint is incomplete or was "
                                   f"deleted. {todo}")
-        restore = ocp.args.JsonRestore() if item == "meta" else ocp.args.StandardRestore()
+        restore = _meta_handler_types()[1]() if item == "meta" else ocp.args.StandardRestore()
         try:
             value = getattr(self.manager.restore(step, args=ocp.args.Composite(**{item: restore})), item)
         except Exception as error:
@@ -419,8 +467,10 @@ class Checkpointer:
         }
         kind, rows_item, delta_bytes = self._plan(state)
         if kind == "full":
-            item_state["tables"] = {g: np.array(t) for g, t in state.tables.items()}
-            item_state["sparse_opt"] = {g: {k: np.array(v) for k, v in s.items()}
+            # Device-side copies, dispatched asynchronously: the next step may donate (overwrite) the tables while
+            # Orbax moves these to the host and writes them in the background.
+            item_state["tables"] = {g: jnp.copy(t) for g, t in state.tables.items()}
+            item_state["sparse_opt"] = {g: {k: jnp.copy(v) for k, v in s.items()}
                                         for g, s in state.sparse_opt_state.items() if s}
             table_bytes = _nbytes({"t": item_state["tables"], "o": item_state["sparse_opt"]})
             self._chain, self._baseline_bytes, self._chain_bytes = [step], table_bytes, 0
@@ -430,8 +480,7 @@ class Checkpointer:
                 self._chain, self._chain_bytes = [self._chain[0], step], delta_bytes
             else:
                 self._chain, self._chain_bytes = [*self._chain, step], self._chain_bytes + delta_bytes
-        arrays = _describe_arrays("state", item_state)
-        arrays.update(_describe_arrays("rows", rows_item))
+        arrays = _Checksums({"state": item_state, "rows": rows_item})
         meta = {
             "format": FORMAT_VERSION, "step": step, "kind": kind, "policy": self.policy, "chain": self._chain,
             "quantize_bits": self.bits if kind == "delta" else 0, "groups": sorted(rows_item),
@@ -440,7 +489,7 @@ class Checkpointer:
             "dense_paths": paths, "rng_impl": str(jax.random.key_impl(state.dropout_rng)),
             "arrays": arrays, "loop": loop, "config": self.config_dict, "finished": finished,
         }
-        args = {"state": ocp.args.StandardSave(item_state), "meta": ocp.args.JsonSave(meta)}
+        args = {"state": ocp.args.StandardSave(item_state), "meta": _meta_handler_types()[0](meta)}
         if rows_item:
             args["rows"] = ocp.args.StandardSave(rows_item)
         self.store.manager.save(step, args=ocp.args.Composite(**args), force=True)
