@@ -78,6 +78,10 @@ def check_checkpoint_config(config: Mapping) -> None:
     bits = _get(config, "checkpoint.quantize_bits")
     if bits not in QUANTIZE_BITS or isinstance(bits, bool):
         raise ConfigError("checkpoint.quantize_bits", f"must be one of {list(QUANTIZE_BITS)} (0 = f32), got {bits!r}")
+    if bits and _get(config, "checkpoint.policy") == "full":
+        raise ConfigError("checkpoint.quantize_bits", f"{bits} quantizes the rows of deltas, but checkpoint.policy "
+                                                      "'full' writes none; set checkpoint.policy to 'one_shot', "
+                                                      "'consecutive' or 'intermittent' (or quantize_bits to 0)")
 
 
 # ------------------------------------------------------------------------------------------ dirty rows

@@ -459,7 +459,8 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
 
     def loop_state() -> dict:
         return {"selection": dataclasses.asdict(selection), "test_warned": test_warned, "train_time": train_time,
-                "wall_time": time.perf_counter() - run_start, "loss": loss, "history": history}
+                "wall_time": time.perf_counter() - run_start, "loss": loss,
+                "history": list(history)}  # a copy: an async save serialises it while the loop appends
 
     start = step = resume.step if resume else 0
     last = start if selection.should_stop else budget.steps  # a run restored after its early stop trains no more

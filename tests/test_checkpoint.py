@@ -267,6 +267,7 @@ def test_loading_unpickles_nothing(reference, monkeypatch):
 @pytest.mark.parametrize("key, value, message", [
     ("policy", "sometimes", r"checkpoint.policy: unknown value 'sometimes'"),
     ("quantize_bits", 3, r"checkpoint.quantize_bits: must be one of \[0, 2, 4, 8\]"),
+    ("quantize_bits", 4, r"checkpoint.quantize_bits: 4 quantizes the rows of deltas, but checkpoint.policy 'full'"),
     ("keep", 0, r"checkpoint.keep: must be >= 1"),
     ("every_minutes", -1.0, r"checkpoint.every_minutes: must be >= 0"),
 ])
