@@ -28,6 +28,7 @@ Measurements
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -240,7 +241,8 @@ def quality_measurement(steps: int, info: dict) -> None:
         config.checkpoint.every_steps = steps // 5
         config.checkpoint.keep = 1
         workdir = pathlib.Path(tempfile.mkdtemp(prefix="ckpt_quality_"))
-        summary = train_and_evaluate(config, workdir)
+        with contextlib.redirect_stdout(sys.stderr):  # the run's console lines are progress, not measurements
+            summary = train_and_evaluate(config, workdir)
         from recjax.data import make_dataset
 
         dataset = make_dataset(config.data, seed=config.seed)
