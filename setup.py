@@ -30,7 +30,9 @@ setup(
         "array_record>=0.7",
         "grain>=0.2.12,<0.3",
         "importlib_resources>=5",  # TFDS (via etils.epath) needs it to locate builder code; not always pulled in
-        "matplotlib>=3.8,<4",  # experiments/sweep_compression.py: the Pareto plot (Agg canvas, no display)
+        "matplotlib>=3.8,<4",
+        # recjax/checkpoint.py: CheckpointManager, StandardSave / JsonSave items, read_only managers (0.11+).
+        "orbax-checkpoint>=0.11,<0.13",  # experiments/sweep_compression.py: the Pareto plot (Agg canvas, no display)
     ],
     extras_require={
         # The TensorBoard viewer for the event files every run writes (`tensorboard --logdir runs`).

@@ -1,8 +1,9 @@
 """What every sweep script shares: resumable runs in subdirectories, CSV output and the compilation cache.
 
 A sweep trains each of its runs with `recjax.train.train_and_evaluate` in `<workdir>/<run name>/`. A run whose
-summary.json exists is not trained again, so an interrupted sweep resumes where it stopped; if that run's
-config.json differs from the config the sweep would train now, the sweep stops rather than mix results.
+summary.json exists is not trained again, so an interrupted sweep resumes where it stopped (the run it was in the
+middle of resumes from its last checkpoint, recjax/checkpoint.py); if that run's config.json differs from the config
+the sweep would train now, the sweep stops rather than mix results.
 """
 
 import contextlib

@@ -4,8 +4,9 @@ r"""Train and evaluate one configuration.
     python -m experiments.train --config=experiments/configs/dlrm_synthetic.py:kaggle \
         --config.train.steps=1000 --workdir=runs/kaggle
 
-Writes to --workdir: TensorBoard events, metrics.csv, config.json and summary.json. A config mistake is one
-`error: ...` line and exit status 2 (`--debug` shows the traceback).
+Writes to --workdir: TensorBoard events, metrics.csv, config.json, summary.json and checkpoints/; the same command
+with the same --workdir resumes from the latest complete checkpoint (or says the run is complete). A config mistake
+is one `error: ...` line and exit status 2 (`--debug` shows the traceback).
 """
 
 import json

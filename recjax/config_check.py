@@ -257,10 +257,17 @@ def check_data(config: Mapping) -> None:
     check_data_config(_get(config, "data"))
 
 
+def check_checkpoint(config: Mapping) -> None:
+    from recjax.checkpoint import check_checkpoint_config
+
+    check_checkpoint_config(config)
+
+
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Raise a ConfigError naming the first bad key of `config`; return None if it can run."""
     integer(config, "seed", 0)
     check_train(config)
+    check_checkpoint(config)
     check_optimizer(config)
     check_embedding(config)
     check_model(config)

@@ -20,3 +20,7 @@ class ConfigError(UserError, ValueError):
 
 class DataError(UserError, ValueError):
     """The input data cannot be used as configured (a bad line in strict mode, an empty split, an empty file)."""
+
+
+class CheckpointError(UserError, ValueError):
+    """A checkpoint cannot be used: missing, corrupt, or from a run with another config; names the step and path."""

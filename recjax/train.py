@@ -40,6 +40,7 @@ from compression import TableSpec
 from compression.plan import load_id_counts, plan_tables
 from recjax import metrics
 from recjax.batch import Batch, pad_batch, validate_batch
+from recjax.checkpoint import Checkpointer, ResumePoint, mark_dirty_rows
 from recjax.config_check import config_errors, eval_interval, validate_config
 from recjax.data import make_dataset
 from recjax.data.pipeline import DevicePrefetcher
@@ -60,6 +61,8 @@ class TrainState:
     tables: dict[str, jax.Array]  # stacked physical tables, {group: f32[rows, dim]}
     sparse_opt_state: dict[str, dict[str, jax.Array]]
     dropout_rng: jax.Array  # folded with the step for each step's dropout masks
+    # Incremental checkpoints: bool[rows] per stacked group, set at the rows each step touches ({} = not tracked).
+    dirty_rows: dict[str, jax.Array] = flax.struct.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,7 +270,9 @@ def make_train_step(task: Task):
             task.sparse_optimizer, state.tables, state.sparse_opt_state, routes, rows, g_rows,
             task.sparse_lr(state.step), step)
         new_state = TrainState(step=step, dense_params=dense_params, dense_opt_state=dense_opt_state,
-                               tables=tables, sparse_opt_state=sparse_opt_state, dropout_rng=state.dropout_rng)
+                               tables=tables, sparse_opt_state=sparse_opt_state, dropout_rng=state.dropout_rng,
+                               dirty_rows=mark_dirty_rows(state.dirty_rows,
+                                                          task.collection.touched_rows(routes)))
         invalid = sum(routes["invalid_ids"].values(), jnp.zeros((), jnp.int32))
         return new_state, {"loss": loss, "invalid_ids": invalid}
 
@@ -365,6 +370,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     validate_config(config)  # every config mistake is a ConfigError naming its key, before any work
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    checkpointer = Checkpointer(config, workdir) if config.checkpoint.enabled else None
+    resume = checkpointer.resume_point() if checkpointer else None
+    if resume and resume.own and resume.finished and (workdir / "summary.json").exists():
+        print(f"run complete: {resume.store.directory / str(resume.step)} is its final checkpoint; nothing to train "
+              f"(summary: {workdir / 'summary.json'})", flush=True)
+        checkpointer.close()
+        return json.loads((workdir / "summary.json").read_text())
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
 
     # --- data and task ----------------------------------------------------------------------------
@@ -374,18 +386,34 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     task = build_task(config, dataset.spec, dataset, budget.steps)
     validate = lambda b, where: validate_batch(b, task.spec, any_id=task.collection.any_id_features,
                                                where=where)
-    with DevicePrefetcher(dataset.train_batches(int(config.train.batch_size)), validate) as batches:
-        return _train_loop(config, workdir, dataset, task, budget, batches)
+    # Step i's batch is a pure function of (seed, i), so a resumed run restarts the stream at its step.
+    start = resume.step if resume else 0
+    try:
+        with DevicePrefetcher(dataset.train_batches(int(config.train.batch_size), start), validate) as batches:
+            return _train_loop(config, workdir, dataset, task, budget, batches, checkpointer, resume)
+    finally:
+        if checkpointer:
+            checkpointer.close()  # waits for a save in flight
 
 
 def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, dataset, task: Task, budget: Budget,
-                batches: DevicePrefetcher) -> dict:
+                batches: DevicePrefetcher, checkpointer: Checkpointer | None = None,
+                resume: ResumePoint | None = None) -> dict:
     train_cfg = config.train
     batch_size = budget.batch_size
 
     # --- state, steps, cost analysis --------------------------------------------------------------
     first = next(batches)
-    state = init_state(task, jax.random.key(config.seed), first)
+    loop = {}  # the loop's own state (selection, history, times), restored with a checkpoint
+    if resume:
+        like = jax.eval_shape(lambda batch: init_state(task, jax.random.key(config.seed), batch), first)
+        state, loop = checkpointer.restore(resume, like)
+        print(f"resuming from checkpoint step {resume.step:,} of {budget.steps:,} "
+              f"({resume.store.directory / str(resume.step)})", flush=True)
+    else:
+        state = init_state(task, jax.random.key(config.seed), first)
+        if checkpointer:
+            state = checkpointer.track(state)
     # Compile once, up front: the loop calls the executables, so no step pays for compilation and the
     # compile time and XLA's cost analysis come from exactly what runs.
     t0 = time.perf_counter()
@@ -406,13 +434,16 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
     writer = SummaryWriter(str(workdir))
     csv_path = workdir / "metrics.csv"
     csv_fields = ["step", "split", "examples", "epoch", "loss", *METRICS, "examples_per_sec", "elapsed_s"]
+    history = loop.get("history", [])  # metrics.csv's rows up to the restored step (later ones were lost)
     with csv_path.open("w", newline="") as f:
         csv.writer(f).writerow(csv_fields)
+        csv.DictWriter(f, csv_fields).writerows(history)
 
     def log_row(row: dict):
         row["examples"] = row["step"] * batch_size
         if budget.examples_per_epoch:
             row["epoch"] = row["examples"] / budget.examples_per_epoch
+        history.append(row)
         with csv_path.open("a", newline="") as f:
             csv.DictWriter(f, csv_fields).writerow(row)
         for k, v in row.items():
@@ -425,16 +456,24 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
                  "elapsed_s": time.perf_counter() - run_start})
         return result
 
-    selection = Selection(train_cfg.select_on, int(train_cfg.early_stopping_patience))
-    test_warned = False
-    train_time, run_start = 0.0, time.perf_counter()
-    loss = float("nan")
-    bar = tqdm.tqdm(total=budget.steps * batch_size, unit="ex", unit_scale=True,
+    selection = Selection(**loop.get("selection", {"select_on": train_cfg.select_on,
+                                                   "patience": int(train_cfg.early_stopping_patience)}))
+    test_warned = loop.get("test_warned", False)
+    train_time, run_start = loop.get("train_time", 0.0), time.perf_counter() - loop.get("wall_time", 0.0)
+    loss = loop.get("loss", float("nan"))
+
+    def loop_state() -> dict:
+        return {"selection": dataclasses.asdict(selection), "test_warned": test_warned, "train_time": train_time,
+                "wall_time": time.perf_counter() - run_start, "loss": loss,
+                "history": list(history)}  # a copy: an async save serialises it while the loop appends
+
+    start = step = resume.step if resume else 0
+    last = start if selection.should_stop else budget.steps  # a run restored after its early stop trains no more
+    bar = tqdm.tqdm(initial=start * batch_size, total=budget.steps * batch_size, unit="ex", unit_scale=True,
                     disable=not train_cfg.progress_bar, mininterval=1.0, dynamic_ncols=True)
     batch = first
     window_start, window_examples = time.perf_counter(), 0
-    step = 0
-    for step in range(1, budget.steps + 1):
+    for step in range(start + 1, last + 1):
         state, step_metrics = train_step(state, batch)
         window_examples += batch_size
         evaluate_now = budget.is_eval_step(step)
@@ -463,10 +502,17 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
         bar.update(batch_size)
         if selection.should_stop:
             break
+        if checkpointer and step < budget.steps and checkpointer.due(step):
+            jax.block_until_ready(state)
+            saving = time.perf_counter()
+            state = checkpointer.save(step, state, loop_state())
+            window_start += time.perf_counter() - saving  # the save's stall is not training time
         if step < budget.steps:
             batch = next(batches)
     bar.close()
     writer.close()
+    if checkpointer:
+        state = checkpointer.save(step, state, loop_state(), finished=True)
     stopped_early = step < budget.steps
     print(f"selected step {selection.best_step:,} (best validation {selection.select_on} "
           f"{selection.best_validation[selection.select_on]:.4f})"

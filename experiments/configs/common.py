@@ -109,3 +109,26 @@ def train_config(*, batch_size: int, steps: int | None = None, epochs: float | N
     train.select_on = "auc"  # validation metric that picks the best step: "auc" (higher) or "logloss" (lower)
     train.progress_bar = True
     return train
+
+
+def checkpoint_config() -> ml_collections.ConfigDict:
+    """Orbax checkpoints of the whole run (recjax/checkpoint.py), on by default: re-running in the same workdir
+    resumes from the latest complete checkpoint."""
+    checkpoint = ml_collections.ConfigDict()
+    checkpoint.enabled = True  # save checkpoints and resume from them (False: neither)
+    checkpoint.dir = ""  # where they go; "" = <workdir>/checkpoints
+    checkpoint.every_steps = 0  # save every this many steps (0 = by time only); the last step is always saved
+    checkpoint.every_minutes = 5.0  # and/or after this many minutes since the last save (0 = by steps only)
+    checkpoint.keep = 2  # restore points kept (with the baseline and deltas each one needs)
+    checkpoint.async_save = True  # write in a background thread; the loop only waits for the host copy
+    # Tables: "full" (every checkpoint holds every row), or Check-N-Run incremental deltas of the rows touched since
+    # a baseline: "one_shot" (one baseline, then each checkpoint a cumulative delta since it), "consecutive" (each
+    # delta since the previous checkpoint) or "intermittent" (consecutive, with a new baseline once the chain's
+    # deltas outgrow baseline_fraction of the baseline's bytes).
+    checkpoint.policy = "full"
+    checkpoint.baseline_fraction = 0.5  # intermittent: new baseline when the chain's delta bytes exceed this share
+    # Row-wise asymmetric k-bit quantization of the delta rows (0 = f32; 2, 4 or 8): only the checkpoint is lossy,
+    # training stays f32; a run restored from a quantized delta continues from the dequantized rows.
+    checkpoint.quantize_bits = 0
+    checkpoint.restore = ""  # start from another run's checkpoint: its checkpoints dir or one step's dir in it
+    return checkpoint

@@ -31,4 +31,5 @@ def get_config() -> ml_collections.ConfigDict:
     # One epoch, as the reference; validation five times an epoch picks the best point (and stops early on small
     # files). An epoch of the full file is ~306k steps of 128.
     config.train = common.train_config(batch_size=128, epochs=1, eval_every="0.2epoch", log_every=1000, patience=2)
+    config.checkpoint = common.checkpoint_config()
     return config

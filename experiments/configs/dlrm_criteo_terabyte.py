@@ -31,4 +31,5 @@ def get_config() -> ml_collections.ConfigDict:
 
     # One epoch (~2M steps of 2048 over ~4.2B train lines), validation ten times an epoch.
     config.train = common.train_config(batch_size=2048, epochs=1, eval_every="0.1epoch", log_every=1000, patience=2)
+    config.checkpoint = common.checkpoint_config()
     return config

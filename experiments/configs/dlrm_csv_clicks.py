@@ -52,4 +52,5 @@ def get_config() -> ml_collections.ConfigDict:
     config.optimizer = common.optimizer_config("adam", 0.001, "rowwise_adagrad", 0.05)
     # One epoch is ~15.8k steps of 2048 on Avazu's 32M train rows; validation four times an epoch picks the best.
     config.train = common.train_config(batch_size=2048, epochs=2, eval_every="0.25epoch", log_every=200, patience=3)
+    config.checkpoint = common.checkpoint_config()
     return config

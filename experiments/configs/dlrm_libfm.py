@@ -43,4 +43,5 @@ def get_config() -> ml_collections.ConfigDict:
     config.model.dlrm.top_mlp = (64, 1)
     config.optimizer = common.optimizer_config("adam", 0.001, "adagrad", 0.05)
     config.train = common.train_config(batch_size=512, epochs=20, eval_every="epoch", log_every=100, patience=3)
+    config.checkpoint = common.checkpoint_config()
     return config

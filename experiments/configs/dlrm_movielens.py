@@ -46,4 +46,5 @@ def get_config() -> ml_collections.ConfigDict:
     config.optimizer = common.optimizer_config("adam", 0.003, "adagrad", 0.1, decay="cosine")
     config.optimizer.sparse.weight_decay = 3e-3
     config.train = common.train_config(batch_size=512, epochs=10, eval_every="epoch", log_every=50, patience=3)
+    config.checkpoint = common.checkpoint_config()
     return config

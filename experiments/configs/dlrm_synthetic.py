@@ -65,4 +65,5 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
 
     # Synthetic data is an endless stream: the budget is in steps. 3.1M examples: ~70 s on 2 idle CPU cores.
     config.train = common.train_config(batch_size=512, steps=6000, eval_every=1000, log_every=100)
+    config.checkpoint = common.checkpoint_config()
     return config

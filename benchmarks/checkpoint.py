@@ -1,0 +1,314 @@
+r"""Checkpoint benchmark: bytes written and capacity of full vs Check-N-Run incremental (+ 4-bit) checkpoints at
+0.1 %, 1 % and 10 % of the rows touched per interval, the train loop's stall per save (sync vs async), the cost of
+the dirty-row bitmap on step time, the AUC of models restored from 2-, 4- and 8-bit deltas, and crash trials.
+
+    python benchmarks/checkpoint.py                          # everything (~5-10 min on 2 shared cores)
+    python benchmarks/checkpoint.py --only bytes,stall --rows 1000000
+
+Prints one JSON line per measurement to stdout (progress to stderr), each with its config and the machine.
+
+Measurements
+  bytes      a DLRM over 4 one-hot features of `rows / 4` ids each (dim 16, lazy Adam: table + m + v), trained on the
+             synthetic stream with Zipf-distributed ids (exponent 1.05); the checkpoint interval (in steps) is
+             calibrated so the bitmap really holds ~0.1 %, 1 % or 10 % of the rows when a save comes. Per policy
+             (full; consecutive deltas; consecutive + 4-bit) and fraction: the measured touched fraction, bytes per
+             interval (the step directories' size on disk, the first baseline excluded) and their ratio to full, and
+             the capacity (the checkpoint dir's size with keep = 1 after `intervals` intervals, baseline included).
+  bitmap     the compiled train step's time on the same device batches with the dirty-row bitmap (policy
+             consecutive) vs without (full), alternating, medians.
+  stall      how long the train loop waits per save of the `rows` model, synchronous (the whole write) vs async (the
+             host copy + checksums; Orbax writes in the background), alternating, medians.
+  quality    the default synthetic DLRM (`small` preset) trained `--quality_steps` steps, checkpointed every 1/5 of the
+             run with consecutive deltas at 0 (f32), 2, 4 and 8 bits: the test AUC and logloss of the model restored
+             from the final checkpoint, and the difference to the f32 one (training itself is the same f32 run).
+  crash      tests/crash_driver.py with `--crash_trials` SIGKILLs (mid-save and mid-steps): how many resumed from the
+             newest complete checkpoint and ended bit-identical to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+MEASUREMENTS = ("bytes", "bitmap", "stall", "quality", "crash")
+FRACTIONS = (0.001, 0.01, 0.1)
+MODES = {"full": dict(policy="full", quantize_bits=0), "incremental": dict(policy="consecutive", quantize_bits=0),
+         "incremental_4bit": dict(policy="consecutive", quantize_bits=4)}
+
+
+def _log(message: str) -> None:
+    print(f"[checkpoint] {message}", file=sys.stderr, flush=True)
+
+
+def _emit(record: dict[str, Any]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def machine() -> dict[str, Any]:
+    import jax
+    import orbax.checkpoint as ocp
+
+    return {"cpu_count": os.cpu_count(), "jax": jax.__version__, "orbax": ocp.__version__,
+            "backend": jax.default_backend(), "load_average": os.getloadavg()[0]}
+
+
+def du(path: pathlib.Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def table_config(rows: int, batch: int, **ckpt):
+    """A small-MLP DLRM whose cost is its tables: 4 one-hot features of rows / 4 ids, dim 16, lazy Adam."""
+    from experiments.configs.dlrm_synthetic import get_config
+
+    config = get_config()
+    config.data.vocab_sizes = (rows // 4,) * 4
+    config.data.zipf_exponent = 1.05
+    config.data.eval_examples = 1024
+    config.embedding.dim = 16
+    config.model.dlrm.bottom_mlp = (16, 16)
+    config.model.dlrm.top_mlp = (16, 1)
+    config.train.batch_size = batch
+    for key, value in ckpt.items():
+        config.checkpoint[key] = value
+    return config
+
+
+class Trainer:
+    """The trainer's pieces without its loop: a state, the compiled step and the synthetic stream."""
+
+    def __init__(self, config):
+        import jax
+
+        from recjax.data import make_dataset
+        from recjax.train import build_task, init_state, make_train_step
+
+        self.config = config
+        self.dataset = make_dataset(config.data, seed=config.seed)
+        self.task = build_task(config, self.dataset.spec, self.dataset, 100_000)
+        self.stream = self.dataset.train_batches(config.train.batch_size)
+        first = jax.device_put(next(self.stream))
+        self.state = init_state(self.task, jax.random.key(0), first)
+        self.step_fn = make_train_step(self.task)
+        self.step = 0
+
+    def train(self, steps: int) -> None:
+        import jax
+
+        for _ in range(steps):
+            self.state, _ = self.step_fn(self.state, jax.device_put(next(self.stream)))
+            self.step += 1
+        jax.block_until_ready(self.state)
+
+    def touched(self) -> float:
+        return float(sum(np.asarray(d).sum() for d in self.state.dirty_rows.values())) / sum(
+            d.shape[0] for d in self.state.dirty_rows.values())
+
+
+def calibrate_interval(rows: int, batch: int, fraction: float) -> int:
+    """Steps after which the bitmap holds >= `fraction` of the rows (the interval's length)."""
+    from recjax.checkpoint import Checkpointer
+
+    trainer = Trainer(table_config(rows, batch, policy="consecutive"))
+    trainer.state = Checkpointer(trainer.config, tempfile.mkdtemp()).track(trainer.state)
+    steps = 0
+    while trainer.touched() < fraction:
+        trainer.train(1)
+        steps += 1
+    return steps
+
+
+def bytes_measurement(rows: int, batch: int, intervals: int, info: dict) -> None:
+    from recjax.checkpoint import Checkpointer
+
+    for fraction in FRACTIONS:
+        interval = calibrate_interval(rows, batch, fraction)
+        results = {}
+        for mode, ckpt in MODES.items():
+            _log(f"bytes: {fraction:.1%} of {rows:,} rows touched per interval of {interval} steps, {mode}")
+            workdir = pathlib.Path(tempfile.mkdtemp(prefix="ckpt_bench_"))
+            trainer = Trainer(table_config(rows, batch, keep=1, async_save=False, **ckpt))
+            checkpointer = Checkpointer(trainer.config, workdir)
+            trainer.state = checkpointer.track(trainer.state)
+            checkpointer_steps, touched, sizes, logical = [], [], [], []
+            for i in range(intervals + 1):
+                trainer.train(interval)
+                if i:
+                    touched.append(trainer.touched() if trainer.state.dirty_rows else float("nan"))
+                trainer.state = checkpointer.save(trainer.step, trainer.state, {})
+                checkpointer.store.manager.wait_until_finished()
+                checkpointer_steps.append(trainer.step)
+                if i:  # the first save is everyone's baseline
+                    sizes.append(du(checkpointer.directory / str(trainer.step)))
+                    logical.append(checkpointer.store.meta(trainer.step)["table_bytes"])
+            checkpointer.close()
+            results[mode] = {"bytes_per_interval": statistics.mean(sizes), "capacity_bytes": du(
+                checkpointer.directory), "table_bytes_per_interval": statistics.mean(logical),
+                "touched_fraction": statistics.mean(touched) if mode != "full" else None}
+            shutil.rmtree(workdir, ignore_errors=True)
+        touched = results["incremental"]["touched_fraction"]
+        for mode, r in results.items():
+            _emit({"measurement": "bytes", "mode": mode, "target_fraction": fraction, "touched_fraction": touched,
+                   "interval_steps": interval, "intervals": intervals, **r,
+                   "bytes_vs_full": r["bytes_per_interval"] / results["full"]["bytes_per_interval"],
+                   "table_bytes_vs_full": r["table_bytes_per_interval"] / results["full"]["table_bytes_per_interval"],
+                   "capacity_vs_full": r["capacity_bytes"] / results["full"]["capacity_bytes"],
+                   "config": {"rows": rows, "dim": 16, "batch": batch, "sparse": "lazy_adam", "zipf": 1.05},
+                   "machine": info})
+
+
+def bitmap_measurement(rows: int, batch: int, repeats: int, info: dict) -> None:
+    """The jitted train step alone, on the same 50 device batches, with and without the bitmap."""
+    import jax
+
+    from recjax.checkpoint import Checkpointer
+
+    trainers = {}
+    for name, policy in (("without_bitmap", "full"), ("with_bitmap", "consecutive")):
+        trainer = Trainer(table_config(rows, batch, policy=policy))
+        trainer.state = Checkpointer(trainer.config, tempfile.mkdtemp()).track(trainer.state)
+        trainer.train(2)  # compile
+        trainers[name] = trainer
+    batches = [jax.device_put(next(trainers["with_bitmap"].stream)) for _ in range(50)]
+    times = {name: [] for name in trainers}
+    for _ in range(repeats):
+        for name, trainer in trainers.items():
+            t0 = time.perf_counter()
+            for b in batches:
+                trainer.state, _ = trainer.step_fn(trainer.state, b)
+            jax.block_until_ready(trainer.state)
+            times[name].append((time.perf_counter() - t0) / len(batches) * 1e3)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    _emit({"measurement": "bitmap", **{f"{k}_step_ms": v for k, v in medians.items()},
+           "overhead": medians["with_bitmap"] / medians["without_bitmap"] - 1, "repeats": repeats,
+           "config": {"rows": rows, "dim": 16, "batch": batch, "sparse": "lazy_adam"}, "machine": info})
+
+
+def stall_measurement(rows: int, batch: int, repeats: int, info: dict) -> None:
+    from recjax.checkpoint import Checkpointer
+
+    trainer = Trainer(table_config(rows, batch))
+    stalls: dict[str, list[float]] = {"sync": [], "async": []}
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="ckpt_bench_"))
+    checkpointers = {mode: Checkpointer(table_config(rows, batch, keep=1, async_save=mode == "async"),
+                                        workdir / mode) for mode in stalls}
+    for _ in range(repeats):
+        for mode, checkpointer in checkpointers.items():
+            trainer.train(1)
+            trainer.state = checkpointer.save(trainer.step, trainer.state, {})
+            stalls[mode].append(checkpointer.save_stall_s[-1])
+            checkpointer.store.manager.wait_until_finished()  # the next save must not wait for this one
+    directory = checkpointers["sync"].directory
+    size = du(directory / str(max(int(p.name) for p in directory.iterdir() if p.name.isdigit())))
+    for checkpointer in checkpointers.values():
+        checkpointer.close()
+    shutil.rmtree(workdir, ignore_errors=True)
+    medians = {mode: statistics.median(s) for mode, s in stalls.items()}
+    _emit({"measurement": "stall", "sync_stall_s": medians["sync"], "async_stall_s": medians["async"],
+           "async_vs_sync": medians["async"] / medians["sync"], "checkpoint_bytes": size, "repeats": repeats,
+           "config": {"rows": rows, "dim": 16, "sparse": "lazy_adam", "policy": "full"}, "machine": info})
+
+
+def quality_measurement(steps: int, info: dict) -> None:
+    import jax
+
+    from experiments.configs.dlrm_synthetic import get_config
+    from recjax import checkpoint
+    from recjax.train import build_task, evaluate, init_state, make_predict_step, train_and_evaluate
+
+    results = {}
+    for bits in (0, 8, 4, 2):
+        _log(f"quality: {bits or 32}-bit deltas, {steps} steps")
+        config = get_config()
+        config.train.steps = steps
+        config.train.eval_every = steps
+        config.train.progress_bar = False
+        config.checkpoint.policy = "consecutive"
+        config.checkpoint.quantize_bits = bits
+        config.checkpoint.every_steps = steps // 5
+        config.checkpoint.keep = 1
+        workdir = pathlib.Path(tempfile.mkdtemp(prefix="ckpt_quality_"))
+        with contextlib.redirect_stdout(sys.stderr):  # the run's console lines are progress, not measurements
+            summary = train_and_evaluate(config, workdir)
+        from recjax.data import make_dataset
+
+        dataset = make_dataset(config.data, seed=config.seed)
+        task = build_task(config, dataset.spec, dataset, steps)
+        first = jax.device_put(next(dataset.train_batches(config.train.batch_size)))
+        like = jax.eval_shape(lambda b, task=task: init_state(task, jax.random.key(0), b), first)
+        point = checkpoint.open_checkpoint(workdir / "checkpoints")
+        state = checkpoint.restore_state(point, like)
+        restored = evaluate(task, make_predict_step(task), state, dataset, config.train.batch_size, "test")
+        results[bits] = {"restored_auc": restored["auc"], "restored_logloss": restored["logloss"],
+                         "trained_test_auc_at_selected_step": summary["auc"],
+                         "checkpoint_bytes": du(workdir / "checkpoints")}
+        shutil.rmtree(workdir, ignore_errors=True)
+    for bits, r in results.items():
+        _emit({"measurement": "quality", "quantize_bits": bits, **r,
+               "auc_minus_f32": r["restored_auc"] - results[0]["restored_auc"],
+               "logloss_minus_f32": r["restored_logloss"] - results[0]["restored_logloss"],
+               "config": {"preset": "small", "steps": steps, "policy": "consecutive", "every_steps": steps // 5},
+               "machine": info})
+
+
+def crash_measurement(trials: int, info: dict) -> None:
+    workdir = tempfile.mkdtemp(prefix="ckpt_crash_")
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "crash_driver.py"), f"--workdir={workdir}",
+                             f"--trials={trials}", "--seed=1"], capture_output=True, text=True, cwd=REPO)
+    shutil.rmtree(workdir, ignore_errors=True)
+    if result.returncode:
+        raise RuntimeError(f"crash driver failed: {result.stderr[-2000:]}")
+    total = json.loads(result.stdout.strip().splitlines()[-1])
+    _emit({"measurement": "crash", **total, "machine": info})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=",".join(MEASUREMENTS), help=f"comma-separated, from {MEASUREMENTS}")
+    parser.add_argument("--rows", type=int, default=1_000_000, help="table rows in all (4 features) for bytes/stall")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--intervals", type=int, default=4, help="checkpoint intervals after the baseline")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quality_steps", type=int, default=3000)
+    parser.add_argument("--crash_trials", type=int, default=30)
+    args = parser.parse_args(argv)
+    only = {m.strip() for m in args.only.split(",") if m.strip()}
+    if only - set(MEASUREMENTS):
+        parser.error(f"unknown measurements {sorted(only - set(MEASUREMENTS))}; use {MEASUREMENTS}")
+    info = machine()
+    if "bytes" in only:
+        bytes_measurement(args.rows, args.batch, args.intervals, info)
+    if "bitmap" in only:
+        _log("bitmap")
+        bitmap_measurement(args.rows, args.batch, args.repeats, info)
+    if "stall" in only:
+        _log("stall")
+        stall_measurement(args.rows, args.batch, args.repeats, info)
+    if "quality" in only:
+        quality_measurement(args.quality_steps, info)
+    if "crash" in only:
+        _log(f"crash: {args.crash_trials} kills")
+        crash_measurement(args.crash_trials, info)
+    return 0
+
+
+if __name__ == "__main__":
+    from recjax import cli
+
+    cli.use_cpu_if_no_accelerator()
+    with cli.user_errors():
+        sys.exit(main())

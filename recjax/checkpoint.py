@@ -1,0 +1,560 @@
+"""Checkpoints of a whole run with Orbax: exact resume, and Check-N-Run incremental row deltas with quantization.
+
+A checkpoint is one Orbax `CheckpointManager` step directory, `<checkpoint dir>/<step>/`, finalised atomically by
+Orbax (written as `<step>.orbax-checkpoint-tmp*` and renamed when complete, so a save cut short is never loaded).
+Its items, all written by Orbax's standard handlers (arrays through tensorstore, JSON through json; no pickle):
+
+    state/  StandardSave {"step": i32[], "rng": u32[k] (the dropout key's data), "dense": {"00000": leaf, ...}
+            (the leaves of (dense_params, dense_opt_state) in tree order), and in a *baseline* (kind "full") also
+            "tables": {group: f32[rows, dim]} and "sparse_opt": {group: {name: f32[rows, ...]}}}
+    rows/   StandardSave, only in a *delta*: {group: {"ids": i32[n] (stacked row ids, ascending), "rows": f32[n, dim]
+            or, quantized, "codes": u8[n, dim * bits / 8], "offset": f32[n], "scale": f32[n], "opt": {name:
+            f32[n, ...]}}} -- the rows touched since the previous checkpoint (consecutive) or since the baseline
+            (one-shot), with their sparse-optimizer rows. Groups without touched rows are left out.
+    meta/   JsonSave: the format version, step, kind ("full" / "delta"), policy, `chain` (the steps whose tables this
+            restore point reads, baseline first), quantize bits, byte counts, the sha256 of every array written,
+            the dense leaves' tree paths, the trainer's loop state (selection, early stopping, metrics history,
+            train time), the resolved config and whether the run finished.
+
+Restore = the latest complete step: the baseline's tables, then each delta of its chain in order (rows replaced by
+id), then that step's dense state, step and RNG. Every array read is checked against its sha256; a missing or
+corrupt link of the chain is a `CheckpointError` naming the step and path. Data needs no saved position: step i's
+batch is a pure function of (seed, i) for synthetic and prepared data, so the trainer restarts the stream at the
+restored step.
+
+Policies (Eisenman et al. 2022, "Check-N-Run", Sec. 4): "full" (every checkpoint a baseline), "one_shot" (one
+baseline, then cumulative deltas since it: each restore point reads 2 steps), "consecutive" (per-interval deltas;
+restore reads the whole chain) and "intermittent" (consecutive, with a new baseline once the chain's delta bytes
+exceed `baseline_fraction` of the baseline's). The dirty-row bitmap (bool[rows] per stacked group) lives in the
+TrainState and is set inside the jitted train step (`mark_dirty_rows`); a save reads it and clears it (one-shot:
+only at a baseline).
+
+Sharding (not landed yet): deltas are (row ids, rows) per stacked group, so a row-sharded table's owner can write
+and read its own id range; baselines hold whole groups, which Orbax already saves and restores per shard.
+"""
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import pathlib
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from recjax import quantize
+from recjax.config_check import _get, boolean, check_number, choice, integer, known_keys
+from recjax.errors import CheckpointError, ConfigError
+
+FORMAT_VERSION = 1
+POLICIES = ("full", "one_shot", "consecutive", "intermittent")
+QUANTIZE_BITS = (0, 2, 4, 8)
+KEYS = {"enabled", "dir", "every_steps", "every_minutes", "keep", "async_save", "policy", "baseline_fraction",
+        "quantize_bits", "restore"}
+# Config keys that may change between a run and its resumption (everything else must match).
+RESUMABLE_CHANGES = ("checkpoint.", "train.progress_bar")
+_ITEMS = ("state", "rows", "meta")
+
+
+def check_checkpoint_config(config: Mapping) -> None:
+    """ConfigError naming the first bad `checkpoint.*` key."""
+    known_keys(config, "checkpoint", KEYS)
+    boolean(config, "checkpoint.enabled")
+    for key in ("dir", "restore"):
+        value = _get(config, f"checkpoint.{key}")
+        if not isinstance(value, str):
+            raise ConfigError(f"checkpoint.{key}", f"must be a path (a string), got {value!r}")
+    integer(config, "checkpoint.every_steps", 0)
+    check_number("checkpoint.every_minutes", _get(config, "checkpoint.every_minutes"), at_least=0)
+    integer(config, "checkpoint.keep", 1)
+    boolean(config, "checkpoint.async_save")
+    choice(config, "checkpoint.policy", POLICIES)
+    check_number("checkpoint.baseline_fraction", _get(config, "checkpoint.baseline_fraction"), above=0)
+    bits = _get(config, "checkpoint.quantize_bits")
+    if bits not in QUANTIZE_BITS or isinstance(bits, bool):
+        raise ConfigError("checkpoint.quantize_bits", f"must be one of {list(QUANTIZE_BITS)} (0 = f32), got {bits!r}")
+    if bits and _get(config, "checkpoint.policy") == "full":
+        raise ConfigError("checkpoint.quantize_bits", f"{bits} quantizes the rows of deltas, but checkpoint.policy "
+                                                      "'full' writes none; set checkpoint.policy to 'one_shot', "
+                                                      "'consecutive' or 'intermittent' (or quantize_bits to 0)")
+
+
+# ------------------------------------------------------------------------------------------ dirty rows
+def mark_dirty_rows(dirty: Mapping[str, jax.Array], touched: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """Set the bitmap bool[rows] of each tracked group at the rows the step updated (`collection.touched_rows`;
+    duplicates are harmless, the sentinel row id `rows`, padding, is dropped). Inside the jitted step, with the
+    bitmap donated: O(ids in the batch)."""
+    return {g: d.at[touched[g]].set(True, mode="drop") for g, d in dirty.items()}
+
+
+@jax.jit
+def _take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+    return jnp.take(table, ids, axis=0, mode="fill", fill_value=0)
+
+
+def _gather_rows(array: jax.Array, ids: np.ndarray) -> np.ndarray:
+    """array[ids] on the host, gathered on the device; ids padded to a power of two so few shapes compile."""
+    n = len(ids)
+    padded = np.full(1 << max(n - 1, 0).bit_length(), array.shape[0], np.int32)
+    padded[:n] = ids
+    return np.asarray(_take_rows(array, jnp.asarray(padded)))[:n]
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _sha256(array: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(array).view(np.uint8).reshape(-1)).hexdigest()
+
+
+def _flat(tree: Mapping, prefix: str = "") -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out.update(_flat(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _describe_arrays(item: str, tree: Mapping) -> dict[str, list]:
+    """{item/path: [dtype, shape, sha256]} for every array of an item."""
+    return {f"{item}/{p}": [str(np.asarray(a).dtype), list(np.shape(a)), _sha256(np.asarray(a))]
+            for p, a in _flat(tree).items()}
+
+
+class _Checksums:
+    """meta["arrays"] ({item/path: [dtype, shape, sha256]}), hashed on a worker thread while the save goes on; the
+    meta handler below waits for it in Orbax's background commit, so the train loop never does."""
+
+    _pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="recjax-sha256")
+
+    def __init__(self, items: Mapping[str, Mapping]):
+        self._future = self._pool.submit(lambda: {k: v for item, tree in items.items()
+                                                  for k, v in _describe_arrays(item, tree).items()})
+
+    def result(self) -> dict:
+        return self._future.result()
+
+
+def _meta_handler_types():
+    """The meta item's handler and args: Orbax's JSON handler, saving once the checksums are ready. Registered on
+    first use (orbax is imported lazily)."""
+    global _META_TYPES
+    if _META_TYPES is None:
+        import orbax.checkpoint as ocp
+
+        class MetaHandler(ocp.handlers.JsonCheckpointHandler):
+            async def _save_fn(self, x, directory):
+                if isinstance(x.get("arrays"), _Checksums):
+                    x = {**x, "arrays": x["arrays"].result()}
+                await super()._save_fn(x, directory)
+
+        @ocp.args.register_with_handler(MetaHandler, for_save=True)
+        @dataclasses.dataclass
+        class MetaSave(ocp.args.CheckpointArgs):
+            item: dict
+
+        @ocp.args.register_with_handler(MetaHandler, for_restore=True)
+        @dataclasses.dataclass
+        class MetaRestore(ocp.args.CheckpointArgs):
+            item: dict | None = None
+
+        _META_TYPES = (MetaSave, MetaRestore)
+    return _META_TYPES
+
+
+_META_TYPES = None
+
+
+def _config_dict(config: ml_collections.ConfigDict) -> dict:
+    return json.loads(config.to_json_best_effort(sort_keys=True))
+
+
+def _flatten_config(d: Mapping, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten_config(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_differences(saved: Mapping, current: Mapping) -> list[str]:
+    """Dotted keys whose values differ, ignoring those a resumed run may change (RESUMABLE_CHANGES)."""
+    a, b = _flatten_config(saved), _flatten_config(current)
+    return sorted(k for k in set(a) | set(b) if a.get(k, "<unset>") != b.get(k, "<unset>")
+                  and not k.startswith(RESUMABLE_CHANGES))
+
+
+def _manager(directory: pathlib.Path, *, read_only: bool = False, async_save: bool = True):
+    import orbax.checkpoint as ocp
+
+    # Retention is ours (a delta chain must keep its baseline: Checkpointer._settle). Leftovers of saves cut short are
+    # never complete: a writer removes them. Readers (another run's checkpoints) change nothing; Orbax's read_only
+    # option would log warnings on every open, so they are plain managers that never save.
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=None, create=not read_only, enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=not read_only, enable_background_delete=async_save)
+    return ocp.CheckpointManager(directory, options=options, item_names=_ITEMS)
+
+
+class _Store:
+    """One checkpoint directory behind its Orbax manager: step metadata (cached) and checked item reads."""
+
+    def __init__(self, directory: pathlib.Path, *, read_only: bool = False, async_save: bool = True):
+        self.directory = directory
+        self.manager = _manager(directory, read_only=read_only, async_save=async_save)
+        self._metas: dict[int, dict] = {}
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def remember(self, step: int, meta: dict) -> None:
+        self._metas[step] = meta
+
+    def delete(self, step: int) -> None:
+        self.manager.delete(step)
+        self._metas.pop(step, None)
+
+    def meta(self, step: int) -> dict:
+        cached = self._metas.get(step)
+        if cached is not None and isinstance(cached["arrays"], _Checksums):  # saved by this process
+            self._metas[step] = {**cached, "arrays": cached["arrays"].result()}
+        if step not in self._metas:
+            meta = self.item(step, "meta")
+            if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+                raise CheckpointError(f"checkpoint step {step}: {self.directory / str(step) / 'meta'} is not a "
+                                      f"recjax checkpoint of format {FORMAT_VERSION}; use a new workdir")
+            self._metas[step] = meta
+        return self._metas[step]
+
+    def item(self, step: int, item: str, meta: dict | None = None):
+        """One item of a step, its arrays checked against the sha256, dtype and shape recorded in `meta`."""
+        import orbax.checkpoint as ocp
+
+        where = self.directory / str(step) / item
+        todo = (f"Delete {self.directory / str(step)} (and the later steps built on it) to resume from an earlier "
+                "checkpoint, or use a new workdir")
+        if not where.exists():
+            raise CheckpointError(f"checkpoint step {step}: {where} is missing; the checkpoint is incomplete or was "
+                                  f"deleted. {todo}")
+        restore = _meta_handler_types()[1]() if item == "meta" else ocp.args.StandardRestore()
+        try:
+            value = getattr(self.manager.restore(step, args=ocp.args.Composite(**{item: restore})), item)
+        except Exception as error:
+            raise CheckpointError(f"checkpoint step {step}: cannot read {where} ({type(error).__name__}: "
+                                  f"{str(error)[:300]}); it is corrupt. {todo}") from error
+        if meta is None:
+            return value
+        expected = {k: v for k, v in meta["arrays"].items() if k.startswith(f"{item}/")}
+        found = _describe_arrays(item, value)
+        for path in sorted(set(expected) | set(found)):
+            if expected.get(path) != found.get(path):
+                what = "is missing" if path not in found else ("is unexpected" if path not in expected else
+                                                               "does not match the sha256 / dtype / shape in its meta")
+                raise CheckpointError(f"checkpoint step {step}: array {path} in {where} {what}; the checkpoint is "
+                                      f"corrupt. {todo}")
+        return value
+
+
+@dataclasses.dataclass
+class ResumePoint:
+    """A complete checkpoint to start from: its store (this run's or another run's), step and metadata."""
+
+    store: _Store
+    step: int
+    meta: dict
+    own: bool  # in this run's checkpoint dir (False: config.checkpoint.restore)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.meta.get("finished"))
+
+
+def _check_chain(point: ResumePoint) -> None:
+    store, step = point.store, point.step
+    present = set(store.steps())
+    for s in point.meta["chain"]:
+        if s not in present:
+            raise CheckpointError(f"checkpoint step {step} in {store.directory} builds on step {s}, whose directory "
+                                  f"{store.directory / str(s)} is missing or incomplete; delete "
+                                  f"{store.directory / str(step)} to resume from an earlier checkpoint, or use a new "
+                                  "workdir")
+
+
+def _chain_tables(point: ResumePoint, top: dict) -> tuple[dict, dict]:
+    """Tables and sparse-optimizer state of `point`: its baseline's, then each delta of its chain in order (rows
+    replaced by id; quantized rows dequantized)."""
+    store, chain = point.store, point.meta["chain"]
+    base = top if chain[0] == point.step else store.item(chain[0], "state", store.meta(chain[0]))
+    tables = {g: np.array(t) for g, t in base["tables"].items()}
+    sparse_opt = {g: {k: np.array(v) for k, v in s.items()} for g, s in base.get("sparse_opt", {}).items()}
+    for s in chain[1:]:
+        delta_meta = store.meta(s)
+        rows = store.item(s, "rows", delta_meta) if delta_meta["groups"] else {}
+        for g, part in rows.items():
+            ids = np.asarray(part["ids"])
+            if "codes" in part:
+                tables[g][ids] = quantize.dequantize_rows(part, delta_meta["quantize_bits"], tables[g].shape[1])
+            else:
+                tables[g][ids] = part["rows"]
+            for k, v in part.get("opt", {}).items():
+                sparse_opt[g][k][ids] = v
+    return tables, sparse_opt
+
+
+def read_arrays(point: ResumePoint) -> dict[str, np.ndarray]:
+    """Every array a restore of `point` yields, by name ("step", "rng", "dense/<tree path>", "tables/<group>",
+    "sparse_opt/<group>/<name>"), without building a model: for tests, benchmarks and inspection."""
+    _check_chain(point)
+    top = point.store.item(point.step, "state", point.meta)
+    tables, sparse_opt = _chain_tables(point, top)
+    dense = [top["dense"][f"{i:05d}"] for i in range(len(point.meta["dense_paths"]))]
+    return {"step": np.asarray(top["step"]), "rng": np.asarray(top["rng"]),
+            **{f"dense/{p}": np.asarray(a) for p, a in zip(point.meta["dense_paths"], dense, strict=True)},
+            **{f"tables/{g}": t for g, t in tables.items()},
+            **{f"sparse_opt/{g}/{k}": v for g, s in sparse_opt.items() for k, v in s.items()}}
+
+
+def restore_state(point: ResumePoint, like):
+    """The TrainState of `point` (without dirty-row bitmaps); `like` is a TrainState of this config (arrays or
+    shapes) that gives the tree structure and the shape every array must have."""
+    store, meta, step = point.store, point.meta, point.step
+    other_model = (f"checkpoint step {step} in {store.directory} holds another model than this config builds "
+                   "({}); restore it with its own config")
+    paths, like_leaves, treedef = _dense_leaves(like)
+    if meta["dense_paths"] != paths:
+        first = next((a, b) for a, b in zip(meta["dense_paths"] + [None], paths + [None], strict=False) if a != b)
+        raise CheckpointError(other_model.format(f"dense parameters / optimizer state differ at {first[0]} vs "
+                                                 f"{first[1]}"))
+    _check_chain(point)
+    top = store.item(step, "state", meta)
+    for i, (path, leaf) in enumerate(zip(paths, like_leaves, strict=True)):
+        saved = top["dense"][f"{i:05d}"]
+        if tuple(np.shape(saved)) != tuple(leaf.shape):
+            raise CheckpointError(other_model.format(f"{path} has shape {np.shape(saved)}, not {tuple(leaf.shape)}"))
+    tables, sparse_opt = _chain_tables(point, top)
+    for g, t in like.tables.items():
+        if g not in tables or tables[g].shape != tuple(t.shape):
+            raise CheckpointError(other_model.format(f"table group {g}: {tables[g].shape if g in tables else None}, "
+                                                     f"not {tuple(t.shape)}"))
+    for g, opt in like.sparse_opt_state.items():
+        for k, v in opt.items():
+            if k not in sparse_opt.get(g, {}) or sparse_opt[g][k].shape != tuple(v.shape):
+                raise CheckpointError(other_model.format(f"sparse optimizer state {g}/{k}"))
+    dense_params, dense_opt_state = jax.tree_util.tree_unflatten(
+        treedef, [jnp.asarray(top["dense"][f"{i:05d}"]) for i in range(len(paths))])
+    return like.replace(
+        step=jnp.asarray(top["step"], jnp.int32),
+        dense_params=dense_params, dense_opt_state=dense_opt_state,
+        tables={g: jnp.asarray(t) for g, t in tables.items()},
+        sparse_opt_state={g: {k: jnp.asarray(sparse_opt[g][k]) for k in opt}
+                          for g, opt in like.sparse_opt_state.items()},
+        dropout_rng=jax.random.wrap_key_data(jnp.asarray(top["rng"]), impl=meta["rng_impl"]),
+        dirty_rows={})
+
+
+def open_checkpoint(path: str | pathlib.Path, step: int | None = None) -> ResumePoint:
+    """A checkpoints dir's latest complete step, or `step`, or the step named by a step dir's path."""
+    p = pathlib.Path(path).expanduser().absolute()
+    if not p.is_dir():
+        raise CheckpointError(f"{p} is not a directory; give a run's checkpoints dir (<workdir>/checkpoints) or one "
+                              "step in it (<workdir>/checkpoints/<step>)")
+    if step is None and p.name.isdigit() and (p / "meta").is_dir():
+        p, step = p.parent, int(p.name)
+    store = _Store(p, read_only=True)
+    steps = store.steps()
+    if not steps:
+        raise CheckpointError(f"{p} holds no complete checkpoint")
+    step = max(steps) if step is None else step
+    if step not in steps:
+        raise CheckpointError(f"{p} has no complete checkpoint of step {step}; it has {steps}")
+    return ResumePoint(store, step, store.meta(step), own=False)
+
+
+# ------------------------------------------------------------------------------------------ checkpointer
+class Checkpointer:
+    """Saves and restores the trainer's state per `config.checkpoint` in `<workdir>/checkpoints` (or `dir`)."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: pathlib.Path):
+        ck = config.checkpoint
+        self.config_dict = _config_dict(config)
+        self.directory = pathlib.Path(ck.dir or pathlib.Path(workdir) / "checkpoints").expanduser().absolute()
+        self.every_steps = int(ck.every_steps)
+        self.every_seconds = 60.0 * float(ck.every_minutes)
+        self.keep = int(ck.keep)
+        self.policy = ck.policy
+        self.baseline_fraction = float(ck.baseline_fraction)
+        self.bits = int(ck.quantize_bits)
+        self.restore_from = ck.restore
+        self.async_save = bool(ck.async_save)
+        self.store = _Store(self.directory, async_save=self.async_save)
+        self.last_save_time = time.monotonic()
+        self.last_saved_step: int | None = None
+        self.save_stall_s: list[float] = []  # per save: how long the train loop waited (the benchmark reads it)
+        # The chain the next delta extends ([baseline, deltas...]), its baseline's and its deltas' table bytes.
+        self._chain: list[int] | None = None
+        self._baseline_bytes = 0
+        self._chain_bytes = 0
+        self._pending_retain = False
+
+    # ---------------------------------------------------------------------------------------- resume
+    def resume_point(self) -> ResumePoint | None:
+        """The latest complete checkpoint of this run, else `checkpoint.restore`'s, else None. A checkpoint in this
+        run's dir from a run with another config is an error naming the keys that differ."""
+        steps = self.store.steps()
+        if steps:
+            meta = self.store.meta(steps[-1])
+            diff = config_differences(meta["config"], self.config_dict)
+            if diff:
+                saved, now = _flatten_config(meta["config"]), _flatten_config(self.config_dict)
+                shown = ", ".join(f"{k} {saved.get(k, '<unset>')!r} -> {now.get(k, '<unset>')!r}" for k in diff[:5])
+                raise CheckpointError(f"{self.directory} holds checkpoints of a run with another config ({shown}); "
+                                      f"use a new workdir (--config.checkpoint.restore={self.directory} there starts "
+                                      "from this run's state), or delete the checkpoints to train from scratch")
+            return ResumePoint(self.store, steps[-1], meta, own=True)
+        if not self.restore_from:
+            return None
+        try:
+            return open_checkpoint(self.restore_from)
+        except CheckpointError as error:
+            raise CheckpointError(f"checkpoint.restore: {error}") from None
+
+    def restore(self, point: ResumePoint, like) -> tuple[Any, dict]:
+        """(TrainState, the trainer's loop state) of `point`, with dirty-row bitmaps as the policy needs."""
+        state = self.track(restore_state(point, like))
+        meta = point.meta
+        if point.own:
+            self.last_saved_step = point.step
+            if meta["policy"] == self.policy and self.policy != "full":
+                self._chain = list(meta["chain"])
+                self._baseline_bytes, self._chain_bytes = int(meta["baseline_bytes"]), int(meta["chain_bytes"])
+                if self.policy == "one_shot" and meta["groups"]:
+                    # One-shot deltas are cumulative since the baseline: the restored delta's rows stay dirty.
+                    rows = point.store.item(point.step, "rows", meta)
+                    state = state.replace(dirty_rows={
+                        g: d.at[jnp.asarray(rows[g]["ids"])].set(True) if g in rows else d
+                        for g, d in state.dirty_rows.items()})
+        return state, meta["loop"]
+
+    # ------------------------------------------------------------------------------------------ save
+    def track(self, state):
+        """`state` with a zero dirty-row bitmap per group when the policy writes deltas (none for "full")."""
+        if self.policy == "full":
+            return state.replace(dirty_rows={})
+        return state.replace(dirty_rows={g: jnp.zeros(t.shape[0], jnp.bool_) for g, t in state.tables.items()})
+
+    def due(self, step: int) -> bool:
+        """Whether the interval (steps or minutes) asks for a save after `step`."""
+        if self.every_steps and step % self.every_steps == 0:
+            return True
+        return bool(self.every_seconds) and time.monotonic() - self.last_save_time >= self.every_seconds
+
+    def save(self, step: int, state, loop: dict, finished: bool = False):
+        """Checkpoint `state` after `step` (written in the background unless `async_save` is off); returns the state
+        with its dirty-row bitmaps cleared as the policy says."""
+        import orbax.checkpoint as ocp
+
+        if step == self.last_saved_step:
+            return state
+        t0 = time.perf_counter()
+        self._settle()
+        paths, leaves, _ = _dense_leaves(state)
+        item_state = {
+            "step": np.asarray(step, np.int32),
+            "rng": np.array(jax.random.key_data(state.dropout_rng)),
+            "dense": {f"{i:05d}": np.array(leaf) for i, leaf in enumerate(leaves)},
+        }
+        kind, rows_item, delta_bytes = self._plan(state)
+        if kind == "full":
+            # Device-side copies, dispatched asynchronously: the next step may donate (overwrite) the tables while
+            # Orbax moves these to the host and writes them in the background.
+            item_state["tables"] = {g: jnp.copy(t) for g, t in state.tables.items()}
+            item_state["sparse_opt"] = {g: {k: jnp.copy(v) for k, v in s.items()}
+                                        for g, s in state.sparse_opt_state.items() if s}
+            table_bytes = _nbytes({"t": item_state["tables"], "o": item_state["sparse_opt"]})
+            self._chain, self._baseline_bytes, self._chain_bytes = [step], table_bytes, 0
+        else:
+            table_bytes = delta_bytes
+            if self.policy == "one_shot":
+                self._chain, self._chain_bytes = [self._chain[0], step], delta_bytes
+            else:
+                self._chain, self._chain_bytes = [*self._chain, step], self._chain_bytes + delta_bytes
+        arrays = _Checksums({"state": item_state, "rows": rows_item})
+        meta = {
+            "format": FORMAT_VERSION, "step": step, "kind": kind, "policy": self.policy, "chain": self._chain,
+            "quantize_bits": self.bits if kind == "delta" else 0, "groups": sorted(rows_item),
+            "table_bytes": table_bytes, "bytes": _nbytes(item_state) + _nbytes(rows_item),
+            "baseline_bytes": self._baseline_bytes, "chain_bytes": self._chain_bytes,
+            "dense_paths": paths, "rng_impl": str(jax.random.key_impl(state.dropout_rng)),
+            "arrays": arrays, "loop": loop, "config": self.config_dict, "finished": finished,
+        }
+        args = {"state": ocp.args.StandardSave(item_state), "meta": _meta_handler_types()[0](meta)}
+        if rows_item:
+            args["rows"] = ocp.args.StandardSave(rows_item)
+        self.store.manager.save(step, args=ocp.args.Composite(**args), force=True)
+        if not self.async_save:
+            self.store.manager.wait_until_finished()
+        self.store.remember(step, meta)
+        self._pending_retain = True
+        self.last_saved_step, self.last_save_time = step, time.monotonic()
+        if state.dirty_rows and (kind == "full" or self.policy != "one_shot"):
+            state = self.track(state)
+        self.save_stall_s.append(time.perf_counter() - t0)
+        return state
+
+    def _plan(self, state) -> tuple[str, dict, int]:
+        """("full", {}, 0) or ("delta", the rows item, its bytes) for the next save under the policy."""
+        if self.policy == "full" or not self._chain:
+            return "full", {}, 0
+        rows_item = {}
+        for g, dirty in state.dirty_rows.items():
+            ids = np.flatnonzero(np.asarray(dirty)).astype(np.int32)
+            if not len(ids):
+                continue  # Orbax cannot store empty arrays; a group without touched rows is left out
+            part = {"ids": ids}
+            rows = _gather_rows(state.tables[g], ids)
+            part.update(quantize.quantize_rows(rows, self.bits) if self.bits else {"rows": rows})
+            opt = {k: _gather_rows(v, ids) for k, v in state.sparse_opt_state[g].items()}
+            if opt:
+                part["opt"] = opt
+            rows_item[g] = part
+        delta_bytes = _nbytes(rows_item)
+        if self.policy == "intermittent" and (self._chain_bytes + delta_bytes
+                                              > self.baseline_fraction * self._baseline_bytes):
+            return "full", {}, 0
+        return "delta", rows_item, delta_bytes
+
+    def _settle(self) -> None:
+        """Wait for the save in flight, then delete what no kept restore point needs -- only once the newer
+        checkpoint is complete, so a crash always leaves a restorable chain."""
+        self.store.manager.wait_until_finished()
+        if not self._pending_retain:
+            return
+        self._pending_retain = False
+        steps = self.store.steps()
+        needed = set()
+        for s in steps[-self.keep:]:
+            needed.update(self.store.meta(s)["chain"])
+        for s in steps:
+            if s not in needed:
+                self.store.delete(s)
+
+    def close(self) -> None:
+        self._settle()
+        self.store.manager.close()
+
+
+def _nbytes(tree: Mapping) -> int:
+    return int(sum(np.asarray(a).nbytes for a in _flat(tree).values()))
+
+
+def _dense_leaves(state) -> tuple[list[str], list, Any]:
+    """Tree paths, leaves and treedef of (dense_params, dense_opt_state)."""
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path((state.dense_params, state.dense_opt_state))
+    return [jax.tree_util.keystr(p) for p, _ in with_paths], [leaf for _, leaf in with_paths], treedef

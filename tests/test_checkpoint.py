@@ -1,0 +1,322 @@
+"""Checkpoints: a run interrupted and resumed ends bit-identical to an uninterrupted one (synthetic and prepared
+data, every incremental policy), deltas hold exactly the rows the batches touched, integrity errors name the step
+and path, partial saves are never loaded, nothing is unpickled, and the quantizer against plain numpy."""
+
+import json
+import os
+import pathlib
+import pickle
+import shutil
+import time
+
+import numpy as np
+import pytest
+
+from recjax import checkpoint, quantize
+from recjax.errors import CheckpointError, ConfigError
+from recjax.train import train_and_evaluate
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TIMING = {"examples_per_sec", "compile_time_s", "train_time_s", "wall_time_s", "peak_rss_bytes"}
+VOCABS = (200, 50, 1000, 8, 3000, 20)
+
+
+def tiny(steps: int = 40, **ckpt):
+    from experiments.configs.dlrm_synthetic import get_config
+
+    config = get_config()
+    config.data.vocab_sizes = VOCABS
+    config.data.eval_examples = 1024
+    config.embedding.dim = 8
+    config.model.dlrm.bottom_mlp = (16, 8)
+    config.model.dlrm.top_mlp = (16, 1)
+    config.model.dlrm.dropout = 0.1  # the dropout RNG must resume too
+    config.train.batch_size = 128
+    config.train.steps = steps
+    config.train.eval_every = 10
+    config.train.log_every = 5
+    config.train.progress_bar = False
+    config.checkpoint.every_steps = 10
+    for key, value in ckpt.items():
+        config.checkpoint[key] = value
+    return config
+
+
+def final_arrays(workdir: pathlib.Path) -> dict[str, np.ndarray]:
+    return checkpoint.read_arrays(checkpoint.open_checkpoint(workdir / "checkpoints"))
+
+
+def assert_same_arrays(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k, strict=True)
+
+
+def assert_same_run(a: pathlib.Path, b: pathlib.Path) -> None:
+    """Bit-identical final state, summary (but its timings) and metrics.csv (but its timing columns)."""
+    assert_same_arrays(final_arrays(a), final_arrays(b))
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
+    assert {k: v for k, v in sa.items() if k not in TIMING} == {k: v for k, v in sb.items() if k not in TIMING}
+
+    def rows(d):
+        lines = [line.split(",") for line in (d / "metrics.csv").read_text().splitlines()]
+        return [line[:-2] for line in lines]  # drop examples_per_sec and elapsed_s
+
+    assert rows(a) == rows(b)
+
+
+def crash_after_save(monkeypatch, at_step: int) -> None:
+    """Make the run die right after it issued the save of `at_step` (the save itself completes)."""
+    save = checkpoint.Checkpointer.save
+
+    def dying(self, step, state, loop, finished=False):
+        out = save(self, step, state, loop, finished)
+        if step == at_step:
+            raise KeyboardInterrupt(f"killed after the save of step {step}")
+        return out
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "save", dying)
+
+
+def interrupted_run(config, workdir, monkeypatch, at_step: int, capsys=None) -> dict:
+    with monkeypatch.context() as patch:
+        crash_after_save(patch, at_step)
+        with pytest.raises(KeyboardInterrupt):
+            train_and_evaluate(config, workdir)
+    assert checkpoint.open_checkpoint(workdir / "checkpoints").step == at_step
+    return train_and_evaluate(config, workdir)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> pathlib.Path:
+    """An uninterrupted run, the oracle of every resume: consecutive deltas every 10 steps, all kept (the policy
+    changes what is written, never the training)."""
+    workdir = tmp_path_factory.mktemp("ckpt") / "reference"
+    train_and_evaluate(reference_config(), workdir)
+    return workdir
+
+
+def reference_config():
+    return tiny(policy="consecutive", keep=10)
+
+
+# --------------------------------------------------------------------------------------- exact resume
+def test_resumed_run_is_bit_identical_and_says_so(reference, tmp_path, monkeypatch, capsys):
+    interrupted_run(tiny(policy="full"), tmp_path, monkeypatch, at_step=20)
+    assert f"resuming from checkpoint step 20 of 40 ({tmp_path / 'checkpoints' / '20'})" in capsys.readouterr().out
+    assert_same_run(reference, tmp_path)
+    assert checkpoint.open_checkpoint(tmp_path / "checkpoints").meta["finished"]
+
+
+def test_finished_run_is_not_trained_again(reference, monkeypatch, capsys):
+    import recjax.train
+
+    monkeypatch.setattr(recjax.train, "make_dataset", lambda *a, **k: pytest.fail("a finished run was retrained"))
+    summary = train_and_evaluate(reference_config(), reference)
+    assert summary == json.loads((reference / "summary.json").read_text())
+    assert "run complete" in capsys.readouterr().out
+
+
+def test_resuming_with_another_config_is_an_error(reference):
+    config = reference_config()
+    config.optimizer.dense.learning_rate = 0.5
+    with pytest.raises(CheckpointError, match=r"another config \(optimizer.dense.learning_rate 0.001 -> 0.5\)"):
+        train_and_evaluate(config, reference)
+
+
+def test_restore_starts_from_another_runs_checkpoint(reference, tmp_path, capsys):
+    config = tiny(restore=str(reference / "checkpoints" / "30"))
+    train_and_evaluate(config, tmp_path)
+    assert "resuming from checkpoint step 30" in capsys.readouterr().out
+    assert_same_run(reference, tmp_path)
+
+
+def test_prepared_data_resumes_exactly(tmp_path, monkeypatch):
+    """MovieLens (prepared blocks read by Grain): a resume mid-block and mid-epoch continues the same stream."""
+    data = pathlib.Path(os.environ.get("RECJAX_SHARED_DATA", REPO.parent / "shared" / "data")) / "movielens_100k"
+    if not (data / "u.data").is_file():
+        pytest.skip(f"ML-100K not found at {data} (set RECJAX_SHARED_DATA)")
+    from experiments.configs import dlrm_movielens
+
+    config = dlrm_movielens.get_config()
+    config.data.dir = str(data)
+    config.data.prepared_dir = str(tmp_path / "prepared")
+    config.train.epochs, config.train.steps, config.train.eval_every = None, 30, 10
+    config.train.batch_size = 1024
+    config.train.progress_bar = False
+    config.checkpoint.every_steps = 7  # 7 * 1024 rows: mid-block (8192-row blocks)
+    train_and_evaluate(config, tmp_path / "a")
+    interrupted_run(config, tmp_path / "b", monkeypatch, at_step=21)
+    assert_same_run(tmp_path / "a", tmp_path / "b")
+
+
+# ------------------------------------------------------------------------------------------ policies
+def test_consecutive_deltas_chain_from_one_baseline(reference):
+    """The reference: one baseline, then a chain of deltas that every restore point reads in order (resumes from
+    mid-chain are the crash test's)."""
+    store = checkpoint.open_checkpoint(reference / "checkpoints").store
+    assert [store.meta(s)["chain"] for s in (10, 20, 30, 40)] == [[10], [10, 20], [10, 20, 30], [10, 20, 30, 40]]
+    assert [store.meta(s)["kind"] for s in (10, 20, 30, 40)] == ["full", "delta", "delta", "delta"]
+
+
+def test_one_shot_deltas_are_cumulative_and_resume_exactly(reference, tmp_path, monkeypatch):
+    """Killed after the delta of step 20, the run must keep 11..20's rows dirty: step 30's delta covers 11..30."""
+    interrupted_run(tiny(policy="one_shot", keep=10), tmp_path, monkeypatch, at_step=20)
+    assert_same_run(reference, tmp_path)
+    store = checkpoint.open_checkpoint(tmp_path / "checkpoints").store
+    assert [store.meta(s)["chain"] for s in (10, 20, 30, 40)] == [[10], [10, 20], [10, 30], [10, 40]]
+    ids = {s: set(store.item(s, "rows", store.meta(s))["dim8"]["ids"].tolist()) for s in (20, 30, 40)}
+    ref = checkpoint.open_checkpoint(reference / "checkpoints").store
+    consecutive = {s: set(ref.item(s, "rows", ref.meta(s))["dim8"]["ids"].tolist()) for s in (20, 30, 40)}
+    assert ids[30] == consecutive[20] | consecutive[30]
+    assert ids[40] == consecutive[20] | consecutive[30] | consecutive[40]
+
+
+def test_intermittent_rebaselines_when_the_chain_outgrows_its_fraction(reference, tmp_path, monkeypatch):
+    config = tiny(policy="intermittent", baseline_fraction=0.3, keep=10, every_steps=5)
+    interrupted_run(config, tmp_path, monkeypatch, at_step=25)
+    assert_same_run(reference, tmp_path)
+    store = checkpoint.open_checkpoint(tmp_path / "checkpoints").store
+    metas = [store.meta(s) for s in store.steps()]
+    for meta in metas:
+        if meta["kind"] == "delta":
+            assert meta["chain_bytes"] <= 0.3 * meta["baseline_bytes"] and len(meta["chain"]) >= 2
+        else:
+            assert meta["chain"] == [meta["step"]]
+    kinds = [m["kind"] for m in metas]
+    assert kinds.count("full") >= 2 and kinds.count("delta") >= 2, kinds
+
+
+def test_deltas_hold_exactly_the_rows_the_batches_touched(reference):
+    """Oracle: the stacked row ids of every train batch between two checkpoints, from the data in numpy."""
+    from recjax.data import make_dataset
+
+    config = reference_config()
+    dataset = make_dataset(config.data, seed=config.seed)
+    offsets = np.cumsum((0,) + VOCABS)[:-1]  # one-hot features of one dim, stacked in feature order
+    stream = dataset.train_batches(config.train.batch_size)
+    batches = [next(stream) for _ in range(40)]
+    store = checkpoint.open_checkpoint(reference / "checkpoints").store
+    full_bytes = store.meta(10)["table_bytes"]
+    for step in (20, 30, 40):
+        expected = set()
+        for batch in batches[step - 10:step]:  # steps step-9 .. step read batches step-10 .. step-1
+            for f, offset in zip(dataset.spec.feature_names, offsets, strict=True):
+                expected.update((batch.ids[f][:, 0] + offset).tolist())
+        meta = store.meta(step)
+        rows = store.item(step, "rows", meta)
+        assert rows["dim8"]["ids"].tolist() == sorted(expected)
+        n = len(expected)
+        assert meta["table_bytes"] == n * 4 + n * 8 * 4 * 3  # ids, rows, lazy Adam's m and v
+        assert meta["table_bytes"] < full_bytes
+
+
+# ----------------------------------------------------------------------------------------- integrity
+def copy_run(reference: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
+    shutil.copytree(reference, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_corrupt_array_is_an_error_naming_step_and_file(reference, tmp_path):
+    run = copy_run(reference, tmp_path)
+    data_files = sorted((run / "checkpoints" / "40" / "state").rglob("d/*"), key=lambda p: -p.stat().st_size)
+    blob = bytearray(data_files[0].read_bytes())
+    for i in range(len(blob) // 2, len(blob) // 2 + 64):
+        blob[i] ^= 0xFF
+    data_files[0].write_bytes(bytes(blob))
+    (run / "summary.json").unlink()
+    with pytest.raises(CheckpointError, match=r"checkpoint step 40: .*checkpoints/40/state.* corrupt\. Delete "):
+        train_and_evaluate(reference_config(), run)
+
+
+def test_missing_delta_is_an_error(reference, tmp_path):
+    run = copy_run(reference, tmp_path)
+    shutil.rmtree(run / "checkpoints" / "20")
+    (run / "summary.json").unlink()
+    with pytest.raises(CheckpointError, match=r"step 40 in .* builds on step 20, whose directory .*/20 is missing"):
+        train_and_evaluate(reference_config(), run)
+
+
+def test_partial_save_is_never_loaded(reference, tmp_path):
+    """A save cut short leaves Orbax's `<step>.orbax-checkpoint-tmp` dir (renamed only when complete)."""
+    run = copy_run(reference, tmp_path)
+    shutil.rmtree(run / "checkpoints" / "40")
+    partial = run / "checkpoints" / "50.orbax-checkpoint-tmp"
+    shutil.copytree(run / "checkpoints" / "30", partial)
+    shutil.rmtree(partial / "meta")
+    (run / "summary.json").unlink()
+    checkpointer = checkpoint.Checkpointer(reference_config(), run)
+    assert checkpointer.resume_point().step == 30
+    checkpointer.close()
+    deadline = time.monotonic() + 30  # Orbax removes leftovers on a background thread when a manager opens
+    while partial.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not partial.exists()
+
+
+def test_loading_unpickles_nothing(reference, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a checkpoint load used pickle")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    arrays = final_arrays(reference)
+    assert int(arrays["step"]) == 40 and arrays["tables/dim8"].shape == (sum(VOCABS), 8)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("policy", "sometimes", r"checkpoint.policy: unknown value 'sometimes'"),
+    ("quantize_bits", 3, r"checkpoint.quantize_bits: must be one of \[0, 2, 4, 8\]"),
+    ("quantize_bits", 4, r"checkpoint.quantize_bits: 4 quantizes the rows of deltas, but checkpoint.policy 'full'"),
+    ("keep", 0, r"checkpoint.keep: must be >= 1"),
+    ("every_minutes", -1.0, r"checkpoint.every_minutes: must be >= 0"),
+])
+def test_bad_checkpoint_config_names_the_key(tmp_path, key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        train_and_evaluate(tiny(**{key: value}), tmp_path)
+
+
+# -------------------------------------------------------------------------------------- quantization
+def minmax_quantize(x: np.ndarray, bits: int) -> np.ndarray:
+    """Plain per-row min/max asymmetric quantization, dequantized (the independent oracle)."""
+    lo, hi = x.min(1, keepdims=True), x.max(1, keepdims=True)
+    scale = (hi - lo) / (2**bits - 1)
+    q = np.clip(np.rint((x - lo) / np.where(scale > 0, scale, 1)), 0, 2**bits - 1)
+    return lo + scale * q
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_quantizer_is_never_worse_than_min_max_and_packs_exactly(bits):
+    rng = np.random.default_rng(bits)
+    x = rng.standard_t(3, size=(300, 13)).astype(np.float32)  # heavy tails: clipping pays off
+    x[0] = 0.5  # a constant row
+    q = quantize.quantize_rows(x, bits)
+    assert q["codes"].shape == (300, -(-13 * bits // 8)) and q["codes"].dtype == np.uint8
+    back = quantize.dequantize_rows(q, bits, 13)
+    err = ((back - x) ** 2).sum(1)
+    oracle = ((minmax_quantize(x, bits) - x) ** 2).sum(1)
+    assert np.all(err <= oracle * (1 + 1e-5) + 1e-12)
+    np.testing.assert_array_equal(back[0], x[0])
+    if bits <= 4:
+        assert err.sum() < oracle.sum()  # the range search finds better ranges at low bits
+    codes = rng.integers(0, 2**bits, size=(7, 13)).astype(np.uint8)
+    np.testing.assert_array_equal(quantize.unpack_codes(quantize.pack_codes(codes, bits), bits, 13), codes)
+
+
+def test_quantized_deltas_restore_within_their_step(reference, tmp_path):
+    """A run with 8-bit deltas trains exactly like the reference (only the checkpoint is lossy); its restored
+    tables differ from the f32 ones by at most half a quantization step per row."""
+    config = reference_config()
+    config.checkpoint.quantize_bits = 8
+    train_and_evaluate(config, tmp_path)
+    exact, lossy = final_arrays(reference), final_arrays(tmp_path)
+    store = checkpoint.open_checkpoint(tmp_path / "checkpoints").store
+    rows = store.item(40, "rows", store.meta(40))["dim8"]
+    ids = rows["ids"]
+    bound = rows["scale"][:, None] / 2 + 1e-6
+    assert np.all(np.abs(lossy["tables/dim8"][ids] - exact["tables/dim8"][ids]) <= bound)
+    assert not np.array_equal(lossy["tables/dim8"][ids], exact["tables/dim8"][ids])  # it is lossy
+    for k in exact:
+        if k != "tables/dim8":
+            np.testing.assert_array_equal(exact[k], lossy[k], err_msg=k)
+    assert store.meta(40)["table_bytes"] < store.meta(20)["table_bytes"] * 10
