@@ -198,6 +198,9 @@ class EmbeddingCollection:
                 continue
             unique[group], inverse = unique_rows(
                 jnp.concatenate([r.reshape(-1) for r in parts]), self.group_rows[group])
+            # A group has at most group_rows distinct rows plus the sentinel, so a group smaller than the batch's
+            # slots (TT cores, QR remainders) gathers and updates only that many (the dropped tail is all sentinel).
+            unique[group] = unique[group][: self.group_rows[group] + 1]
             bounds = np.cumsum([0] + [r.size for r in parts])
             slots_by_group[group] = [inverse[a:b].reshape(r.shape)
                                      for a, b, r in zip(bounds[:-1], bounds[1:], parts, strict=True)]

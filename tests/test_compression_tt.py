@@ -205,6 +205,7 @@ def test_core_row_gradients_and_sgd_step_match_a_dense_oracle():
     dense_grads = jax.jit(jax.grad(dense_loss))(cores)
     for p, dense in zip(placements, dense_grads, strict=True):
         unique = np.asarray(routes["unique"][p.group])
+        assert unique.shape == (min(ids.size, collection.group_rows[p.group] + 1),)  # small groups: no wasted slots
         g = np.asarray(row_grads[p.group])
         mine = (unique >= p.offset) & (unique < p.offset + p.table.rows)
         got = np.zeros_like(np.asarray(dense))
