@@ -21,7 +21,7 @@ that keeps the method merges its options over the defaults.
 Methods and their options (each method rejects keys it does not take):
     full         -
     hashing      buckets | collisions, hash ("universal" | "modulo"), seed, sign
-    qr           collisions (m), op ("concat" | "add" | "mult")
+    qr           collisions (m), op ("concat" | "add" | "mult"), init ("bounded" | "reference")
     mixed_radix  radices | partitions, op
     crt          moduli, op
     qr_path      collisions, hidden, transform_by ("remainder" | "quotient")
@@ -58,7 +58,7 @@ OPTION_TYPES: dict[str, type] = {
     "threshold": int, "buckets": int, "collisions": float, "hash": str, "seed": int, "sign": bool, "op": str,
     "radices": tuple, "partitions": int, "moduli": tuple, "hidden": int, "transform_by": str, "alpha": float,
     "budget": int, "round_pow2": bool, "dim": int, "blocks": tuple, "cores": int, "rank": int, "ranks": tuple,
-    "vocab_factors": tuple, "dim_factors": tuple,
+    "vocab_factors": tuple, "dim_factors": tuple, "init": str,
 }
 
 
