@@ -2,7 +2,7 @@ r"""Train-step benchmark: throughput, compile time and memory of the jitted DLRM
 
     python benchmarks/train_step.py                                  # everything (~3 min on 2 CPU cores)
     python benchmarks/train_step.py --only vocab_scaling --steps 10  # one measurement, 10 timed steps
-    python benchmarks/train_step.py --only compression_step_ratio    # QR and MD vs full (~1.5 min, 7 GB peak RSS)
+    python benchmarks/train_step.py --only compression_step_ratio    # QR, MD, TT vs full (~2 min, 7 GB peak RSS)
 
 Prints one JSON line per measurement to stdout (progress goes to stderr). Every line carries the run's
 config, its results and the machine (platform, CPU count, jax version, device kind). Each run executes in a
@@ -28,11 +28,13 @@ Measurements
   compression_step_ratio
                     The kaggle_onehot shape and optimizers at batch 2048 with three embeddings: full; QR
                     (collisions 4, op mult, tables of <= 200 ids kept full: the reference's --qr-threshold); and
-                    MD (budget mode, alpha 0.3, budget = full params / 4, threshold 200). One line per method, then
+                    MD (budget mode, alpha 0.3, budget = full params / 4, threshold 200); and TT-Rec (3 cores,
+                    rank 16, default factors, threshold 200). One line per method, then
                     a `compression_step_ratio` line with each method's step time (median, min) and
                     `ratio_vs_full` = step time(method) / step time(full) (medians; `ratio_min_vs_full` from the
                     fastest steps). The goal is ratio <= 1.3: QR gathers and updates two rows per id and combines
-                    per id (mult is not linear, so it cannot pool first); MD adds a small projection per table.
+                    per id (mult is not linear, so it cannot pool first); MD adds a small projection per table;
+                    TT gathers three core slices per id and contracts them (~2 (d_1 d_2 r^2 + D r) flops per id).
 
 Fields of each run's line
   step_time_ms          median over the timed steps (after warmup), each step blocked until ready; also
@@ -132,7 +134,8 @@ _COMPRESSION_THRESHOLD = 200  # tables with <= 200 ids stay full (the reference'
 
 
 def _compression_runs() -> list[Run]:
-    """full vs QR (4 collisions, mult) vs MD (budget for 4x) on the kaggle_onehot shape at batch 2048."""
+    """full vs QR (4 collisions, mult) vs MD (budget for 4x) vs TT-Rec (rank 16) on the kaggle_onehot shape at
+    batch 2048."""
     vocab = _kaggle_vocab_sizes()
     dim = 16
     md_budget = sum(vocab) * dim // 4  # params of every table, full ones included (compression/plan.py)
@@ -140,6 +143,7 @@ def _compression_runs() -> list[Run]:
         ("full", {}),
         ("qr", {"collisions": 4, "op": "mult", "threshold": _COMPRESSION_THRESHOLD}),
         ("md", {"budget": md_budget, "alpha": 0.3, "threshold": _COMPRESSION_THRESHOLD}),
+        ("tt", {"rank": 16, "threshold": _COMPRESSION_THRESHOLD}),
     )
     return [
         Run(key=f"compression_step_ratio_{method}", name=f"compression_step_ratio_{method}",

@@ -47,7 +47,8 @@ class PhysicalTable:
     name: str  # "<logical>" or "<logical>/<part>"
     rows: int
     dim: int
-    init_scale: float  # rows are initialised U(-init_scale, init_scale)
+    init_scale: float  # rows are initialised U(init_center - init_scale, init_center + init_scale)
+    init_center: float = 0.0  # 0 for every method's default; the reference's all-positive QR init shifts it
 
     @property
     def params(self) -> int:

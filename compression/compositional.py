@@ -119,13 +119,35 @@ def _positive_int(spec: TableSpec, key: str, value, minimum: int = 1) -> int:
     return value
 
 
-class QuotientRemainder(CompositionalEmbedding):
-    """Shi et al. §3 Ex. 2: tables q (ceil(n/m) rows, x // m) and r (m rows, x mod m); options.collisions = m."""
+QR_INITS = ("bounded", "reference")
 
-    extra_options = {"collisions": 0}
+
+class QuotientRemainder(CompositionalEmbedding):
+    """Shi et al. §3 Ex. 2: tables q (ceil(n/m) rows, x // m) and r (m rows, x mod m); options.collisions = m.
+
+    options.init: "bounded" (default) draws both tables U(-b, b) with b = n^(-1/4) for mult (each factor's bound, so
+    the product stays within the full table's DLRM bound sqrt(1/n)) and b = sqrt(1/n) for concat / add (every entry
+    at the full table's bound); "reference" is facebookresearch/dlrm's QREmbeddingBag.reset_parameters,
+    U(sqrt(1/n), 1) for both tables whatever the op -- all positive, so with mult every initial embedding lies in
+    (1/n, 1)^D, a shared positive offset up to ~sqrt(n) times larger than a full table's entries. "bounded" stays the
+    default because it starts QR where a full table starts and learned at least as well in our check (synthetic
+    sweep config, QR 4x mult, 2 seeds; figures in WORKSPACE.md).
+    """
+
+    extra_options = {"collisions": 0, "init": "bounded"}
+
+    def physical_tables(self) -> tuple[PhysicalTable, ...]:
+        if self.options["init"] == "bounded":
+            return super().physical_tables()
+        low = dlrm_init_scale(self.spec.vocab_size)  # U(low, 1) = (1 + low) / 2 + U(-(1 - low) / 2, (1 - low) / 2)
+        return tuple(PhysicalTable(t.name, t.rows, t.dim, (1.0 - low) / 2, init_center=(1.0 + low) / 2)
+                     for t in super().physical_tables())
 
     def partitions(self) -> Sequence[Partition]:
         m = _positive_int(self.spec, "collisions", self.options["collisions"])
+        if self.options["init"] not in QR_INITS:
+            raise ValueError(f"table '{self.spec.name}': unknown qr init '{self.options['init']}'; use one of "
+                             f"{QR_INITS}")
         self.collisions = m
         return (("q", math.ceil(self.spec.vocab_size / m), lambda x: x // m),
                 ("r", m, lambda x: x % m))

@@ -19,7 +19,9 @@ What the reference's `md_solver` (tricks/md_embedding_bag.py) does, and `md_dims
   - with a base dim d0: lambda = d0 * (n / k)_min^alpha, so the most popular (smallest) table gets exactly d0 and
     table i gets d0 * ((n / k)_i / (n / k)_min)^(-alpha); every other dim is floored at 1 and rounded to the nearest
     integer (torch.round: half to even);
-  - with round_dim: dims are then rounded to the nearest power of two in log space, 2^round(log2 d);
+  - with round_dim: dims are then rounded to the nearest power of two in log space, 2^round(log2 d) -- d0 included,
+    and the reference then projects every table to base = max(dims), so d0 = 12 becomes 16 and 72 becomes 64
+    (`md_dims` differs here, see its docstring);
   - with a budget B instead: lambda = B / sum (n / k)^(1 - alpha) (sum n_i d_i = B before rounding; the floor at 1
     and rounding may overshoot, and dims are not capped at the base dim).
   - the reference applies the rule to *every* table, then crashes on tables under `--md-threshold` (it passes the
@@ -66,6 +68,14 @@ def md_dims(rows: Sequence[int], alpha: float, base_dim: int, round_pow2: bool =
       base_dim: d0, the dim of the most popular table and the projection target.
       round_pow2: round to powers of two (the reference's round_dim).
       queries: k_i, average lookups per example (default 1).
+
+    Where this differs from md_solver (only with round_pow2 and a base_dim that is not a power of two): md_solver
+    rounds d0 too (12 -> 16, 72 -> 64) and dlrm_s_pytorch then projects every table to max(dims), a width that no
+    longer matches the bottom MLP's output d0 (the reference checks that width before calling md_solver, not after).
+    Here base_dim is the width every model consumes, so the most popular table keeps exactly base_dim and no dim
+    exceeds it: dims = [base_dim for the most popular table, else min(md_solver's dim, base_dim)]. With a
+    power-of-two base_dim (or without round_pow2) the dims are md_solver's exactly
+    (tests/test_compression_mixed_dim.py checks both against a transcription of md_solver).
     """
     n = np.asarray(rows, np.float64) / (np.ones(len(rows)) if queries is None else np.asarray(queries, np.float64))
     _check_rule(n, alpha, base_dim)

@@ -21,12 +21,13 @@ that keeps the method merges its options over the defaults.
 Methods and their options (each method rejects keys it does not take):
     full         -
     hashing      buckets | collisions, hash ("universal" | "modulo"), seed, sign
-    qr           collisions (m), op ("concat" | "add" | "mult")
+    qr           collisions (m), op ("concat" | "add" | "mult"), init ("bounded" | "reference")
     mixed_radix  radices | partitions, op
     crt          moduli, op
     qr_path      collisions, hidden, transform_by ("remainder" | "quotient")
     md           alpha (0.3), budget (0: base-dim mode), round_pow2, dim (fixes this table's dim)
     md_blocks    alpha, blocks, round_pow2 (counts come from `id_counts`)
+    tt           cores (3), rank (8) | ranks, vocab_factors, dim_factors (TT-Rec, compression/tt.py)
 Every method also takes `threshold` (default 0: compress every table).
 
 Mixed dims ("md") depend on every table, so they are solved here over all tables whose method is "md":
@@ -56,7 +57,8 @@ MD_GROUP_KNOBS = {"alpha": DEFAULT_ALPHA, "budget": 0, "round_pow2": False}
 OPTION_TYPES: dict[str, type] = {
     "threshold": int, "buckets": int, "collisions": float, "hash": str, "seed": int, "sign": bool, "op": str,
     "radices": tuple, "partitions": int, "moduli": tuple, "hidden": int, "transform_by": str, "alpha": float,
-    "budget": int, "round_pow2": bool, "dim": int, "blocks": tuple,
+    "budget": int, "round_pow2": bool, "dim": int, "blocks": tuple, "cores": int, "rank": int, "ranks": tuple,
+    "vocab_factors": tuple, "dim_factors": tuple, "init": str,
 }
 
 

@@ -5,6 +5,7 @@ from compression.compositional import ChineseRemainder, MixedRadix, PathQuotient
 from compression.full import FullEmbedding
 from compression.hashing import HashingEmbedding
 from compression.mixed_dim import MixedDimBlocks, MixedDimEmbedding
+from compression.tt import TTEmbedding
 
 METHODS: dict[str, type[EmbeddingMethod]] = {
     "full": FullEmbedding,
@@ -15,6 +16,7 @@ METHODS: dict[str, type[EmbeddingMethod]] = {
     "qr_path": PathQuotientRemainder,  # path-based compositional embedding (Shi et al. §4)
     "md": MixedDimEmbedding,  # mixed dims per table (Ginart et al. 2019), dims from compression.plan
     "md_blocks": MixedDimBlocks,  # mixed dims per frequency block within a table
+    "tt": TTEmbedding,  # TT-Rec tensor-train cores (Yin et al. 2021)
 }
 
 

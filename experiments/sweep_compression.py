@@ -1,6 +1,6 @@
 r"""Sweep embedding compression: methods x target compression ratios x seeds -> results.csv and pareto.png.
 
-    python -m experiments.sweep_compression                       # synthetic, full/hashing/qr/md, 57 runs
+    python -m experiments.sweep_compression                       # synthetic, full/hashing/qr/md/tt, 75 runs
     python -m experiments.sweep_compression --dataset=movielens --data_dir=/path/to/ml-100k \
         --methods=full,hashing,qr,md --ratios=1,4,16 --seeds=0 --workdir=runs/sweep_ml100k
     python -m experiments.sweep_compression --dataset=criteo_kaggle --data_dir=/path/to/kaggle \
@@ -17,11 +17,12 @@ harder to make up for them:
   hashing  buckets = round(n / r') per table,
   qr       the remainder rows m (collisions) per table with ceil(n / m) + m rows ~ n / r' (both tables counted;
            with op "concat" each table has half the columns),
+  tt       the TT-rank per table (3 cores, default factors; compression/tt.py) with core params ~ n d / r',
 where one per-table ratio r' for all compressed tables is found by bisection on the total bytes;
   md       the plan's budget mode (compression/plan.py) with budget = full params / ratio.
 "full" is the baseline and runs once per seed, at ratio 1. A ratio a method cannot reach (QR needs at least
 2 sqrt(n) rows, MD at least dim 1 per table, tables kept full cost what they cost) is run at the method's
-maximum compression. Every CSV and the plot report the *achieved* ratio: the run summary's
+maximum compression (TT: rank 1). Every CSV and the plot report the *achieved* ratio: the run summary's
 `compression_ratio` (full bytes / embedding bytes, recjax.train).
 
 Each run calls `recjax.train.train_and_evaluate` in `<workdir>/<method>_x<ratio>_seed<seed>/`. A run whose
@@ -58,11 +59,12 @@ from recjax.embedding import EmbeddingCollection
 from recjax.specs import DatasetSpec
 
 DATASETS = ("synthetic", "movielens", "criteo_kaggle")
-METHODS = ("full", "hashing", "qr", "md")
+METHODS = ("full", "hashing", "qr", "md", "tt")
 RESULT_FIELDS = ("method", "target_ratio", "ratio", "params", "embedding_params", "embedding_bytes", "auc",
                  "logloss", "ne", "examples_per_sec", "seed", "run")
 SUMMARY_METRICS = ("auc", "logloss", "ne")
-METHOD_COLORS = {"hashing": "tab:blue", "qr": "tab:orange", "md": "tab:green"}  # the same in every plot
+# The same colour for a method in every plot.
+METHOD_COLORS = {"hashing": "tab:blue", "qr": "tab:orange", "md": "tab:green", "tt": "tab:red"}
 DEFAULT_THRESHOLD = 200  # the facebookresearch/dlrm reference's --qr-threshold / --md-threshold default
 
 
@@ -152,12 +154,32 @@ def _qr_collisions(name: str, n: int, dim: int, op: str, target_params: float) -
     return min((lo, hi), key=lambda m: abs(math.log(params(m) / target_params)))
 
 
+def _tt_rank(name: str, n: int, dim: int, target_params: float) -> int:
+    """The TT-rank (every inner rank; default cores and factors) whose core params come closest to `target_params`
+    (in log). Params grow with the rank (~ n^(1/3) d r^2 for 3 cores), so the crossing is found by bisection; the
+    rank is capped where the cores would exceed the full table (rank 1 is the most TT can compress)."""
+    params = lambda r: table_params(name, n, dim, "tt", {"rank": r})
+    lo, hi = 1, 2
+    while params(hi) < min(target_params, n * dim) and hi < 4096:
+        lo, hi = hi, hi * 2
+    if params(lo) >= target_params:
+        return lo
+    if params(hi) <= target_params:
+        return hi
+    while hi - lo > 1:  # params(lo) < target < params(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if params(mid) < target_params else (lo, mid)
+    return min((lo, hi), key=lambda r: abs(math.log(params(r) / target_params)))
+
+
 def _per_table_knobs(method: str, name: str, n: int, dim: int, table_ratio: float, qr_op: str) -> dict[str, Any]:
     """The knobs compressing one table by about `table_ratio`."""
     if method == "hashing":
         return {"buckets": max(1, min(n, round(n / table_ratio)))}
     if method == "qr":
         return {"collisions": _qr_collisions(name, n, dim, qr_op, n * dim / table_ratio)}
+    if method == "tt":
+        return {"rank": _tt_rank(name, n, dim, n * dim / table_ratio)}
     raise ValueError(f"no per-table knobs for method '{method}'")
 
 
@@ -167,7 +189,7 @@ def embedding_section(method: str, spec: DatasetSpec, dim: int, target_ratio: fl
     """`config.embedding`'s method, options and per-table overrides for `method` at `target_ratio`.
 
     Args:
-      method: "full", "hashing", "qr" or "md".
+      method: "full", "hashing", "qr", "md" or "tt".
       spec: the dataset's features (names and vocab sizes).
       dim: config.embedding.dim (D).
       target_ratio: full embedding bytes / wanted embedding bytes (>= 1).
@@ -218,11 +240,11 @@ def embedding_section(method: str, spec: DatasetSpec, dim: int, target_ratio: fl
             lo, hi = (mid, hi) if planned_params(mid) <= budget else (lo, mid)
         section.options.budget = min((under, hi), key=lambda b: abs(math.log(planned_params(b) / budget)))
         return section
-    if method not in ("hashing", "qr"):
+    if method not in ("hashing", "qr", "tt"):
         raise ValueError(f"unknown sweep method '{method}'; choose from {METHODS}")
     if method == "qr":
         section.options.op = qr_op
-    else:
+    elif method == "hashing":
         section.options.seed = seed
     if not compressed:
         return section

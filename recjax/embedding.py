@@ -148,13 +148,17 @@ class EmbeddingCollection:
 
     # --------------------------------------------------------------------------------------------- init
     def init_tables(self, rng: jax.Array) -> dict[str, jax.Array]:
-        """Stacked tables, each physical table U(-init_scale, init_scale) (DLRM reference init)."""
+        """Stacked tables, each physical table init_center + U(-init_scale, init_scale) (DLRM reference init)."""
         tables = {}
         for g, group in enumerate(sorted(self.group_rows)):
             members = [p for p in self.physical_tables() if p.group == group]
             scales = np.concatenate([np.full(p.table.rows, p.table.init_scale, np.float32) for p in members])
+            centers = None
+            if any(p.table.init_center for p in members):
+                centers = jnp.asarray(np.concatenate([np.full(p.table.rows, p.table.init_center, np.float32)
+                                                      for p in members]))
             tables[group] = _init_uniform_rows(jax.random.fold_in(rng, g), self.group_rows[group],
-                                               self.group_dims[group], jnp.asarray(scales))
+                                               self.group_dims[group], jnp.asarray(scales), centers)
         return tables
 
     def init_optimizer(self, optimizer: SparseOptimizer) -> dict[str, dict[str, jax.Array]]:
@@ -198,6 +202,9 @@ class EmbeddingCollection:
                 continue
             unique[group], inverse = unique_rows(
                 jnp.concatenate([r.reshape(-1) for r in parts]), self.group_rows[group])
+            # A group has at most group_rows distinct rows plus the sentinel, so a group smaller than the batch's
+            # slots (TT cores, QR remainders) gathers and updates only that many (the dropped tail is all sentinel).
+            unique[group] = unique[group][: self.group_rows[group] + 1]
             bounds = np.cumsum([0] + [r.size for r in parts])
             slots_by_group[group] = [inverse[a:b].reshape(r.shape)
                                      for a, b, r in zip(bounds[:-1], bounds[1:], parts, strict=True)]
@@ -343,8 +350,10 @@ def _raise_invalid_ids(names: tuple[str, ...], vocab_sizes: dict[str, int], coun
                      "recjax.batch.validate_batch, enable hashing for these features or raise their vocab_size")
 
 
-def _init_uniform_rows(rng: jax.Array, rows: int, dim: int, scales: jax.Array) -> jax.Array:
-    """f32[rows, dim] with row r ~ U(-scales[r], scales[r]), built chunk by chunk inside one jit.
+def _init_uniform_rows(rng: jax.Array, rows: int, dim: int, scales: jax.Array,
+                       centers: jax.Array | None = None) -> jax.Array:
+    """f32[rows, dim] with row r ~ centers[r] + U(-scales[r], scales[r]) (centers None: 0), built chunk by chunk
+    inside one jit.
 
     Drawing the whole table at once makes XLA hold the random bits and the result together (4x the table
     at 10M rows); chunks keep the peak near 1x.
@@ -353,18 +362,21 @@ def _init_uniform_rows(rng: jax.Array, rows: int, dim: int, scales: jax.Array) -
     chunk = min(_INIT_CHUNK_ROWS, rows)
     n_full, rest = divmod(rows, chunk)
 
-    def block(scales, i, size):
+    def block(scales, centers, i, size):
         u = jax.random.uniform(jax.random.fold_in(rng, i), (size, dim), jnp.float32, -1.0, 1.0)
-        return u * jax.lax.dynamic_slice_in_dim(scales, i * chunk, size)[:, None]
+        u = u * jax.lax.dynamic_slice_in_dim(scales, i * chunk, size)[:, None]
+        return u if centers is None else u + jax.lax.dynamic_slice_in_dim(centers, i * chunk, size)[:, None]
 
     @jax.jit
-    def build(scales):
+    def build(scales, centers):
         table = jnp.zeros((rows, dim), jnp.float32)
         table = jax.lax.fori_loop(
             0, n_full,
-            lambda i, t: jax.lax.dynamic_update_slice_in_dim(t, block(scales, i, chunk), i * chunk, 0), table)
+            lambda i, t: jax.lax.dynamic_update_slice_in_dim(t, block(scales, centers, i, chunk), i * chunk, 0),
+            table)
         if rest:
-            table = jax.lax.dynamic_update_slice_in_dim(table, block(scales, n_full, rest), n_full * chunk, 0)
+            table = jax.lax.dynamic_update_slice_in_dim(table, block(scales, centers, n_full, rest), n_full * chunk,
+                                                        0)
         return table
 
-    return build(scales)
+    return build(scales, centers)

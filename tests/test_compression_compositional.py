@@ -189,6 +189,24 @@ def test_path_based_applies_each_remainder_class_transform(hidden):
     np.testing.assert_allclose(emb[:, 0], expected, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("op", ["mult", "concat"])
+def test_qr_init_bounded_by_default_and_the_references_on_request(op):
+    """Default: U(+-n^(-1/4)) for mult, U(+-sqrt(1/n)) for concat. init="reference": facebookresearch/dlrm's
+    QREmbeddingBag, U(sqrt(1/n), 1) for both tables whatever the op."""
+    n, m, d = 10_000, 50, 8
+    spec = DatasetSpec(0, (FeatureSpec("x", n),))
+    bound = n ** -0.25 if op == "mult" else math.sqrt(1 / n)
+    for init, low, high in (("bounded", -bound, bound), ("reference", math.sqrt(1 / n), 1.0)):
+        options = {"collisions": m, "op": op, **({} if init == "bounded" else {"init": init})}
+        collection = EmbeddingCollection(spec, [TableSpec("x", n, d, "qr", options)])
+        tables = collection.init_tables(jax.random.key(0))
+        for i in range(2):
+            t = table_block(collection, tables, "x", i)
+            assert low <= t.min() and t.max() <= high, (init, i, t.min(), t.max())
+            assert t.mean() == pytest.approx((low + high) / 2, abs=0.05 * (high - low)), (init, i)
+            assert t.std() == pytest.approx((high - low) / math.sqrt(12), rel=0.1), (init, i)
+
+
 def test_helpers_are_exact():
     from compression.compositional import integer_root_ceil, split_dims
 
@@ -203,6 +221,7 @@ def test_helpers_are_exact():
     ("qr", {"collisions": 0}, "collisions must be an integer >= 1"),
     ("qr", {}, "collisions must be an integer >= 1"),
     ("qr", {"collisions": 4, "op": "max"}, "unknown compositional op 'max'"),
+    ("qr", {"collisions": 4, "init": "positive"}, "unknown qr init 'positive'"),
     ("qr", {"collisions": 4, "collision": 4}, r"has no option\(s\) \['collision'\]"),
     ("mixed_radix", {"radices": (4, 1)}, r"radices\[i\] must be an integer >= 2"),
     ("mixed_radix", {}, "exactly one of options.radices"),

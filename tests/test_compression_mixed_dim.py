@@ -35,6 +35,45 @@ def test_power_rule_against_a_plain_python_transcription():
         assert md_dims(rows, alpha, d0) == [min(d, d0) for d in expected]
 
 
+def md_solver_transcription(rows, alpha, d0, round_dim):
+    """facebookresearch/dlrm tricks/md_embedding_bag.py md_solver(n, alpha, d0=d0, round_dim=round_dim), as described:
+    sort n ascending; lambda = d0 * n_0^alpha; d = lambda * n^-alpha, the first (sorted) entry set to d0, the others
+    floored at 1; torch.round (half to even); with round_dim, 2^round(log2 d) for every entry, d0's too; unsort."""
+    order = sorted(range(len(rows)), key=lambda i: rows[i])  # torch.sort; ties do not matter for the values
+    n = [float(rows[i]) for i in order]
+    lam = d0 * n[0] ** alpha
+    d = [float(d0) if j == 0 else max(1.0, lam * x ** -alpha) for j, x in enumerate(n)]
+    d = [float(np.round(v)) for v in d]
+    if round_dim:
+        d = [float(2 ** np.round(np.log2(v))) for v in d]
+    out = [0] * len(rows)
+    for j, i in enumerate(order):
+        out[i] = int(d[j])
+    return out
+
+
+def test_round_pow2_matches_md_solver_except_that_d0_and_the_cap_stay_at_the_base_dim():
+    """md_solver rounds d0 too (12 -> 16, 72 -> 64); md_dims keeps the base dim (the model's width) for the most
+    popular table and never exceeds it. Otherwise -- a power-of-two base dim, or no rounding -- they agree."""
+    assert md_solver_transcription([1000, 50], 0.3, 12, True) == [4, 16]
+    assert md_dims([1000, 50], 0.3, 12, round_pow2=True) == [4, 12]
+    assert md_solver_transcription([50], 0.3, 72, True) == [64] and md_dims([50], 0.3, 72, round_pow2=True) == [72]
+    rng = np.random.default_rng(1)
+    differ = cases = 0
+    for _ in range(300):
+        rows = [int(r) for r in rng.integers(1, 10**6, rng.integers(1, 8))]
+        alpha, d0, round_pow2 = float(rng.uniform(0, 1)), int(rng.integers(1, 129)), bool(rng.integers(0, 2))
+        ref = md_solver_transcription(rows, alpha, d0, round_pow2)
+        ours = md_dims(rows, alpha, d0, round_pow2=round_pow2)
+        top = min(rows)
+        assert ours == [d0 if n == top else min(r, d0) for n, r in zip(rows, ref, strict=True)], (rows, alpha, d0)
+        if not round_pow2 or d0 & (d0 - 1) == 0:
+            assert ours == ref, (rows, alpha, d0, round_pow2)
+        cases += 1
+        differ += ours != ref
+    assert 0 < differ < cases  # only rounded, non-power-of-two base dims differ
+
+
 def test_pow2_rounding_is_in_log_space():
     dims = np.array([1, 2, 3, 5, 6, 9, 11, 12, 22, 23])  # 2^4.5 = 22.6 splits 16 from 32
     np.testing.assert_array_equal(pow2_round(dims), [1, 2, 4, 4, 8, 8, 8, 16, 16, 32])

@@ -44,12 +44,13 @@ def planned_ratio(spec: DatasetSpec, method: str, ratio: float, **kwargs) -> flo
 
 
 # ------------------------------------------------------------------------------------ knobs for a ratio
-@pytest.mark.parametrize("method", ["hashing", "qr", "md"])
+@pytest.mark.parametrize("method", ["hashing", "qr", "md", "tt"])
 @pytest.mark.parametrize("ratio", [1, 2, 4, 8])
 def test_knobs_hit_the_target_ratio(method, ratio):
     """The compressed tables make up for the one kept full, so the whole collection lands on the target."""
     spec = spec_of((50_000, 20_000, 3_000, 150, 40))
-    tolerance = {"hashing": 0.001, "qr": 0.02, "md": 0.1}[method]  # md dims are small integers
+    # md dims are small integers; a TT rank step changes a table's params by ~2/rank
+    tolerance = {"hashing": 0.001, "qr": 0.02, "md": 0.1, "tt": 0.1}[method]
     assert planned_ratio(spec, method, ratio) == pytest.approx(ratio, rel=tolerance)
 
 
@@ -97,6 +98,17 @@ def test_qr_concat_counts_half_width_tables():
     assert (-(-40_000 // m) + m) * DIM // 2 == pytest.approx(40_000 * DIM / 8, rel=0.01)  # each table D/2 wide
 
 
+def test_tt_rank_is_solved_per_table_and_bottoms_out_at_rank_one():
+    spec = spec_of((50_000, 20_000, 100))
+    section = sc.embedding_section("tt", spec, DIM, 8.0)
+    ranks = {name: section.tables[name].options.rank for name in section.tables}
+    assert sorted(ranks) == ["C1", "C2"] and ranks["C1"] > ranks["C2"] > 1  # C3 stays full
+    assert sc._tt_rank("C1", 50_000, DIM, 1.0) == 1  # beyond its reach: rank 1, the most TT compresses
+    # By hand: 50,000 ids -> (37, 37, 37), D 16 -> (4, 2, 2); rank r costs 37 (4 r + 2 r^2 + 2 r) params.
+    assert sc.table_params("C1", 50_000, DIM, "tt", {"rank": 10}) == 37 * (40 + 200 + 20)
+    assert sc._tt_rank("C1", 50_000, DIM, 37 * (40 + 200 + 20)) == 10
+
+
 def test_md_uses_the_plan_budget_and_never_goes_below_dim_one():
     spec = spec_of((50_000, 20_000, 150))
     section = sc.embedding_section("md", spec, DIM, 1000.0)
@@ -110,7 +122,7 @@ def test_sweep_runs_full_once_per_seed_and_validates():
     assert runs == [("full", 1.0, 0), ("hashing", 1.0, 0), ("hashing", 4.0, 0),
                     ("full", 1.0, 1), ("hashing", 1.0, 1), ("hashing", 4.0, 1)]
     with pytest.raises(ValueError, match="unknown sweep method"):
-        sc.sweep_runs(["tt"], [4], [0])
+        sc.sweep_runs(["fiited"], [4], [0])
     with pytest.raises(ValueError, match=">= 1"):
         sc.sweep_runs(["qr"], [0.5], [0])
     with pytest.raises(ValueError, match="needs --data_dir"):
