@@ -222,6 +222,21 @@ def test_core_row_gradients_and_sgd_step_match_a_dense_oracle():
         updated = np.asarray(new_tables[p.group])[p.offset: p.offset + p.table.rows]
         np.testing.assert_allclose(updated, core - lr * np.asarray(dense), rtol=1e-5, atol=1e-7)
 
+    # Without dedup (what embedding.dedup="auto" picks for plain SGD): per-occurrence lookups straight from the
+    # tables, every occurrence's update scatter-added -- the same step.
+    @jax.jit
+    def step_without_dedup(tables):
+        routes = collection.route({"x": jnp.asarray(ids)}, {"x": jnp.asarray(lengths)}, dedup=False)
+        looked = collection.gather(tables, routes)
+        grads = jax.grad(lambda looked: jnp.sum((glue.apply(variables, looked, routes["features"])[:, 0] - target)
+                                                ** 2))(looked)
+        return collection.sparse_update(sgd, tables, state, routes, looked, grads, jnp.float32(lr), jnp.int32(1))[0]
+
+    variables = glue.init(jax.random.key(0), rows, routes["features"])
+    no_dedup_tables = step_without_dedup(tables)
+    for g in new_tables:
+        np.testing.assert_allclose(np.asarray(no_dedup_tables[g]), np.asarray(new_tables[g]), rtol=1e-5, atol=1e-7)
+
 
 # -------------------------------------------------------------------------------------- training
 def test_tt_learns(tmp_path):
