@@ -10,7 +10,6 @@ batches; OUT_DIR/<case>.npz holds both runs' losses, logits, tables, optimizer s
 
 import json
 import pathlib
-import re
 import sys
 
 import jax
@@ -20,6 +19,7 @@ import numpy as np
 from experiments.configs import dlrm_synthetic
 from recjax import sharding, train
 from recjax.data import make_dataset
+from recjax.sharding import hlo
 from recjax.sharding import step as sharded_step
 
 BATCH = 32
@@ -41,6 +41,9 @@ CASES = {
                                {"optimizer.dense.name": "adam", "optimizer.dense.learning_rate": 0.01}),
     "wukong-qr-mixed-4x2": ("wukong", "qr", "data=4,model=2", "table", "C1=row,C2=column,C5=replicated", {}),
     "wukong-md-auto-2x4": ("wukong", "md", "data=2,model=4", "auto", "", {}),
+    # Reduced-precision exchange: close to the f32 oracle, not equal (tests/test_sharding.py checks both).
+    "dlrm-full-mixed-4x2-bf16": ("dlrm", "full", "data=4,model=2", "table", "C1=replicated,C2=row,C3=column",
+                                 {"sharding.exchange_dtype": "bfloat16", "optimizer.sparse.name": "sgd"}),
 }
 
 
@@ -120,21 +123,17 @@ def run_case(name: str, out: pathlib.Path) -> None:
     np.savez(out / f"{name}.npz", **result)
 
 
-COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "collective-permute", "reduce-scatter")
-_SHAPE = re.compile(r"\b(f32|bf16|f16|s32|u32|pred|s8|u8)\[([\d,]*)\]")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%\S+ = (\(.*?\)|\S+) ([\w-]+)\(")
-_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1, "s8": 1, "u8": 1}
-
-
 def hlo_report(out: pathlib.Path) -> None:
     """The compiled sharded step at two table sizes (4096 and 32768 rows; 8 ids per device a step): every
     collective, the largest array of any instruction, temp and aliased bytes, and each device's blocks."""
     report = {rows: hlo_facts(rows) for rows in (4096, 32768)}
+    report["bfloat16"] = hlo_facts(4096, "bfloat16")
     (out / "hlo.json").write_text(json.dumps(report, indent=1))
 
 
-def hlo_facts(rows: int) -> dict:
-    config = case_config("dlrm", "full", "data=4,model=2", "table", "C1=replicated,C2=row,C3=column", {})
+def hlo_facts(rows: int, exchange_dtype: str = "float32") -> dict:
+    config = case_config("dlrm", "full", "data=4,model=2", "table", "C1=replicated,C2=row,C3=column",
+                         {"sharding.exchange_dtype": exchange_dtype})
     config.data.vocab_sizes = (rows,) * 5
     config.data.bag_sizes = (1, 1, 1, 1, 1)
     config.train.batch_size = 64  # 8 examples per device
@@ -144,27 +143,25 @@ def hlo_facts(rows: int) -> dict:
     state = train.init_state(task, jax.random.key(0), jax.device_put(batch))
     sharded = sharding.setup(config, task)
     sharded_state, sharded_train, _, put = sharding.prepare(task, sharded, state, train._forward)
-    compiled = sharded_train.lower(sharded_state, put(batch)).compile()
+    lowered = sharded_train.lower(sharded_state, put(batch))
+    compiled = lowered.compile()
     text = compiled.as_text()
-    collectives, largest = [], 0
-    for line in text.splitlines():
-        match = _INSTRUCTION.match(line)
-        if not match or match.group(2) == "parameter":
-            continue
-        shape, op = match.groups()
-        size = max((_BYTES[t] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-                    for t, dims in _SHAPE.findall(shape)), default=0)
-        if any(op.startswith(c) for c in COLLECTIVES):
-            collectives.append({"op": op, "bytes": size, "line": line.strip()[:200]})
-        largest = max(largest, size)
+    # The program as written (StableHLO): which element types its all_to_alls carry. XLA:CPU's float normalization
+    # widens bf16 collectives back to f32 in the compiled HLO; GPU / TPU keep them narrow.
+    requested = sorted({t for line in lowered.as_text().splitlines() if "all_to_all" in line
+                        for t in ("bf16", "f16", "f32") if f"x{t}>" in line})
+    collectives = hlo.collectives(text)
+    largest = hlo.largest_array_bytes(text)
     blocks = {name: int(np.prod(sharded_state.tables[name].addressable_shards[0].data.shape)) * 4
               for name in sharded_state.tables}
     memory = compiled.memory_analysis()
     return {
         "table_bytes": rows * 16 * 4,
         "block_bytes": blocks,
-        "collectives": collectives,
+        "collectives": [{"op": c["op"], "bytes": c["largest"], "dtypes": c["dtypes"], "line": c["line"]}
+                        for c in collectives],
         "largest_instruction_bytes": largest,
+        "all_to_all_dtypes_requested": requested,
         "temp_bytes": int(memory.temp_size_in_bytes),
         "alias_bytes": int(memory.alias_size_in_bytes),
         "shardings": {p.table.name: p.sharding for p in sharded.plan.placements},

@@ -15,10 +15,11 @@ holds its local block; a step (per device, on its slice of the batch):
   forward (`fetch`): `collection.route` gives the local distinct stacked rows u i32[N] of a group. For a
     sharded/model storage each member row maps to (owner, local row) by static integer math on its table's split;
     ids are bucketed by owner into i32[parts, C] (C = the static worst case an owner can receive from one device:
-    the local slots of the tables it holds; padding = the local sentinel L), all_to_all'd to the owners, who gather
-    f32[parts, C, d] (cast to `exchange_dtype`) and all_to_all them back; each distinct row is read from its
-    bucket slot. Column storages all_gather the ids, every device gathers its column slice of all of them and one
-    all_to_all returns each requester its rows' slices (concatenated on the dim). Replicated storages read locally.
+    per table it holds, the fewer of the local slots and its rows there; padding = the local sentinel L),
+    all_to_all'd to the owners, who gather f32[parts, C, d] (cast to `exchange_dtype`) and all_to_all them back;
+    each distinct row is read from its bucket slot. Column storages all_gather the ids, every device gathers its
+    column slice of all of them and one all_to_all returns each requester its rows' slices (concatenated on the
+    dim). Replicated storages read locally.
   backward (`update`): d loss / d rows (f32[N, d], cast to `exchange_dtype`) goes back through the same buckets
     (the reverse all_to_all; for column storages split by columns); the owner all_gathers what it received over
     the axes its storage is replicated along (so every copy applies the same update), deduplicates the received
@@ -71,7 +72,8 @@ class Storage:
     modulo: np.ndarray  # bool[T] modulo split
     device: np.ndarray  # i32[T, K] position along `axes` of each part
     base: np.ndarray  # i32[T, K] first local row of each part
-    bags: np.ndarray  # i32[parts] ids per example that can reach each owner (sum of its tables' bag sizes)
+    part_rows: np.ndarray  # i64[parts, T] rows of each table on each owner (a device asks at most this many of them)
+    table_bags: np.ndarray  # i64[T] bag size of the feature reading each table
     source: np.ndarray  # i64[parts * L] (sharded / model) or i64[L]: the stacked row at each global row, -1 = pad
 
     @property
@@ -90,8 +92,10 @@ class Storage:
         return rows, self.dim
 
     def capacity(self, local_batch: int) -> int:
-        """C: the most distinct rows one device can ask one owner for in a step."""
-        return max(1, local_batch * int(self.bags.max()))
+        """C: the most distinct rows one device can ask one owner for in a step: per table the fewer of its slots
+        (local_batch x bag size) and the rows the owner holds of it, summed over the owner's tables."""
+        per_owner = np.minimum(self.part_rows, local_batch * self.table_bags[None, :]).sum(axis=1)
+        return max(1, int(per_owner.max()))
 
     # ---------------------------------------------------------------------------------------- device side
     def locate(self, unique: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -135,7 +139,8 @@ def build_storages(collection: EmbeddingCollection, plan: ShardingPlan) -> dict[
             device = np.zeros((t_count, k_max), np.int32)
             base = np.zeros((t_count, k_max), np.int32)
             used = [0] * (parts if kind in ("sharded", "model") else 1)
-            bags = np.zeros(parts, np.int64)
+            part_rows_ = np.zeros((parts, t_count), np.int64)
+            table_bags = np.array([bag[p.feature] for p in tables], np.int64)
             pieces: list[list[np.ndarray]] = [[] for _ in used]
             for i, entry in members:
                 p = tables[i]
@@ -151,7 +156,7 @@ def build_storages(collection: EmbeddingCollection, plan: ShardingPlan) -> dict[
                         local = np.arange(count) * k + j if modulo[i] else j * chunk[i] + np.arange(count)
                         pieces[dev].append(p.offset + local)
                         used[dev] += count
-                        bags[dev] += bag[p.feature]
+                        part_rows_[dev, i] = count
                 else:
                     split[i], chunk[i] = 1, max(rows, 1)
                     base[i, 0] = used[0]
@@ -169,7 +174,8 @@ def build_storages(collection: EmbeddingCollection, plan: ShardingPlan) -> dict[
                 replica_axes=tuple(a for a in ALL_AXES if a not in axes) if kind != "column" else (),
                 parts=parts, local_rows=local_rows, dim=collection.group_dims[group],
                 group_rows=collection.group_rows[group], offsets=offsets, member=member, split=split, chunk=chunk,
-                modulo=modulo, device=device, base=base, bags=bags, source=source.reshape(-1))
+                modulo=modulo, device=device, base=base, part_rows=part_rows_, table_bags=table_bags,
+                source=source.reshape(-1))
     return storages
 
 

@@ -22,8 +22,9 @@ table's rows, access skew is ignored):
     f * q * (4 + 4 d (3 + s)) (table-wise f = 1 on one device, row-wise 1 / parts on each part; over the `model`
     axis each data row of devices serves its own requests, f / n_data);
   - exchange of a table-/row-wise storage (the tables of one dim on the same axes): the all_to_all buffers have a
-    static size, parts x C per device, C = b * (the largest sum of bag sizes of the tables one device holds a part
-    of), each slot an id out, a row back, a gradient out: parts * C * (4 + 8 d). This is why splitting every table
+    static size, parts x C per device, C = the most rows one device can ask one owner for (summed over the owner's
+    tables: the fewer of b * L and the rows it holds), each slot an id out, a row back, a gradient out:
+    parts * C * (4 + 8 d). This is why splitting every table
     over every device is not free: C then holds every table's ids, and the buffers are parts times the minimum;
   - replicated: no forward exchange; the touched rows' ids and gradients of every device are all-gathered and every
     copy applies all of them: q * (4 + 4 d) + q * 4 d (1 + s) on each device;
@@ -190,13 +191,33 @@ def device_costs(placements: Sequence[TablePlacement], mesh_shape: Mapping[str, 
             storages.setdefault((p.table.dim, p.axes), []).append(p)
     for (dim, axes), members in storages.items():
         parts = n if axes == ("data", "model") else mesh_shape["model"]
-        bags = [0] * parts
+        slots = [0.0] * parts
         for p in members:
-            for j in p.devices:
-                bags[j] += p.table.bag_size
-        per_device = parts * b * max(bags) * (4 + 8 * dim)
+            for k, j in enumerate(p.devices):
+                slots[j] += min(b * p.table.bag_size, part_rows(p.table.rows, len(p.devices), k, p.row_split))
+        per_device = parts * max(slots) * (4 + 8 * dim)
         costs = [c + per_device for c in costs]
     return costs
+
+
+def minimum_exchange_bytes(plan: "ShardingPlan", itemsize: int = 4) -> float:
+    """Bytes per device and step the plan's exchange cannot avoid without dedup: for every table, each of the
+    device's b * L ids out (4 bytes) and its row back and its gradient out (d * itemsize each); replicated tables
+    all-gather every device's ids and gradients, column-wise ones all-gather the ids. The collectives' buffers are
+    measured against this (benchmarks/sharding.py)."""
+    n = plan.devices
+    b = plan.batch_size / n
+    total = 0.0
+    for p in plan.placements:
+        slots = b * p.table.bag_size
+        d = p.table.dim
+        if p.sharding in ("replicated", "data_parallel"):
+            total += n * slots * (4 + d * itemsize)
+        elif p.sharding == "column":
+            total += n * slots * 4 + 2 * slots * d * itemsize
+        else:
+            total += slots * (4 + 2 * d * itemsize)
+    return total
 
 
 # ----------------------------------------------------------------------------------------------------- planner
