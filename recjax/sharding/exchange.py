@@ -97,6 +97,12 @@ class Storage:
         per_owner = np.minimum(self.part_rows, local_batch * self.table_bags[None, :]).sum(axis=1)
         return max(1, int(per_owner.max()))
 
+    def compact_size(self, local_batch: int, n: int) -> int:
+        """S: the most distinct rows of a replicated / column storage's tables among a device's n distinct rows
+        (per table the fewer of its slots and its rows); only these cross devices, not the whole group's."""
+        rows = np.where(self.member, self.chunk, 0)
+        return max(1, min(n, int(np.minimum(rows, local_batch * self.table_bags).sum())))
+
     # ---------------------------------------------------------------------------------------- device side
     def locate(self, unique: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Stacked rows i32[N] -> (member bool[N], owner i32[N] position along `axes`, local row i32[N])."""
@@ -179,6 +185,12 @@ def build_storages(collection: EmbeddingCollection, plan: ShardingPlan) -> dict[
     return storages
 
 
+def _compact_slots(member: jax.Array, size: int) -> jax.Array:
+    """Where each member entry goes in a packed buffer of `size` (its rank among members); `size` (dropped) for the
+    others."""
+    return jnp.where(member, jnp.cumsum(member, dtype=jnp.int32) - 1, size)
+
+
 def _bucket_positions(owner: jax.Array, member: jax.Array, parts: int) -> jax.Array:
     """Each id's slot in its owner's bucket: i32[N], the rank of the id among the ids for the same owner."""
     n = owner.shape[0]
@@ -216,13 +228,18 @@ class ShardedEmbedding:
                 table = tables[s.name]
                 if s.kind == "replicated":
                     got = jnp.take(table, local, axis=0, mode="fill", fill_value=0)
-                    context[s.name] = (member, local)
+                    size = s.compact_size(local_batch, n)
+                    context[s.name] = (member, local, _compact_slots(member, size), size)
                 elif s.kind == "column":
-                    ids = jax.lax.all_gather(local, s.axes, tiled=True)  # i32[parts * N]
-                    vals = jnp.take(table, ids, axis=0, mode="fill", fill_value=0)  # [parts * N, d / parts]
-                    vals = vals.astype(self.exchange_dtype).reshape(s.parts, n, d // s.parts)
-                    got = jax.lax.all_to_all(vals, s.axes, 0, 2, tiled=True).reshape(n, d)
-                    context[s.name] = (member, ids)
+                    size = s.compact_size(local_batch, n)
+                    slot = _compact_slots(member, size)  # this storage's rows, packed into i32[S]
+                    packed = jnp.full(size, s.local_rows, jnp.int32).at[slot].set(local, mode="drop")
+                    ids = jax.lax.all_gather(packed, s.axes, tiled=True)  # i32[parts * S]
+                    vals = jnp.take(table, ids, axis=0, mode="fill", fill_value=0)  # [parts * S, d / parts]
+                    vals = vals.astype(self.exchange_dtype).reshape(s.parts, size, d // s.parts)
+                    back = jax.lax.all_to_all(vals, s.axes, 0, 2, tiled=True).reshape(size, d)
+                    got = back[jnp.minimum(slot, size - 1)]
+                    context[s.name] = (member, ids, slot, size)
                 else:
                     capacity = s.capacity(local_batch)
                     pos = _bucket_positions(owner, member, s.parts)
@@ -250,13 +267,16 @@ class ShardedEmbedding:
             member = context[s.name][0]
             g = jnp.where(member[:, None], g, 0.0).astype(self.exchange_dtype)
             if s.kind == "replicated":
-                _, local = context[s.name]
-                ids = jax.lax.all_gather(local, ALL_AXES, tiled=True)
-                grads = jax.lax.all_gather(g, ALL_AXES, tiled=True)
+                _, local, slot, size = context[s.name]
+                packed = jnp.full(size, s.local_rows, jnp.int32).at[slot].set(local, mode="drop")
+                ids = jax.lax.all_gather(packed, ALL_AXES, tiled=True)  # i32[n * S]
+                grads = jax.lax.all_gather(jnp.zeros((size, d), g.dtype).at[slot].set(g, mode="drop"), ALL_AXES,
+                                           tiled=True)
             elif s.kind == "column":
-                _, ids = context[s.name]
-                grads = jax.lax.all_to_all(g.reshape(1, n, d), s.axes, 2, 0, tiled=True)  # [parts, N, d / parts]
-                grads = grads.reshape(s.parts * n, d // s.parts)
+                _, ids, slot, size = context[s.name]
+                packed = jnp.zeros((1, size, d), g.dtype).at[0, slot].set(g, mode="drop")
+                grads = jax.lax.all_to_all(packed, s.axes, 2, 0, tiled=True)  # [parts, S, d / parts]
+                grads = grads.reshape(s.parts * size, d // s.parts)
             else:
                 _, dest, pos, recv = context[s.name]
                 send = jnp.zeros((s.parts, recv.shape[1], d), g.dtype).at[dest, pos].set(g, mode="drop")

@@ -257,8 +257,9 @@ def make_plan(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_
     auto, in decreasing order of owner work (the LPT greedy): a table whose own work exceeds a device's fair share
     (all tables' work over n) or that fits on no single device is split row-wise; any other goes whole to the
     device, among those with room, that leaves the lowest maximum per-device cost (`device_costs`), then the lowest
-    total; a table of at most REPLICATE_BYTES may be replicated instead if that scores better. Then memory is
-    checked per device. Raises ConfigError naming the device and the bytes it is short of.
+    memory on the fullest device, then the lowest total cost; a table of at most REPLICATE_BYTES may be replicated
+    instead if that scores better. Then memory is checked per device. Raises ConfigError naming the device and the
+    bytes it is short of.
     """
     n = math.prod(mesh_shape.values())
     axes_all = ("data", "model")
@@ -295,8 +296,11 @@ def make_plan(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_
             room[d] -= p.device_bytes(d, mesh_shape)
 
     def score(p: TablePlacement) -> tuple:
+        # Cost first; then memory: a storage's block is as tall as its fullest device, so every device pays for
+        # the fullest one.
         after = device_costs([*result.values(), p], mesh_shape, batch_size)
-        return max(after), sum(after)
+        fullest = max(float(device_memory_bytes) - r + p.device_bytes(d, mesh_shape) for d, r in enumerate(room))
+        return max(after), fullest, sum(after)
 
     def load(d: int) -> float:
         return device_costs(list(result.values()), mesh_shape, batch_size)[d]
@@ -305,7 +309,7 @@ def make_plan(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_
         return max(owner_costs(placed(t, "table", 0), mesh_shape, batch_size))
 
     # Pinned tables first, then the rest by decreasing cost (largest first: the classic LPT greedy).
-    order = sorted(tables, key=lambda t: (t.name not in pinned, -table_cost(t), t.name))
+    order = sorted(tables, key=lambda t: (t.name not in pinned, -table_cost(t), -t.bytes, t.name))
     fair_share = sum(table_cost(t) for t in tables) / n
     for t in order:
         kind, device = pinned.get(t.name, (plan, None))
