@@ -402,8 +402,10 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
     predict_step = make_predict(task).lower(state, eval_example).compile()
     train_step = make_train(task).lower(state, first).compile()
     compile_time = time.perf_counter() - t0
-    forward_flops = flops_per_example(predict_step, batch_size)
-    train_flops = flops_per_example(train_step, batch_size)
+    # XLA's cost analysis of a mesh step is per device, which sees batch_size / devices examples.
+    examples = batch_size if sharded is None else batch_size // sharded.mesh.size
+    forward_flops = flops_per_example(predict_step, examples)
+    train_flops = flops_per_example(train_step, examples)
 
     accounting = task.collection.accounting(task.sparse_optimizer)
     dense_params = dense_param_count(state.dense_params)

@@ -81,16 +81,6 @@ class Storage:
         return {"sharded": P(ALL_AXES), "model": P("model"), "replicated": P(),
                 "column": P(None, ALL_AXES)}[self.kind]
 
-    def state_spec(self, ndim: int) -> P:
-        if self.kind == "column":
-            assert ndim == 2, "column-wise storage holds [rows, dim] optimizer state only"
-        return self.spec if ndim > 1 or self.kind != "column" else P()
-
-    @property
-    def global_shape(self) -> tuple[int, int]:
-        rows = self.parts * self.local_rows if self.kind in ("sharded", "model") else self.local_rows
-        return rows, self.dim
-
     def capacity(self, local_batch: int) -> int:
         """C: the most distinct rows one device can ask one owner for in a step: per table the fewer of its slots
         (local_batch x bag size) and the rows the owner holds of it, summed over the owner's tables."""
