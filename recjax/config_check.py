@@ -251,6 +251,27 @@ def check_model(config: Mapping) -> None:
         raise ConfigError("embedding.dim", f"fm needs embedding.dim >= 2 (an id's weight plus >= 1 factor), got {dim}")
 
 
+def check_sharding(config: Mapping) -> None:
+    """`mesh` and `sharding` (both optional: a config without them runs on every device with the defaults). The
+    mesh against the device count, the table names and the memory fit are checked when the plan is made, before
+    any compile (recjax/sharding)."""
+    from recjax.sharding.mesh import parse_mesh_shape
+    from recjax.sharding.plan import EXCHANGE_DTYPES, PLANS, ROW_AXES, ROW_SPLITS
+
+    if "mesh" in config:
+        known_keys(config, "mesh", {"shape"})
+        parse_mesh_shape(_get(config, "mesh.shape"))
+    if "sharding" in config:
+        known_keys(config, "sharding", {"plan", "tables", "row_axes", "row_split", "exchange_dtype",
+                                        "device_memory_bytes"})
+        choice(config, "sharding.plan", PLANS)
+        check_text("sharding.tables", _get(config, "sharding.tables"))
+        choice(config, "sharding.row_axes", ROW_AXES)
+        choice(config, "sharding.row_split", ROW_SPLITS)
+        choice(config, "sharding.exchange_dtype", EXCHANGE_DTYPES)
+        integer(config, "sharding.device_memory_bytes", 0)
+
+
 def check_data(config: Mapping) -> None:
     from recjax.data import check_data_config
 
@@ -271,4 +292,5 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     check_optimizer(config)
     check_embedding(config)
     check_model(config)
+    check_sharding(config)
     check_data(config)

@@ -38,7 +38,7 @@ from tensorboardX import SummaryWriter
 
 from compression import TableSpec
 from compression.plan import load_id_counts, plan_tables
-from recjax import metrics
+from recjax import metrics, sharding
 from recjax.batch import Batch, pad_batch, validate_batch
 from recjax.checkpoint import Checkpointer, ResumePoint, mark_dirty_rows
 from recjax.config_check import config_errors, eval_interval, validate_config
@@ -299,14 +299,16 @@ def flops_per_example(compiled, batch_size: int) -> float:
     return float(cost.get("flops", float("nan"))) / batch_size
 
 
-def evaluate(task: Task, predict_step, state: TrainState, dataset, batch_size: int, split: str) -> dict[str, float]:
-    """Exact metrics over the whole `split` (short last batch padded, padding dropped)."""
+def evaluate(task: Task, predict_step, state: TrainState, dataset, batch_size: int, split: str,
+             put=jax.device_put) -> dict[str, float]:
+    """Exact metrics over the whole `split` (short last batch padded, padding dropped); `put` places a batch (a
+    mesh run splits it over the devices)."""
     labels, probs = [], []
     for i, batch in enumerate(dataset.eval_batches(batch_size, split)):
         validate_batch(batch, task.spec, any_id=task.collection.any_id_features, where=f"{split} batch {i}")
         n = batch.size
-        p = predict_step(state, jax.device_put(pad_batch(batch, batch_size)))
-        probs.append(np.asarray(p)[:n])
+        p = predict_step(state, put(pad_batch(batch, batch_size)))
+        probs.append(sharding.to_host(p)[:n])
         labels.append(batch.labels)
     labels, probs = np.concatenate(labels), np.concatenate(probs)
     if not np.all(np.isfinite(probs)):
@@ -368,7 +370,7 @@ class Selection:
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
     """Train per `config`, select the best step on validation, write the workdir outputs, return the summary."""
     validate_config(config)  # every config mistake is a ConfigError naming its key, before any work
-    workdir = pathlib.Path(workdir)
+    workdir = sharding.process_workdir(pathlib.Path(workdir))  # under multi-host, process i > 0 logs to process_i/
     workdir.mkdir(parents=True, exist_ok=True)
     checkpointer = Checkpointer(config, workdir) if config.checkpoint.enabled else None
     resume = checkpointer.resume_point() if checkpointer else None
@@ -384,28 +386,46 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     budget = resolve_budget(config.train, dataset)
     print(f"train: {budget.describe()}", flush=True)
     task = build_task(config, dataset.spec, dataset, budget.steps)
+    sharded = sharding.setup(config, task)  # None on one device: the single-device engine below, untouched
     validate = lambda b, where: validate_batch(b, task.spec, any_id=task.collection.any_id_features,
                                                where=where)
+    if sharded is not None and checkpointer is not None:
+        # Checkpoints hold the single-device layout (tables keyed by stacked group, dirty rows set in the
+        # single-device step); a mesh run's state is keyed by storage and its step does not mark dirty rows.
+        print("WARNING: checkpoints are not written for sharded runs yet (mesh.shape spans "
+              f"{sharded.mesh.size} devices); this run cannot resume", flush=True)
+        checkpointer.close()
+        checkpointer = resume = None
+    put = jax.device_put if sharded is None else sharded.put_batch
     # Step i's batch is a pure function of (seed, i), so a resumed run restarts the stream at its step.
     start = resume.step if resume else 0
     try:
-        with DevicePrefetcher(dataset.train_batches(int(config.train.batch_size), start), validate) as batches:
-            return _train_loop(config, workdir, dataset, task, budget, batches, checkpointer, resume)
+        with DevicePrefetcher(dataset.train_batches(int(config.train.batch_size), start), validate,
+                              put=put) as batches:
+            return _train_loop(config, workdir, dataset, task, budget, batches, sharded, checkpointer, resume)
     finally:
         if checkpointer:
             checkpointer.close()  # waits for a save in flight
 
 
 def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, dataset, task: Task, budget: Budget,
-                batches: DevicePrefetcher, checkpointer: Checkpointer | None = None,
-                resume: ResumePoint | None = None) -> dict:
+                batches: DevicePrefetcher, sharded: sharding.ShardedEmbedding | None = None,
+                checkpointer: Checkpointer | None = None, resume: ResumePoint | None = None) -> dict:
     train_cfg = config.train
     batch_size = budget.batch_size
 
     # --- state, steps, cost analysis --------------------------------------------------------------
     first = next(batches)
+    eval_host = pad_batch(next(dataset.eval_batches(batch_size, "validation")), batch_size)
+    make_train, make_predict, put = make_train_step, make_predict_step, jax.device_put
     loop = {}  # the loop's own state (selection, history, times), restored with a checkpoint
-    if resume:
+    if sharded is not None:  # the single-device initial state laid out by the plan; steps under shard_map
+        print(sharding.format_plan(sharded.plan), flush=True)
+        sharding.save_plan(sharded.plan, workdir)
+        state = init_state(task, jax.random.key(config.seed), eval_host)
+        state, sharded_train, sharded_predict, put = sharding.prepare(task, sharded, state, _forward)
+        make_train, make_predict = lambda _: sharded_train, lambda _: sharded_predict
+    elif resume:
         like = jax.eval_shape(lambda batch: init_state(task, jax.random.key(config.seed), batch), first)
         state, loop = checkpointer.restore(resume, like)
         print(f"resuming from checkpoint step {resume.step:,} of {budget.steps:,} "
@@ -417,12 +437,14 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
     # Compile once, up front: the loop calls the executables, so no step pays for compilation and the
     # compile time and XLA's cost analysis come from exactly what runs.
     t0 = time.perf_counter()
-    eval_example = jax.device_put(pad_batch(next(dataset.eval_batches(batch_size, "validation")), batch_size))
-    predict_step = make_predict_step(task).lower(state, eval_example).compile()
-    train_step = make_train_step(task).lower(state, first).compile()
+    eval_example = put(eval_host)
+    predict_step = make_predict(task).lower(state, eval_example).compile()
+    train_step = make_train(task).lower(state, first).compile()
     compile_time = time.perf_counter() - t0
-    forward_flops = flops_per_example(predict_step, batch_size)
-    train_flops = flops_per_example(train_step, batch_size)
+    # XLA's cost analysis of a mesh step is per device, which sees batch_size / devices examples.
+    examples = batch_size if sharded is None else batch_size // sharded.mesh.size
+    forward_flops = flops_per_example(predict_step, examples)
+    train_flops = flops_per_example(train_step, examples)
 
     accounting = task.collection.accounting(task.sparse_optimizer)
     dense_params = dense_param_count(state.dense_params)
@@ -451,7 +473,7 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
                 writer.add_scalar(f"{row['split']}/{k}", v, row["step"])
 
     def scored(split: str, step: int) -> dict:
-        result = evaluate(task, predict_step, state, dataset, batch_size, split)
+        result = evaluate(task, predict_step, state, dataset, batch_size, split, put)
         log_row({"step": step, "split": split, **{k: result[k] for k in METRICS},
                  "elapsed_s": time.perf_counter() - run_start})
         return result
@@ -552,6 +574,9 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
         "epochs": step * batch_size / budget.examples_per_epoch if budget.examples_per_epoch else None,
         "final_train_loss": loss,
         "tables": accounting["tables"],
+        **({} if sharded is None else {"mesh_shape": dict(sharded.plan.mesh_shape), "processes": jax.process_count(),
+                                        "exchange_dtype": str(sharded.exchange_dtype)}),
     }
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if jax.process_index() == 0:  # multi-host: one summary
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -40,6 +40,26 @@ def embedding_config(dim: int, pooling: str = "sum") -> ml_collections.ConfigDic
     return embedding
 
 
+def mesh_config() -> ml_collections.ConfigDict:
+    mesh = ml_collections.ConfigDict()
+    # Device mesh axes "data" and "model", e.g. "data=4,model=2"; "" = every device on "data". One device runs the
+    # single-device engine; more split each batch over all devices (recjax/sharding/mesh.py).
+    mesh.shape = ""
+    return mesh
+
+
+def sharding_config() -> ml_collections.ConfigDict:
+    """Where the physical tables live on the mesh (recjax/sharding/plan.py); unused on one device."""
+    sharding = ml_collections.ConfigDict()
+    sharding.plan = "auto"  # "auto" (balance the cost model within memory), "table", "row", "column", "replicated"
+    sharding.tables = ""  # per-table overrides, e.g. "C3=row,C4=table:2,C5/q=replicated" (logical or physical names)
+    sharding.row_axes = "all"  # row-wise tables split over "all" devices or the "model" axis (copied along "data")
+    sharding.row_split = "range"  # rows to parts by contiguous "range" or id "mod" the part count
+    sharding.exchange_dtype = "float32"  # rows and row gradients between devices: float32, bfloat16 or float16
+    sharding.device_memory_bytes = 0  # per-device budget for tables + optimizer state; 0 = the device's own
+    return sharding
+
+
 def model_config(name: str, dim: int) -> ml_collections.ConfigDict:
     """`model.name` picks the family; each family's knobs live in its own sub-config, sized here for embedding
     dim `dim` (DLRM's dot interaction needs the bottom MLP to end in `dim`)."""

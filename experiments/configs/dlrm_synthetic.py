@@ -55,6 +55,8 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     config.data.teacher.weights = (1.0, 0.7, 0.5)  # relative std of the bias, pairwise, dense (, high-order) terms
 
     config.embedding = common.embedding_config(dim)
+    config.mesh = common.mesh_config()
+    config.sharding = common.sharding_config()
 
     config.model = common.model_config("dlrm", dim)
     config.model.dlrm.bottom_mlp = bottom  # widths; the last must equal embedding.dim for dot interaction

@@ -18,8 +18,10 @@ class DevicePrefetcher:
     exits, or it can be killed inside a device transfer and abort the process.
     """
 
-    def __init__(self, batches: Iterator[Batch], validate: Callable[[Batch, str], None], size: int = 2):
+    def __init__(self, batches: Iterator[Batch], validate: Callable[[Batch, str], None], size: int = 2,
+                 put: Callable[[Batch], Batch] = jax.device_put):
         self._batches = batches
+        self._put_on_device = put  # a mesh run splits each batch over its devices (recjax/sharding)
         self._validate = validate
         self._queue: queue.Queue = queue.Queue(maxsize=size)
         self._stop = threading.Event()
@@ -41,7 +43,7 @@ class DevicePrefetcher:
                 if self._stop.is_set():
                     return
                 self._validate(batch, f"batch {i}")
-                if not self._put(jax.device_put(batch)):
+                if not self._put(self._put_on_device(batch)):
                     return
             self._put(_DONE)
         except BaseException as e:  # handed to the consumer, which re-raises it

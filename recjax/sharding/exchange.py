@@ -1,0 +1,331 @@
+"""Sharded lookups and sparse updates: the plan's per-device arrays and the collectives between them.
+
+Every physical table of a stacked group (`recjax/embedding.py`) lands, by its plan entry, in one of the group's
+*storages* -- one array each, named "<group>/<kind>":
+
+    <group>/sharded     f32[n * L, d], P(("data", "model"))   table-wise and row-wise-over-all tables; device k
+                        holds rows [k L, (k+1) L): its parts of those tables, back to back
+    <group>/model       f32[n_model * L, d], P("model")        row-wise over the model axis, a copy per data row
+    <group>/replicated  f32[L, d], P()                          replicated / data-parallel tables
+    <group>/column      f32[L, d], P(None, ("data", "model"))   column-wise tables: device k holds columns k d/n..
+
+Optimizer state rows follow their table rows (same leading dim and sharding). Inside `jax.shard_map`, each device
+holds its local block; a step (per device, on its slice of the batch):
+
+  forward (`fetch`): `collection.route` gives the local distinct stacked rows u i32[N] of a group. For a
+    sharded/model storage each member row maps to (owner, local row) by static integer math on its table's split;
+    ids are bucketed by owner into i32[parts, C] (C = the static worst case an owner can receive from one device:
+    per table it holds, the fewer of the local slots and its rows there; padding = the local sentinel L),
+    all_to_all'd to the owners, who gather f32[parts, C, d] (cast to `exchange_dtype`) and all_to_all them back;
+    each distinct row is read from its bucket slot. Column storages all_gather the ids, every device gathers its
+    column slice of all of them and one all_to_all returns each requester its rows' slices (concatenated on the
+    dim). Replicated storages read locally.
+  backward (`update`): d loss / d rows (f32[N, d], cast to `exchange_dtype`) goes back through the same buckets
+    (the reverse all_to_all; for column storages split by columns); the owner all_gathers what it received over
+    the axes its storage is replicated along (so every copy applies the same update), deduplicates the received
+    local rows (`unique_rows`), sums their gradients in f32, and `sparse_apply`s them in place (donated). Replicated
+    storages all_gather the touched rows' ids and gradients from every device. No collective carries a table: each
+    moves ids, rows or gradients of a batch.
+"""
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels import unique_rows
+from recjax.embedding import EmbeddingCollection
+from recjax.sharding.plan import ShardingPlan, part_rows
+from recjax.sparse_optim import SparseOptimizer, sparse_apply
+
+ALL_AXES = ("data", "model")
+KINDS = ("sharded", "model", "replicated", "column")
+_KIND_OF = {"table": "sharded", "row": "sharded", "column": "column", "replicated": "replicated",
+            "data_parallel": "replicated"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """One per-device array of a group and the static maps from the group's stacked rows to it.
+
+    Maps are over the group's T physical tables in offset order; K = the most parts a table is split into.
+    """
+
+    name: str
+    group: str
+    kind: str
+    axes: tuple[str, ...]  # axes the rows (or columns) are split over
+    replica_axes: tuple[str, ...]  # axes along which every device holds the same block
+    parts: int  # devices along `axes`
+    local_rows: int  # L, rows of the block on each device
+    dim: int  # the table dim (column storages hold dim / parts columns per device)
+    group_rows: int  # the group's sentinel
+    offsets: np.ndarray  # i32[T] stacked offset of each table
+    member: np.ndarray  # bool[T]
+    split: np.ndarray  # i32[T] parts each member table is split into
+    chunk: np.ndarray  # i32[T] rows per part (range split)
+    modulo: np.ndarray  # bool[T] modulo split
+    device: np.ndarray  # i32[T, K] position along `axes` of each part
+    base: np.ndarray  # i32[T, K] first local row of each part
+    part_rows: np.ndarray  # i64[parts, T] rows of each table on each owner (a device asks at most this many of them)
+    table_bags: np.ndarray  # i64[T] bag size of the feature reading each table
+    source: np.ndarray  # i64[parts * L] (sharded / model) or i64[L]: the stacked row at each global row, -1 = pad
+
+    @property
+    def spec(self) -> P:
+        return {"sharded": P(ALL_AXES), "model": P("model"), "replicated": P(),
+                "column": P(None, ALL_AXES)}[self.kind]
+
+    def capacity(self, local_batch: int) -> int:
+        """C: the most distinct rows one device can ask one owner for in a step: per table the fewer of its slots
+        (local_batch x bag size) and the rows the owner holds of it, summed over the owner's tables."""
+        per_owner = np.minimum(self.part_rows, local_batch * self.table_bags[None, :]).sum(axis=1)
+        return max(1, int(per_owner.max()))
+
+    def compact_size(self, local_batch: int, n: int) -> int:
+        """S: the most distinct rows of a replicated / column storage's tables among a device's n distinct rows
+        (per table the fewer of its slots and its rows); only these cross devices, not the whole group's."""
+        rows = np.where(self.member, self.chunk, 0)
+        return max(1, min(n, int(np.minimum(rows, local_batch * self.table_bags).sum())))
+
+    # ---------------------------------------------------------------------------------------- device side
+    def locate(self, unique: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Stacked rows i32[N] -> (member bool[N], owner i32[N] position along `axes`, local row i32[N])."""
+        offsets = jnp.asarray(self.offsets)
+        t = jnp.clip(jnp.searchsorted(offsets, unique, side="right") - 1, 0, len(self.offsets) - 1)
+        member = (unique < self.group_rows) & jnp.asarray(self.member)[t]
+        r = unique - offsets[t]
+        split, chunk, modulo = jnp.asarray(self.split)[t], jnp.asarray(self.chunk)[t], jnp.asarray(self.modulo)[t]
+        part = jnp.where(modulo, r % split, r // chunk)
+        within = jnp.where(modulo, r // split, r % chunk)
+        owner = jnp.asarray(self.device)[t, part]
+        local = jnp.asarray(self.base)[t, part] + within
+        return member, jnp.where(member, owner, 0), jnp.where(member, local, self.local_rows)
+
+
+def build_storages(collection: EmbeddingCollection, plan: ShardingPlan) -> dict[str, Storage]:
+    mesh_shape = plan.mesh_shape
+    n = plan.devices
+    bag = {f.name: f.bag_size for f in collection.spec.features}
+    storages = {}
+    for group in sorted(collection.group_rows):
+        tables = [p for p in collection.physical_tables() if p.group == group]
+        offsets = np.array([p.offset for p in tables], np.int32)
+        kinds = {}
+        for i, p in enumerate(tables):
+            entry = plan.placement(p.table.name)
+            kind = _KIND_OF[entry.sharding]
+            if kind == "sharded" and entry.axes == ("model",):
+                kind = "model"
+            kinds.setdefault(kind, []).append((i, entry))
+        for kind, members in kinds.items():
+            axes = {"sharded": ALL_AXES, "model": ("model",), "replicated": (), "column": ALL_AXES}[kind]
+            parts = math.prod(mesh_shape[a] for a in axes) if kind != "column" else n
+            t_count = len(tables)
+            k_max = max(len(e.devices) if kind in ("sharded", "model") else 1 for _, e in members)
+            member = np.zeros(t_count, bool)
+            split = np.ones(t_count, np.int32)
+            chunk = np.ones(t_count, np.int32)
+            modulo = np.zeros(t_count, bool)
+            device = np.zeros((t_count, k_max), np.int32)
+            base = np.zeros((t_count, k_max), np.int32)
+            used = [0] * (parts if kind in ("sharded", "model") else 1)
+            part_rows_ = np.zeros((parts, t_count), np.int64)
+            table_bags = np.array([bag[p.feature] for p in tables], np.int64)
+            pieces: list[list[np.ndarray]] = [[] for _ in used]
+            for i, entry in members:
+                p = tables[i]
+                rows = p.table.rows
+                member[i] = True
+                if kind in ("sharded", "model"):
+                    k = len(entry.devices)
+                    split[i], chunk[i] = k, -(-rows // k)
+                    modulo[i] = entry.row_split == "mod"
+                    for j, dev in enumerate(entry.devices):
+                        device[i, j], base[i, j] = dev, used[dev]
+                        count = part_rows(rows, k, j, entry.row_split)
+                        local = np.arange(count) * k + j if modulo[i] else j * chunk[i] + np.arange(count)
+                        pieces[dev].append(p.offset + local)
+                        used[dev] += count
+                        part_rows_[dev, i] = count
+                else:
+                    split[i], chunk[i] = 1, max(rows, 1)
+                    base[i, 0] = used[0]
+                    pieces[0].append(p.offset + np.arange(rows))
+                    used[0] += rows
+            local_rows = max(1, max(used))
+            source = np.full((len(used), local_rows), -1, np.int64)
+            for dev, chunks in enumerate(pieces):
+                if chunks:
+                    rows_here = np.concatenate(chunks)
+                    source[dev, :rows_here.size] = rows_here
+            name = f"{group}/{kind}"
+            storages[name] = Storage(
+                name=name, group=group, kind=kind, axes=axes if kind != "replicated" else (),
+                replica_axes=tuple(a for a in ALL_AXES if a not in axes) if kind != "column" else (),
+                parts=parts, local_rows=local_rows, dim=collection.group_dims[group],
+                group_rows=collection.group_rows[group], offsets=offsets, member=member, split=split, chunk=chunk,
+                modulo=modulo, device=device, base=base, part_rows=part_rows_, table_bags=table_bags,
+                source=source.reshape(-1))
+    return storages
+
+
+def _compact_slots(member: jax.Array, size: int) -> jax.Array:
+    """Where each member entry goes in a packed buffer of `size` (its rank among members); `size` (dropped) for the
+    others."""
+    return jnp.where(member, jnp.cumsum(member, dtype=jnp.int32) - 1, size)
+
+
+def _bucket_positions(owner: jax.Array, member: jax.Array, parts: int) -> jax.Array:
+    """Each id's slot in its owner's bucket: i32[N], the rank of the id among the ids for the same owner."""
+    n = owner.shape[0]
+    key = jnp.where(member, owner, parts)
+    order = jnp.argsort(key, stable=True)
+    counts = jnp.zeros(parts + 1, jnp.int32).at[key].add(1)
+    starts = jnp.cumsum(counts) - counts
+    ranked = jnp.arange(n, dtype=jnp.int32) - starts[key[order]]
+    return jnp.zeros(n, jnp.int32).at[order].set(ranked, unique_indices=True)
+
+
+class ShardedEmbedding:
+    """The collection's tables laid out by a plan on a mesh: device-side `fetch` / `update` (call them inside
+    `jax.shard_map` over every mesh axis) and host-side `shard` / `unshard` of the single-device layout."""
+
+    def __init__(self, collection: EmbeddingCollection, plan: ShardingPlan, mesh: jax.sharding.Mesh,
+                 exchange_dtype: str = "float32"):
+        self.collection = collection
+        self.plan = plan
+        self.mesh = mesh
+        self.exchange_dtype = jnp.dtype(exchange_dtype)
+        self.storages = build_storages(collection, plan)
+
+    # ------------------------------------------------------------------------------------------- device side
+    def fetch(self, tables: Mapping[str, jax.Array], unique: Mapping[str, jax.Array], local_batch: int
+              ) -> tuple[dict[str, jax.Array], dict]:
+        """Each local distinct row's value, wherever it lives: {group: f32[N_g, d]} and the buckets `update`
+        sends the gradients back through."""
+        rows, context = {}, {}
+        for group, u in unique.items():
+            n, d = u.shape[0], self.collection.group_dims[group]
+            out = jnp.zeros((n, d), jnp.float32)
+            for s in (s for s in self.storages.values() if s.group == group):
+                member, owner, local = s.locate(u)
+                table = tables[s.name]
+                if s.kind == "replicated":
+                    got = jnp.take(table, local, axis=0, mode="fill", fill_value=0)
+                    size = s.compact_size(local_batch, n)
+                    context[s.name] = (member, local, _compact_slots(member, size), size)
+                elif s.kind == "column":
+                    size = s.compact_size(local_batch, n)
+                    slot = _compact_slots(member, size)  # this storage's rows, packed into i32[S]
+                    packed = jnp.full(size, s.local_rows, jnp.int32).at[slot].set(local, mode="drop")
+                    ids = jax.lax.all_gather(packed, s.axes, tiled=True)  # i32[parts * S]
+                    vals = jnp.take(table, ids, axis=0, mode="fill", fill_value=0)  # [parts * S, d / parts]
+                    vals = vals.astype(self.exchange_dtype).reshape(s.parts, size, d // s.parts)
+                    back = jax.lax.all_to_all(vals, s.axes, 0, 2, tiled=True).reshape(size, d)
+                    got = back[jnp.minimum(slot, size - 1)]
+                    context[s.name] = (member, ids, slot, size)
+                else:
+                    capacity = s.capacity(local_batch)
+                    pos = _bucket_positions(owner, member, s.parts)
+                    dest = jnp.where(member, owner, s.parts)  # non-members fall off the buffer
+                    send = jnp.full((s.parts, capacity), s.local_rows, jnp.int32).at[dest, pos].set(
+                        local, mode="drop")
+                    recv = jax.lax.all_to_all(send, s.axes, 0, 0)  # recv[j]: the rows device j asks me for
+                    vals = jnp.take(table, recv.reshape(-1), axis=0, mode="fill", fill_value=0)
+                    vals = vals.astype(self.exchange_dtype).reshape(s.parts, capacity, d)
+                    back = jax.lax.all_to_all(vals, s.axes, 0, 0)  # back[j]: my rows from owner j
+                    got = back[owner, jnp.minimum(pos, capacity - 1)]
+                    context[s.name] = (member, dest, pos, recv)
+                out = out + jnp.where(member[:, None], got.astype(jnp.float32), 0.0)
+            rows[group] = out
+        return rows, context
+
+    def update(self, optimizer: SparseOptimizer, tables: Mapping[str, jax.Array], state: Mapping[str, dict],
+               context: Mapping, row_grads: Mapping[str, jax.Array], lr: jax.Array, step: jax.Array
+               ) -> tuple[dict, dict]:
+        """Send each distinct row's gradient to its owner(s) and apply the optimizer there, in place."""
+        new_tables, new_state = dict(tables), dict(state)
+        for s in self.storages.values():
+            g = row_grads[s.group]
+            n, d = g.shape
+            member = context[s.name][0]
+            g = jnp.where(member[:, None], g, 0.0).astype(self.exchange_dtype)
+            if s.kind == "replicated":
+                _, local, slot, size = context[s.name]
+                packed = jnp.full(size, s.local_rows, jnp.int32).at[slot].set(local, mode="drop")
+                ids = jax.lax.all_gather(packed, ALL_AXES, tiled=True)  # i32[n * S]
+                grads = jax.lax.all_gather(jnp.zeros((size, d), g.dtype).at[slot].set(g, mode="drop"), ALL_AXES,
+                                           tiled=True)
+            elif s.kind == "column":
+                _, ids, slot, size = context[s.name]
+                packed = jnp.zeros((1, size, d), g.dtype).at[0, slot].set(g, mode="drop")
+                grads = jax.lax.all_to_all(packed, s.axes, 2, 0, tiled=True)  # [parts, S, d / parts]
+                grads = grads.reshape(s.parts * size, d // s.parts)
+            else:
+                _, dest, pos, recv = context[s.name]
+                send = jnp.zeros((s.parts, recv.shape[1], d), g.dtype).at[dest, pos].set(g, mode="drop")
+                grads = jax.lax.all_to_all(send, s.axes, 0, 0).reshape(-1, d)  # aligned with recv
+                ids = recv.reshape(-1)
+                if s.replica_axes:  # every copy of this block applies every copy's gradients
+                    ids = jax.lax.all_gather(ids, s.replica_axes, tiled=True)
+                    grads = jax.lax.all_gather(grads, s.replica_axes, tiled=True)
+            table = tables[s.name]
+            distinct, inverse = unique_rows(ids, s.local_rows)
+            summed = jnp.zeros((ids.shape[0], table.shape[1]), jnp.float32).at[inverse].add(
+                grads.astype(jnp.float32))
+            current = jnp.take(table, distinct, axis=0, mode="fill", fill_value=0)
+            new_tables[s.name], new_state[s.name] = sparse_apply(
+                optimizer, table, state[s.name], distinct, current, summed, lr, step, kernel=self.collection.kernel)
+        return new_tables, new_state
+
+    # --------------------------------------------------------------------------------------------- host side
+    def put_batch(self, batch):
+        """A global host batch -> device arrays split over every device (recjax.sharding.step.put_batch)."""
+        from recjax.sharding.step import put_batch
+
+        return put_batch(self, batch)
+
+    def sharding(self, storage: str) -> NamedSharding:
+        return NamedSharding(self.mesh, self.storages[storage].spec)
+
+    def shard(self, by_group: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Single-device stacked arrays {group: [rows, ...]} (tables or one optimizer state field) -> the plan's
+        arrays {storage: jax.Array}, each device receiving only its block."""
+        out = {}
+        for name, s in self.storages.items():
+            full = np.asarray(by_group[s.group])
+            data = full[np.maximum(s.source, 0)]
+            data[s.source < 0] = 0
+            out[name] = put_global(data, self.sharding(name))
+        return out
+
+    def unshard(self, by_storage: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:
+        """The inverse of `shard`: {group: np.ndarray} in the single-device layout (on every process)."""
+        out: dict[str, np.ndarray] = {}
+        for name, s in self.storages.items():
+            data = to_host(by_storage[name])
+            if s.group not in out:
+                out[s.group] = np.zeros((s.group_rows, *data.shape[1:]), data.dtype)
+            valid = s.source >= 0
+            out[s.group][s.source[valid]] = data[valid]
+        return out
+
+
+def put_global(data: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array from the same host value on every process; each device gets only its block."""
+    return jax.make_array_from_callback(data.shape, sharding, lambda index: data[index])
+
+
+def to_host(array: jax.Array) -> np.ndarray:
+    """The whole value of a (possibly multi-process) global array as numpy."""
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))

@@ -1,0 +1,53 @@
+"""Multi-host runs through `jax.distributed` (no home-made cluster code).
+
+The launcher passes `--coordinator_address=HOST:PORT --num_processes=N --process_id=I` (or the environment
+variables JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); `initialize` must run before JAX's first
+use. Then `jax.devices()` lists every process's devices and the mesh spans them all. Each process reads the same
+global batch stream and places only its own devices' rows of every batch (`step.put_batch`); the loss and the
+dense gradients are psum'ed inside the step, evaluation gathers every process's predictions, and only process 0
+writes the workdir's summary (the others log under `workdir/process_<i>/`).
+"""
+
+import os
+
+import jax
+
+from recjax.errors import ConfigError
+
+ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
+       "process_id": "JAX_PROCESS_ID"}
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None) -> bool:
+    """Join the cluster if any of the three is given (flags first, then the environment); False if none is.
+
+    A partial set is a ConfigError naming what is missing, before JAX starts.
+    """
+    given = {"coordinator_address": coordinator_address, "num_processes": num_processes, "process_id": process_id}
+    for key, env in ENV.items():
+        if given[key] is None and os.environ.get(env):
+            given[key] = os.environ[env]
+    if all(v is None for v in given.values()):
+        return False
+    missing = [k for k, v in given.items() if v is None]
+    if missing:
+        set_ = [f"--{k}" for k, v in given.items() if v is not None]
+        raise ConfigError(f"--{missing[0]}", f"multi-host needs --coordinator_address, --num_processes and "
+                                             f"--process_id together (or {', '.join(ENV.values())}); got "
+                                             f"{', '.join(set_)} without {', '.join('--' + m for m in missing)}")
+    try:
+        num, index = int(given["num_processes"]), int(given["process_id"])
+    except ValueError as error:
+        raise ConfigError("--num_processes", f"--num_processes and --process_id must be whole numbers: {error}"
+                          ) from None
+    if num < 1:
+        raise ConfigError("--num_processes", f"must be >= 1, got {num}")
+    if not 0 <= index < num:
+        raise ConfigError("--process_id", f"must be in [0, {num}) for --num_processes={num}, got {index}")
+    if ":" not in str(given["coordinator_address"]):
+        raise ConfigError("--coordinator_address", f"must be HOST:PORT, got {given['coordinator_address']!r}")
+    # CPU devices of different processes talk through gloo (jax's default CPU collectives are in-process only).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(str(given["coordinator_address"]), num, index)
+    return True

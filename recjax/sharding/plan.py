@@ -1,0 +1,396 @@
+"""The sharding plan: where each physical table lives on the mesh, its format, the cost model and a simple planner.
+
+A plan assigns every physical table (what `compression` methods produce: a full table, QR's two tables, MD's
+blocks, ...) one sharding:
+
+    table         the whole table on one device (`devices` = that device's flat index)
+    row           rows split over `axes` (every device, or the `model` axis and replicated along `data`),
+                  by contiguous ranges (`row_split=range`) or id modulo the part count (`mod`)
+    column        the dim split over every device (each holds a slice of every row); needs dim % devices == 0
+    replicated    a full copy on every device; lookups are local, the touched rows' gradients are all-gathered
+    data_parallel the same mechanism as `replicated` (the torchrec name for it)
+
+Optimizer state rows always live with their table rows. The plan is plain data (`ShardingPlan`), printed as a
+table (`format_plan`) and saved as `sharding_plan.txt` / `.json` in the workdir; `recjax/sharding/exchange.py`
+turns it into the per-device arrays and the collectives. A stronger planner only has to return a `ShardingPlan`.
+
+Cost model (`device_costs`), per training step, in bytes each device moves or touches; B is the global batch, n
+the devices, b = B / n; a table t has dim d, bag size L (ids per example), s optimizer state floats per row element;
+q = B * L lookups of t a step (an upper bound: duplicates are not discounted; ids are assumed spread evenly over a
+table's rows, access skew is ignored):
+  - owner work: a device holding a fraction f of t's rows looks up, returns and updates f * q rows:
+    f * q * (4 + 4 d (3 + s)) (table-wise f = 1 on one device, row-wise 1 / parts on each part; over the `model`
+    axis each data row of devices serves its own requests, f / n_data);
+  - exchange of a table-/row-wise storage (the tables of one dim on the same axes): the all_to_all buffers have a
+    static size, parts x C per device, C = the most rows one device can ask one owner for (summed over the owner's
+    tables: the fewer of b * L and the rows it holds), each slot an id out, a row back, a gradient out:
+    parts * C * (4 + 8 d). This is why splitting every table
+    over every device is not free: C then holds every table's ids, and the buffers are parts times the minimum;
+  - replicated: no forward exchange; the touched rows' ids and gradients of every device are all-gathered and every
+    copy applies all of them: q * (4 + 4 d) + q * 4 d (1 + s) on each device;
+  - column-wise over n: ids all-gathered (q * 4), a slice of each row read, sent and its gradient received and
+    applied: q * (4 + 4 d / n * (3 + s)).
+The planner minimises the largest per-device sum (the slowest device sets the step time) subject to memory.
+"""
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+
+from recjax.errors import ConfigError
+
+SHARDINGS = ("table", "row", "column", "replicated", "data_parallel")
+PLANS = ("auto", "table", "row", "column", "replicated")
+ROW_AXES = ("all", "model")
+ROW_SPLITS = ("range", "mod")
+EXCHANGE_DTYPES = ("float32", "bfloat16", "float16")
+# auto: tables whose rows + optimizer state are at most this many bytes are replicated (lookups stay local).
+REPLICATE_BYTES = 64 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class TableInfo:
+    """What the planner needs to know about one physical table."""
+
+    name: str  # physical table name: "<feature>" or "<feature>/<part>"
+    feature: str
+    method: str
+    rows: int
+    dim: int
+    bag_size: int  # ids per example of the feature reading it
+    state_floats: int  # optimizer state floats per row (0 sgd, 1 row-wise Adagrad, dim Adagrad, 2 dim lazy Adam)
+
+    @property
+    def row_bytes(self) -> int:
+        return 4 * (self.dim + self.state_floats)
+
+    @property
+    def bytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class TablePlacement:
+    """One physical table's sharding. `devices`: positions along `axes` holding a part (flat device indices when
+    `axes` is both axes); empty for replicated tables."""
+
+    table: TableInfo
+    sharding: str
+    axes: tuple[str, ...]
+    devices: tuple[int, ...]
+    row_split: str = "range"
+
+    def device_bytes(self, device: int, mesh_shape: Mapping[str, int]) -> int:
+        """Bytes (rows + optimizer state) this table puts on flat device `device`."""
+        t = self.table
+        if self.sharding in ("replicated", "data_parallel"):
+            return t.bytes
+        if self.sharding == "column":
+            return t.rows * t.row_bytes // len(self.devices)
+        position = _position(device, self.axes, mesh_shape)
+        if position not in self.devices:
+            return 0
+        k = len(self.devices)
+        j = self.devices.index(position)
+        return part_rows(t.rows, k, j, self.row_split) * t.row_bytes
+
+
+def part_rows(rows: int, parts: int, j: int, split: str) -> int:
+    """Rows of part j when `rows` are split into `parts` (range: ceil-sized chunks, the last ones shorter)."""
+    if split == "mod":
+        return max(0, -(-(rows - j) // parts))
+    chunk = -(-rows // parts)
+    return max(0, min(rows, (j + 1) * chunk) - j * chunk)
+
+
+def _position(device: int, axes: tuple[str, ...], mesh_shape: Mapping[str, int]) -> int:
+    """Position of flat device `device` (data-major) along `axes`."""
+    if axes == ("data", "model"):
+        return device
+    if axes == ("model",):
+        return device % mesh_shape["model"]
+    raise ValueError(axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    mesh_shape: Mapping[str, int]  # {"data": n_data, "model": n_model}
+    placements: tuple[TablePlacement, ...]
+    batch_size: int  # global
+    device_memory_bytes: int
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.mesh_shape.values())
+
+    def placement(self, table: str) -> TablePlacement:
+        return next(p for p in self.placements if p.table.name == table)
+
+    def device_bytes(self) -> list[int]:
+        return [sum(p.device_bytes(d, self.mesh_shape) for p in self.placements) for d in range(self.devices)]
+
+    def device_costs(self) -> list[float]:
+        return device_costs(self.placements, self.mesh_shape, self.batch_size)
+
+    def to_json(self) -> dict:
+        return {
+            "mesh_shape": dict(self.mesh_shape), "batch_size": self.batch_size,
+            "device_memory_bytes": self.device_memory_bytes,
+            "tables": [{"table": p.table.name, "feature": p.table.feature, "method": p.table.method,
+                        "rows": p.table.rows, "dim": p.table.dim, "sharding": p.sharding, "axes": list(p.axes),
+                        "devices": list(p.devices), "row_split": p.row_split, "bytes": p.table.bytes,
+                        "estimated_cost": sum(placement_costs(p, self.mesh_shape, self.batch_size))}
+                       for p in self.placements],
+            "device_bytes": self.device_bytes(), "device_costs": self.device_costs(),
+        }
+
+
+# ------------------------------------------------------------------------------------------------- cost model
+def owner_costs(p: TablePlacement, mesh_shape: Mapping[str, int], batch_size: int) -> list[float]:
+    """Bytes each flat device touches per step serving table `p` (lookups, updates, replicated all-gathers)."""
+    n = math.prod(mesh_shape.values())
+    t = p.table
+    q = batch_size * t.bag_size
+    s = t.state_floats / t.dim
+    if p.sharding in ("replicated", "data_parallel"):
+        return [q * (4 + 4 * t.dim) + q * 4 * t.dim * (1 + s)] * n
+    if p.sharding == "column":
+        return [q * (4 + 4 * t.dim / n * (3 + s))] * n
+    costs = []
+    for d in range(n):
+        position = _position(d, p.axes, mesh_shape)
+        share = 0.0
+        if position in p.devices:
+            share = part_rows(t.rows, len(p.devices), p.devices.index(position), p.row_split) / t.rows
+            if p.axes == ("model",):  # each data row of devices owns a full copy and serves its own requests
+                share /= mesh_shape["data"]
+        costs.append(share * q * (4 + 4 * t.dim * (3 + s)))
+    return costs
+
+
+def placement_costs(p: TablePlacement, mesh_shape: Mapping[str, int], batch_size: int) -> list[float]:
+    """A table's own estimate per device: its owner work plus its ids' unpadded exchange, b * L * (4 + 8 d)."""
+    n = math.prod(mesh_shape.values())
+    exchange = 0.0 if p.sharding in ("replicated", "data_parallel") else batch_size / n * p.table.bag_size * (
+        4 + 8 * p.table.dim)
+    return [c + exchange for c in owner_costs(p, mesh_shape, batch_size)]
+
+
+def device_costs(placements: Sequence[TablePlacement], mesh_shape: Mapping[str, int], batch_size: int
+                 ) -> list[float]:
+    """The plan's estimated bytes per flat device and step: owner work plus the padded all_to_all exchange."""
+    n = math.prod(mesh_shape.values())
+    b = batch_size / n
+    costs = [0.0] * n
+    storages: dict[tuple[int, tuple[str, ...]], list[TablePlacement]] = {}
+    for p in placements:
+        for d, c in enumerate(owner_costs(p, mesh_shape, batch_size)):
+            costs[d] += c
+        if p.sharding in ("table", "row"):
+            storages.setdefault((p.table.dim, p.axes), []).append(p)
+    for (dim, axes), members in storages.items():
+        parts = n if axes == ("data", "model") else mesh_shape["model"]
+        slots = [0.0] * parts
+        for p in members:
+            for k, j in enumerate(p.devices):
+                slots[j] += min(b * p.table.bag_size, part_rows(p.table.rows, len(p.devices), k, p.row_split))
+        per_device = parts * max(slots) * (4 + 8 * dim)
+        costs = [c + per_device for c in costs]
+    return costs
+
+
+def minimum_exchange_bytes(plan: "ShardingPlan", itemsize: int = 4) -> float:
+    """Bytes per device and step the plan's exchange cannot avoid without dedup: for every table, each of the
+    device's b * L ids out (4 bytes) and its row back and its gradient out (d * itemsize each); replicated tables
+    all-gather every device's ids and gradients, column-wise ones all-gather the ids. The collectives' buffers are
+    measured against this (benchmarks/sharding.py)."""
+    n = plan.devices
+    b = plan.batch_size / n
+    total = 0.0
+    for p in plan.placements:
+        slots = b * p.table.bag_size
+        d = p.table.dim
+        if p.sharding in ("replicated", "data_parallel"):
+            total += n * slots * (4 + d * itemsize)
+        elif p.sharding == "column":
+            total += n * slots * 4 + 2 * slots * d * itemsize
+        else:
+            total += slots * (4 + 2 * d * itemsize)
+    return total
+
+
+# ----------------------------------------------------------------------------------------------------- planner
+def parse_overrides(text: str, tables: Sequence[TableInfo]) -> dict[str, tuple[str, int | None]]:
+    """`sharding.tables` = "C3=row,C4=table:2,C5/q=replicated" -> {physical table: (sharding, device or None)}.
+
+    A logical (feature) name applies to all of that feature's physical tables.
+    """
+    if not isinstance(text, str):
+        raise ConfigError("sharding.tables", f"must be a string such as 'C3=row,C4=table:2', got {text!r}")
+    names = {t.name for t in tables}
+    features = {t.feature for t in tables}
+    out: dict[str, tuple[str, int | None]] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, value = part.partition("=")
+        name, value = name.strip(), value.strip()
+        kind, _, device = value.partition(":")
+        if not eq or kind not in SHARDINGS:
+            raise ConfigError("sharding.tables", f"cannot read {part!r}: write table=sharding with a sharding in "
+                                                 f"{list(SHARDINGS)} (table:DEVICE pins a device), e.g. C3=row")
+        if device and (kind != "table" or not device.isdigit()):
+            raise ConfigError("sharding.tables", f"{part!r}: only 'table' takes a device, as table:DEVICE")
+        targets = [name] if name in names else [t.name for t in tables if t.feature == name]
+        if name not in names and name not in features:
+            raise ConfigError("sharding.tables", f"unknown table {name!r}; the tables are {sorted(features)} (and "
+                                                 f"their physical tables {sorted(names - features)})")
+        for target in targets:
+            out[target] = (kind, int(device) if device else None)
+    return out
+
+
+def make_plan(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_size: int, *, plan: str = "auto",
+              overrides: str = "", row_axes: str = "all", row_split: str = "range",
+              device_memory_bytes: int) -> ShardingPlan:
+    """Place every table: `plan` for all of them (auto: the greedy balance below), `overrides` per table.
+
+    auto, in decreasing order of owner work (the LPT greedy): a table whose own work exceeds a device's fair share
+    (all tables' work over n) or that fits on no single device is split row-wise; any other goes whole to the
+    device, among those with room, that leaves the lowest maximum per-device cost (`device_costs`), then the lowest
+    memory on the fullest device, then the lowest total cost; a table of at most REPLICATE_BYTES may be replicated
+    instead if that scores better. Then memory is checked per device. Raises ConfigError naming the device and the
+    bytes it is short of.
+    """
+    n = math.prod(mesh_shape.values())
+    axes_all = ("data", "model")
+    row = ("model",) if row_axes == "model" else axes_all
+    pinned = parse_overrides(overrides, tables)
+    for name, (_, device) in pinned.items():
+        if device is not None and device >= n:
+            raise ConfigError("sharding.tables", f"{name}=table:{device}: there are only {n} devices (0..{n - 1})")
+
+    def placed(t: TableInfo, kind: str, device: int | None = None) -> TablePlacement:
+        if kind == "table":
+            return TablePlacement(t, "table", axes_all, (device,))
+        if kind == "row":
+            return TablePlacement(t, "row", row, tuple(range(mesh_shape[row[-1]] if row == ("model",) else n)),
+                                  row_split)
+        if kind == "column":
+            if t.dim % n:
+                raise ConfigError("sharding.tables" if t.name in pinned else "sharding.plan",
+                                  f"table {t.name!r} has dim {t.dim}, which {n} devices cannot split column-wise "
+                                  "(dim % devices must be 0); shard it by row or table")
+            if 0 < t.state_floats < t.dim:
+                raise ConfigError("sharding.plan", f"table {t.name!r}: column-wise sharding cannot hold row-wise "
+                                                   "optimizer state (one accumulator per row, e.g. rowwise_adagrad); "
+                                                   "use adagrad / lazy_adam / sgd or shard it by row")
+            return TablePlacement(t, "column", axes_all, tuple(range(n)))
+        return TablePlacement(t, kind, (), ())
+
+    room = [float(device_memory_bytes)] * n
+    result: dict[str, TablePlacement] = {}
+
+    def commit(p: TablePlacement):
+        result[p.table.name] = p
+        for d in range(n):
+            room[d] -= p.device_bytes(d, mesh_shape)
+
+    def score(p: TablePlacement) -> tuple:
+        # Cost first; then memory: a storage's block is as tall as its fullest device, so every device pays for
+        # the fullest one.
+        after = device_costs([*result.values(), p], mesh_shape, batch_size)
+        fullest = max(float(device_memory_bytes) - r + p.device_bytes(d, mesh_shape) for d, r in enumerate(room))
+        return max(after), fullest, sum(after)
+
+    def load(d: int) -> float:
+        return device_costs(list(result.values()), mesh_shape, batch_size)[d]
+
+    def table_cost(t):
+        return max(owner_costs(placed(t, "table", 0), mesh_shape, batch_size))
+
+    # Pinned tables first, then the rest by decreasing cost (largest first: the classic LPT greedy).
+    order = sorted(tables, key=lambda t: (t.name not in pinned, -table_cost(t), -t.bytes, t.name))
+    fair_share = sum(table_cost(t) for t in tables) / n
+    for t in order:
+        kind, device = pinned.get(t.name, (plan, None))
+        if kind == "auto":
+            # Whole on one device when it fits and its own work is at most a device's fair share; else split.
+            candidates = [placed(t, "table", d) for d in range(n) if room[d] >= t.bytes]
+            if not candidates or table_cost(t) > fair_share:
+                candidates = [placed(t, "row")]
+            if t.bytes <= REPLICATE_BYTES:
+                candidates.append(placed(t, "replicated"))
+            commit(min(candidates, key=score))  # ties: the first, i.e. the lowest device
+            continue
+        if kind == "table" and device is None:
+            fits = [d for d in range(n) if room[d] >= t.bytes] or list(range(n))
+            device = min(fits, key=lambda d: (load(d), d))
+        commit(placed(t, kind, device))
+    result_plan = ShardingPlan(dict(mesh_shape), tuple(result[t.name] for t in tables), batch_size,
+                               int(device_memory_bytes))
+    check_fits(result_plan)
+    return result_plan
+
+
+def check_fits(plan: ShardingPlan) -> None:
+    """ConfigError naming the first device whose tables and optimizer state exceed its memory, and by how much."""
+    for d, used in enumerate(plan.device_bytes()):
+        if used > plan.device_memory_bytes:
+            on = [p.table.name for p in plan.placements if p.device_bytes(d, plan.mesh_shape)]
+            biggest = max(plan.placements, key=lambda p: p.device_bytes(d, plan.mesh_shape))
+            raise ConfigError("sharding.plan", (
+                f"device {d} would hold {used:,} bytes of tables + optimizer state ({len(on)} tables, the largest "
+                f"{biggest.table.name!r} {biggest.sharding}-wise: {biggest.device_bytes(d, plan.mesh_shape):,} "
+                f"bytes) but has {plan.device_memory_bytes:,} (sharding.device_memory_bytes): "
+                f"{used - plan.device_memory_bytes:,} bytes too many; shard the large tables by row, add devices "
+                "or compress them"))
+
+
+# ------------------------------------------------------------------------------------------------------ format
+def format_plan(plan: ShardingPlan) -> str:
+    """The plan as a readable table, then bytes and estimated cost per device."""
+    n = plan.devices
+    header = ("table", "method", "rows", "dim", "sharding", "devices", "bytes", "est. cost")
+    lines = []
+    for p in plan.placements:
+        if p.sharding in ("replicated", "data_parallel"):
+            devices = f"all {n}"
+        elif p.axes == ("model",):
+            devices = f"model 0-{len(p.devices) - 1} x data"
+        elif len(p.devices) == 1:
+            devices = str(p.devices[0])
+        else:
+            devices = f"0-{len(p.devices) - 1}"
+        kind = p.sharding + (f" ({p.row_split})" if p.sharding == "row" else "")
+        lines.append((p.table.name, p.table.method, f"{p.table.rows:,}", str(p.table.dim), kind, devices,
+                      _size(p.table.bytes), _size(sum(placement_costs(p, plan.mesh_shape, plan.batch_size)))))
+    widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(header)]
+
+    def fmt(row):
+        return "  ".join(c.ljust(w) if i < 6 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+
+    out = [f"sharding plan: mesh data={plan.mesh_shape['data']} x model={plan.mesh_shape['model']}, global batch "
+           f"{plan.batch_size}; bytes = rows + optimizer state; est. cost = bytes touched or moved per step "
+           "(recjax/sharding/plan.py)", fmt(header), fmt(tuple("-" * w for w in widths))]
+    out += [fmt(row) for row in lines]
+    used, costs = plan.device_bytes(), plan.device_costs()
+    out.append("per device: " + ", ".join(f"{d}: {_size(b)} / {_size(c)}" for d, (b, c) in
+                                          enumerate(zip(used, costs, strict=True)))
+               + f" (bytes / est. cost; memory {_size(plan.device_memory_bytes)} each)")
+    return "\n".join(out)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def save_plan(plan: ShardingPlan, workdir) -> None:
+    import pathlib
+
+    workdir = pathlib.Path(workdir)
+    (workdir / "sharding_plan.txt").write_text(format_plan(plan) + "\n")
+    (workdir / "sharding_plan.json").write_text(json.dumps(plan.to_json(), indent=2) + "\n")

@@ -1,0 +1,175 @@
+"""Multi-device runs for tests/test_sharding.py, in a subprocess with 8 CPU devices (the pytest process keeps its one
+device, so every other test runs exactly as before).
+
+    python tests/sharding_cases.py OUT_DIR CASE [CASE ...]      (JAX_NUM_CPU_DEVICES=8 is set by the caller)
+
+For each case: the single-device engine (the oracle) and the sharded engine train the same initial state on the same
+batches; OUT_DIR/<case>.npz holds both runs' losses, logits, tables, optimizer state and dense params. The case
+"hlo" instead writes what the compiled sharded step's HLO says about collectives and temporaries (hlo.json).
+"""
+
+import json
+import pathlib
+import sys
+
+import jax
+import ml_collections
+import numpy as np
+
+from experiments.configs import dlrm_synthetic
+from recjax import sharding, train
+from recjax.data import make_dataset
+from recjax.sharding import hlo
+from recjax.sharding import step as sharded_step
+
+BATCH = 32
+STEPS = 3
+# name: (model, method, mesh, plan, overrides, extra config)
+CASES = {
+    "dlrm-full-table-8x1": ("dlrm", "full", "data=8", "table", "", {}),
+    "dlrm-full-row_mod_model-2x4": ("dlrm", "full", "data=2,model=4", "row", "",
+                                    {"sharding.row_axes": "model", "sharding.row_split": "mod",
+                                     "optimizer.sparse.name": "rowwise_adagrad", "embedding.pooling": "mean"}),
+    "dlrm-full-mixed-4x2": ("dlrm", "full", "data=4,model=2", "table", "C1=replicated,C2=row,C3=column,C4=table:7",
+                            {"optimizer.sparse.name": "adagrad"}),
+    "dlrm-qr-mixed-8x1": ("dlrm", "qr", "data=8", "row", "C2/q=table:3,C3=column,C5/r=replicated",
+                          {"sharding.row_split": "mod"}),
+    "dlrm-md-mixed-2x4": ("dlrm", "md", "data=2,model=4", "row", "C1=replicated,C3=table:1",
+                          {"sharding.row_axes": "model", "optimizer.sparse.name": "sgd"}),
+    # A mix of methods (hashing, QR, mixed-dim blocks, full), dense Adam.
+    "dlrm-methods-mixed-4x2": ("dlrm", "hashing", "data=4,model=2", "row", "C4=column,C2=table:2",
+                               {"optimizer.dense.name": "adam", "optimizer.dense.learning_rate": 0.01}),
+    "wukong-qr-mixed-4x2": ("wukong", "qr", "data=4,model=2", "table", "C1=row,C2=column,C5=replicated", {}),
+    "wukong-md-auto-2x4": ("wukong", "md", "data=2,model=4", "auto", "", {}),
+    # Reduced-precision exchange: close to the f32 oracle, not equal (tests/test_sharding.py checks both).
+    "dlrm-full-mixed-4x2-bf16": ("dlrm", "full", "data=4,model=2", "table", "C1=replicated,C2=row,C3=column",
+                                 {"sharding.exchange_dtype": "bfloat16", "optimizer.sparse.name": "sgd"}),
+}
+
+
+def case_config(model: str, method: str, mesh: str, plan: str, overrides: str, extra: dict
+                ) -> ml_collections.ConfigDict:
+    config = dlrm_synthetic.get_config()
+    config.data.vocab_sizes = (7, 300, 1000, 50, 120)  # a 7-id feature: the same ids on every device
+    config.data.bag_sizes = (1, 3, 1, 2, 1)  # one-hot and multi-hot bags
+    config.data.eval_examples = BATCH
+    config.embedding.method = method
+    if method == "qr":
+        config.embedding.options.collisions = 4
+    if method == "md":
+        config.embedding.options.alpha = 0.5
+    if method == "hashing":  # a mix of methods: hashing, QR, mixed-dim blocks and a full table
+        config.embedding.options.buckets = 64
+        config.embedding.id_counts = "dataset"
+        config.embedding.tables = ml_collections.ConfigDict({
+            "C2": {"method": "qr", "options": {"collisions": 8}},
+            "C3": {"method": "md_blocks", "options": {"blocks": (0.1, 1.0)}},
+            "C4": {"method": "full"}})
+    config.model.name = model
+    config.model.dlrm.bottom_mlp = (8, 16)
+    config.model.dlrm.top_mlp = (16, 1)
+    config.model.wukong.num_layers = 1
+    config.model.wukong.fmb_mlp_width = 16
+    config.model.wukong.top_mlp = (16, 1)
+    config.optimizer.dense.name = "sgd"  # the dense params move by -lr * gradient: equal params = equal gradients
+    config.optimizer.dense.learning_rate = 0.1
+    config.optimizer.sparse.learning_rate = 0.05
+    config.train.batch_size = BATCH
+    config.mesh.shape = mesh
+    config.sharding.plan = plan
+    config.sharding.tables = overrides
+    for key, value in extra.items():
+        section, field = key.rsplit(".", 1)
+        node = config
+        for part in section.split("."):
+            node = node[part]
+        node[field] = value
+    return config
+
+
+def run_case(name: str, out: pathlib.Path) -> None:
+    config = case_config(*CASES[name])
+    train.validate_config(config)
+    dataset = make_dataset(config.data, seed=0)
+    task = train.build_task(config, dataset.spec, dataset, 10)
+    batches = [b for _, b in zip(range(STEPS), dataset.train_batches(BATCH), strict=False)]
+    state = train.init_state(task, jax.random.key(0), jax.device_put(batches[0]))
+    sharded = sharding.setup(config, task)
+    assert sharded is not None
+    sharded_state, sharded_train, sharded_predict, put = sharding.prepare(task, sharded, state, train._forward)
+    ref_train, ref_predict = train.make_train_step(task), train.make_predict_step(task)
+    result = {"ref_loss": [], "loss": []}
+    for batch in batches:
+        state, ref_metrics = ref_train(state, jax.device_put(batch))
+        sharded_state, metrics = sharded_train(sharded_state, put(batch))
+        result["ref_loss"].append(float(ref_metrics["loss"]))
+        result["loss"].append(float(metrics["loss"]))
+    result["ref_logits"] = np.asarray(ref_predict(state, jax.device_put(batches[0])))
+    result["logits"] = np.asarray(sharded_predict(sharded_state, put(batches[0])))
+    back = sharded_step.unshard_state(sharded, sharded_state)
+    for group in state.tables:
+        result[f"ref_table/{group}"] = np.asarray(state.tables[group])
+        result[f"table/{group}"] = back.tables[group]
+        for field, value in state.sparse_opt_state[group].items():
+            result[f"ref_opt/{group}/{field}"] = np.asarray(value)
+            result[f"opt/{group}/{field}"] = back.sparse_opt_state[group][field]
+    ref_dense = jax.tree_util.tree_leaves_with_path(state.dense_params)
+    dense = jax.tree_util.tree_leaves(back.dense_params)
+    for (path, ref), value in zip(ref_dense, dense, strict=True):
+        key = jax.tree_util.keystr(path)
+        result[f"ref_dense/{key}"] = np.asarray(ref)
+        result[f"dense/{key}"] = np.asarray(value)
+    result["shardings"] = np.array(sorted({p.sharding for p in sharded.plan.placements}))
+    np.savez(out / f"{name}.npz", **result)
+
+
+def hlo_report(out: pathlib.Path) -> None:
+    """The compiled sharded step at two table sizes (4096 and 32768 rows; 8 ids per device a step): every
+    collective, the largest array of any instruction, temp and aliased bytes, and each device's blocks."""
+    report = {rows: hlo_facts(rows) for rows in (4096, 32768)}
+    report["bfloat16"] = hlo_facts(4096, "bfloat16")
+    (out / "hlo.json").write_text(json.dumps(report, indent=1))
+
+
+def hlo_facts(rows: int, exchange_dtype: str = "float32") -> dict:
+    config = case_config("dlrm", "full", "data=4,model=2", "table", "C1=replicated,C2=row,C3=column",
+                         {"sharding.exchange_dtype": exchange_dtype})
+    config.data.vocab_sizes = (rows,) * 5
+    config.data.bag_sizes = (1, 1, 1, 1, 1)
+    config.train.batch_size = 64  # 8 examples per device
+    dataset = make_dataset(config.data, seed=0)
+    task = train.build_task(config, dataset.spec, dataset, 10)
+    batch = next(dataset.train_batches(64))
+    state = train.init_state(task, jax.random.key(0), jax.device_put(batch))
+    sharded = sharding.setup(config, task)
+    sharded_state, sharded_train, _, put = sharding.prepare(task, sharded, state, train._forward)
+    lowered = sharded_train.lower(sharded_state, put(batch))
+    compiled = lowered.compile()
+    text = compiled.as_text()
+    # The program as written (StableHLO): which element types its all_to_alls carry. XLA:CPU's float normalization
+    # widens bf16 collectives back to f32 in the compiled HLO; GPU / TPU keep them narrow.
+    requested = sorted({t for line in lowered.as_text().splitlines() if "all_to_all" in line
+                        for t in ("bf16", "f16", "f32") if f"x{t}>" in line})
+    collectives = hlo.collectives(text)
+    largest = hlo.largest_array_bytes(text)
+    blocks = {name: int(np.prod(sharded_state.tables[name].addressable_shards[0].data.shape)) * 4
+              for name in sharded_state.tables}
+    memory = compiled.memory_analysis()
+    return {
+        "table_bytes": rows * 16 * 4,
+        "block_bytes": blocks,
+        "collectives": [{"op": c["op"], "bytes": c["largest"], "dtypes": c["dtypes"], "line": c["line"]}
+                        for c in collectives],
+        "largest_instruction_bytes": largest,
+        "all_to_all_dtypes_requested": requested,
+        "temp_bytes": int(memory.temp_size_in_bytes),
+        "alias_bytes": int(memory.alias_size_in_bytes),
+        "shardings": {p.table.name: p.sharding for p in sharded.plan.placements},
+    }
+
+
+if __name__ == "__main__":
+    out_dir = pathlib.Path(sys.argv[1])
+    for case in sys.argv[2:]:
+        hlo_report(out_dir) if case == "hlo" else run_case(case, out_dir)
+        print(f"done {case}", flush=True)

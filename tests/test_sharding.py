@@ -1,0 +1,224 @@
+"""Sharded embeddings on a mesh equal the single-device engine (the oracle), and their plans and errors.
+
+The multi-device runs happen in one subprocess with 8 CPU devices (tests/sharding_cases.py): setting
+`jax_num_cpu_devices` for the whole pytest process would send every other test's `train_and_evaluate` through the
+mesh (its default is every device), so they would no longer test the single-device path they were written for.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import ml_collections
+import numpy as np
+import pytest
+
+from recjax.errors import ConfigError
+from recjax.sharding.mesh import mesh_shape, parse_mesh_shape
+from recjax.sharding.plan import TableInfo, format_plan, make_plan
+from tests.sharding_cases import CASES
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+# LLVM -O0 halves XLA:CPU compile time, which is most of these tests' time; both the oracle and the sharded run
+# compile under it (it changes how fast the code runs, not what it computes).
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
+def run_devices(out: pathlib.Path, cases: list[str], devices: int = 8, timeout: int = 900) -> None:
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip(),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "sharding_cases.py"), str(out), *cases], env=env,
+                            cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-5000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("sharding")
+    run_devices(out, [*CASES, "hlo"])
+    return out
+
+
+# ------------------------------------------------------------------------------- equality with one device
+EXACT = sorted(c for c in CASES if "bf16" not in c)
+
+
+@pytest.mark.parametrize("case", EXACT)
+def test_sharded_training_equals_single_device(runs, case):
+    """Losses, logits, updated tables + optimizer state and dense params (dense SGD: equal params = equal dense
+    gradients) after 3 steps on 8 devices equal the single-device run."""
+    r = np.load(runs / f"{case}.npz")
+    np.testing.assert_allclose(r["loss"], r["ref_loss"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(r["logits"], r["ref_logits"], rtol=1e-5, atol=1e-5)
+    keys = [k for k in r.files if k.startswith(("table/", "opt/", "dense/"))]
+    assert any(k.startswith("table/") for k in keys) and any(k.startswith("dense/") for k in keys)
+    # Adam divides by sqrt(v): for a gradient entry near 0 a different f32 summation order (per-device partial sums
+    # here) moves the parameter by up to ~1e-5; SGD / Adagrad cases are held to 1e-6.
+    extra = CASES[case][5]
+    dense_atol = 1e-4 if extra.get("optimizer.dense.name") == "adam" else 1e-6
+    table_atol = 2e-5 if extra.get("optimizer.sparse.name", "lazy_adam") == "lazy_adam" else 1e-6
+    for key in keys:
+        atol = dense_atol if key.startswith("dense/") else table_atol
+        np.testing.assert_allclose(r[key], r[f"ref_{key}"], rtol=1e-4, atol=atol, err_msg=key)
+    # The run really trained: tables moved from one step to the next (guards against comparing two no-ops).
+    assert r["ref_loss"][0] != r["ref_loss"][-1]
+
+
+def test_bfloat16_exchange_is_close_to_float32(runs):
+    """Rows and row gradients cross devices in bfloat16 (accumulation f32): the run stays within bf16 rounding of the
+    f32 single-device run, and is not identical to it (the exchange really is narrower)."""
+    r = np.load(runs / "dlrm-full-mixed-4x2-bf16.npz")
+    np.testing.assert_allclose(r["loss"], r["ref_loss"], rtol=1e-2)
+    np.testing.assert_allclose(r["logits"], r["ref_logits"], atol=1e-2)
+    np.testing.assert_allclose(r["table/dim16"], r["ref_table/dim16"], atol=1e-3)
+    assert np.abs(r["logits"] - r["ref_logits"]).max() > 0
+    report = json.loads((runs / "hlo.json").read_text())
+    # The program asks for bf16 all_to_alls (XLA:CPU then widens them to f32; GPU / TPU keep them narrow).
+    assert "bf16" in report["bfloat16"]["all_to_all_dtypes_requested"]
+    assert "bf16" not in report["4096"]["all_to_all_dtypes_requested"]
+
+
+def test_cases_cover_every_mesh_model_and_method():
+    assert {c[2] for c in CASES.values()} == {"data=8", "data=4,model=2", "data=2,model=4"}
+    assert {c[0] for c in CASES.values()} == {"dlrm", "wukong"}
+    assert {"full", "qr", "md", "hashing"} <= {c[1] for c in CASES.values()}
+
+
+def test_every_sharding_type_ran(runs):
+    kinds = set()
+    for case in CASES:
+        kinds |= set(np.load(runs / f"{case}.npz")["shardings"].tolist())
+    assert kinds == {"table", "row", "column", "replicated"}
+
+
+# ------------------------------------------------------------------------------------------- compiled HLO
+def test_no_collective_or_temporary_has_a_table_size(runs):
+    """In the compiled step (table-, row-, column-wise and replicated tables on a 4 x 2 mesh), every collective moves
+    less than a table, no instruction holds more than the device's own block, the temporaries do not grow with
+    the tables (4096 vs 32768 rows), and the blocks are updated in place (aliased)."""
+    report = json.loads((runs / "hlo.json").read_text())
+    small, large = report["4096"], report["32768"]
+    for facts in (small, large):
+        assert facts["collectives"], "no collectives: the step is not sharded"
+        for c in facts["collectives"]:
+            assert c["bytes"] < small["table_bytes"], c["line"]
+        assert facts["largest_instruction_bytes"] <= max(facts["block_bytes"].values())
+        assert facts["alias_bytes"] >= sum(facts["block_bytes"].values())
+    assert [c["bytes"] for c in small["collectives"]] == [c["bytes"] for c in large["collectives"]]
+    assert small["temp_bytes"] == large["temp_bytes"]
+    assert large["block_bytes"]["dim16/column"] == large["table_bytes"] // 8  # a slice of the column-wise table
+
+
+# ------------------------------------------------------------------------------------------ plans (1 device)
+def tables(rows=(1000, 40, 5000, 7), bag=(1, 3, 1, 2), dim=16, state=32) -> list[TableInfo]:
+    return [TableInfo(f"C{i}", f"C{i}", "full", r, dim, b, state) for i, (r, b) in enumerate(zip(rows, bag,
+                                                                                               strict=True))]
+
+
+MESH = {"data": 4, "model": 2}
+
+
+def test_plan_places_every_table_and_fits():
+    plan = make_plan(tables(), MESH, 64, device_memory_bytes=2**30)
+    assert [p.table.name for p in plan.placements] == ["C0", "C1", "C2", "C3"]
+    used = plan.device_bytes()
+    # Every table's bytes are somewhere: replicated ones on each device, the rest once.
+    once = sum(p.table.bytes for p in plan.placements if p.sharding not in ("replicated", "data_parallel"))
+    everywhere = sum(p.table.bytes for p in plan.placements if p.sharding in ("replicated", "data_parallel"))
+    assert sum(used) == once + 8 * everywhere
+    text = format_plan(plan)
+    for word in ("table", "method", "rows", "dim", "sharding", "devices", "bytes", "est. cost", "C2"):
+        assert word in text
+
+
+def test_row_wise_split_by_range_and_modulo():
+    for split in ("range", "mod"):
+        plan = make_plan(tables(rows=(1001,), bag=(1,)), MESH, 64, plan="row", row_split=split,
+                         device_memory_bytes=2**30)
+        per_device = [b // (4 * (16 + 32)) for b in plan.device_bytes()]
+        assert sum(per_device) == 1001 and max(per_device) == 126  # ceil(1001 / 8)
+
+
+def test_auto_splits_a_table_too_big_for_one_device():
+    big = tables(rows=(100_000, 50), bag=(1, 1))
+    row_bytes = 4 * (16 + 32)
+    plan = make_plan(big, MESH, 64, device_memory_bytes=20_000 * row_bytes)
+    assert plan.placement("C0").sharding == "row"
+
+
+def test_plan_that_cannot_fit_names_the_device_and_the_bytes():
+    row_bytes = 4 * (16 + 32)
+    with pytest.raises(ConfigError, match=r"sharding.plan: device 0 would hold 19,200,000 bytes .* has 19,199,952 "
+                                          r".*: 48 bytes too many"):
+        make_plan(tables(rows=(100_000,), bag=(1,)), MESH, 64, plan="table", device_memory_bytes=100_000 * row_bytes
+                  - 48)
+    with pytest.raises(ConfigError, match=r"device \d would hold"):  # too big even split over every device
+        make_plan(tables(rows=(100_000,), bag=(1,)), MESH, 64, device_memory_bytes=10_000 * row_bytes)
+
+
+def test_plan_overrides_and_their_errors():
+    plan = make_plan(tables(), MESH, 64, plan="table", overrides="C0=row, C1=replicated,C2=table:6, C3=column",
+                     device_memory_bytes=2**30)
+    assert [(p.sharding, p.devices) for p in plan.placements] == [
+        ("row", tuple(range(8))), ("replicated", ()), ("table", (6,)), ("column", tuple(range(8)))]
+    with pytest.raises(ConfigError, match=r"sharding.tables: unknown table 'C9'"):
+        make_plan(tables(), MESH, 64, overrides="C9=row", device_memory_bytes=2**30)
+    with pytest.raises(ConfigError, match=r"sharding.tables: cannot read 'C1=diagonal'"):
+        make_plan(tables(), MESH, 64, overrides="C1=diagonal", device_memory_bytes=2**30)
+    with pytest.raises(ConfigError, match=r"sharding.tables: C1=table:8: there are only 8 devices"):
+        make_plan(tables(), MESH, 64, overrides="C1=table:8", device_memory_bytes=2**30)
+    with pytest.raises(ConfigError, match=r"dim 12, which 8 devices cannot split column-wise"):
+        make_plan(tables(dim=12), MESH, 64, plan="column", device_memory_bytes=2**30)
+    with pytest.raises(ConfigError, match="row-wise optimizer state"):
+        make_plan(tables(state=1), MESH, 64, plan="column", device_memory_bytes=2**30)
+
+
+def test_mesh_shape_and_its_errors():
+    assert parse_mesh_shape("") == {}
+    assert mesh_shape("", 8) == {"data": 8, "model": 1}
+    assert mesh_shape("model=2", 8) == {"data": 4, "model": 2}
+    assert mesh_shape(" data=2 , model=4", 8) == {"data": 2, "model": 4}
+    with pytest.raises(ConfigError, match=r"mesh.shape: 'data=4,model=4' is 4 x 4 = 16 devices, but 8 are "):
+        mesh_shape("data=4,model=4", 8)
+    with pytest.raises(ConfigError, match=r"mesh.shape: unknown axis 'pipe'"):
+        parse_mesh_shape("pipe=2")
+    with pytest.raises(ConfigError, match=r"mesh.shape: cannot read 'data4'"):
+        parse_mesh_shape("data4")
+
+
+def test_config_errors_name_the_key():
+    from experiments.configs import dlrm_synthetic
+    from recjax.config_check import validate_config
+
+    def config_with(**changes) -> ml_collections.ConfigDict:
+        config = dlrm_synthetic.get_config()
+        for key, value in changes.items():
+            section, field = key.split("__")
+            config[section][field] = value
+        return config
+
+    validate_config(config_with())
+    for changes, match in [({"sharding__plan": "diagonal"}, "sharding.plan: unknown value 'diagonal'"),
+                           ({"sharding__exchange_dtype": "int8"}, "sharding.exchange_dtype: unknown value"),
+                           ({"sharding__row_axes": "data"}, "sharding.row_axes: unknown value"),
+                           ({"mesh__shape": "data=x"}, "mesh.shape: cannot read"),
+                           ({"sharding__device_memory_bytes": -1}, "sharding.device_memory_bytes: must be >= 0")]:
+        with pytest.raises(ConfigError, match=match):
+            validate_config(config_with(**changes))
+
+
+def test_one_device_runs_the_single_device_engine():
+    """On one device (this pytest process) no mesh is made: the trainer's single-device steps run untouched."""
+    import jax
+
+    from recjax.sharding.mesh import make_mesh
+
+    assert jax.device_count() == 1
+    assert make_mesh("") is None
+    with pytest.raises(ConfigError, match="is 2 x 1 = 2 devices, but 1 are available"):
+        make_mesh("data=2")

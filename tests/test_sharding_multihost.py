@@ -1,0 +1,78 @@
+"""Multi-host: 2 processes x 2 CPU devices on 127.0.0.1 (jax.distributed, gloo) train the same model as one process
+with 4 devices on the same global batches; only process 0 writes the summary. Partial multi-host flags are errors."""
+
+import csv
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from recjax.errors import ConfigError
+from recjax.sharding import multihost
+from tests.test_sharding import FAST_COMPILE
+
+ARGS = ["--config.train.steps=3", "--config.train.batch_size=32", "--config.train.eval_every=3",
+        "--config.train.log_every=1", "--config.data.eval_examples=64", "--config.train.progress_bar=False",
+        "--config.data.vocab_sizes=7,300,1000,50,120", "--config.data.bag_sizes=1,3,1,2,1",
+        "--config.model.dlrm.bottom_mlp=8,16", "--config.model.dlrm.top_mlp=16,1", "--config.mesh.shape=data=2,model=2",
+        "--config.sharding.plan=table", "--config.sharding.tables=C1=row,C2=column,C3=replicated"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(workdir, *flags) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")} | {
+        "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()}
+    return subprocess.Popen([sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *flags, *ARGS],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process: subprocess.Popen) -> str:
+    out, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, out[-4000:]
+    return out
+
+
+def rows(path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_two_processes_equal_one_process_with_four_devices(tmp_path):
+    port = free_port()
+    hosts = [launch(tmp_path / "multi", "--cpu_devices=2", f"--coordinator_address=127.0.0.1:{port}",
+                    "--num_processes=2", f"--process_id={i}") for i in (0, 1)]
+    outputs = [finish(p) for p in hosts]
+    finish(launch(tmp_path / "single", "--cpu_devices=4"))
+    assert '"auc"' in outputs[0] and '"auc"' not in outputs[1]  # only process 0 prints the headline
+    assert (tmp_path / "multi" / "summary.json").is_file()
+    assert not (tmp_path / "multi" / "process_1" / "summary.json").exists()
+    multi, single = rows(tmp_path / "multi" / "metrics.csv"), rows(tmp_path / "single" / "metrics.csv")
+    assert [(r["step"], r["split"]) for r in multi] == [(r["step"], r["split"]) for r in single]
+    for m, s in zip(multi, single, strict=True):
+        for key in ("loss", "auc", "logloss"):
+            if s[key]:
+                assert float(m[key]) == pytest.approx(float(s[key]), rel=1e-5, abs=1e-6), (m, s, key)
+    summary = json.loads((tmp_path / "multi" / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["mesh_shape"] == {"data": 2, "model": 2}
+
+
+def test_partial_multihost_flags_are_config_errors(monkeypatch):
+    for env in multihost.ENV.values():
+        monkeypatch.delenv(env, raising=False)
+    assert multihost.initialize() is False
+    with pytest.raises(ConfigError, match=r"--num_processes: multi-host needs .* got --coordinator_address without "
+                                          r"--num_processes, --process_id"):
+        multihost.initialize("127.0.0.1:1234")
+    with pytest.raises(ConfigError, match=r"--process_id: must be in \[0, 2\) for --num_processes=2, got 2"):
+        multihost.initialize("127.0.0.1:1234", 2, 2)
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    with pytest.raises(ConfigError, match="got --num_processes without --coordinator_address, --process_id"):
+        multihost.initialize()
