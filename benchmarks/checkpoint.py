@@ -118,12 +118,22 @@ class Trainer:
             d.shape[0] for d in self.state.dirty_rows.values())
 
 
-def calibrate_interval(rows: int, batch: int, fraction: float) -> int:
-    """Steps after which the bitmap holds >= `fraction` of the rows (the interval's length)."""
+def tracked(trainer: Trainer):
+    """The trainer's state with dirty-row bitmaps as its config's policy wants (a throwaway checkpoint dir)."""
     from recjax.checkpoint import Checkpointer
 
+    with tempfile.TemporaryDirectory() as directory:
+        checkpointer = Checkpointer(trainer.config, pathlib.Path(directory))
+        state = checkpointer.track(trainer.state)
+        checkpointer.close()
+    return state
+
+
+def calibrate_interval(rows: int, batch: int, fraction: float) -> int:
+    """Steps after which the bitmap holds >= `fraction` of the rows (the interval's length)."""
+
     trainer = Trainer(table_config(rows, batch, policy="consecutive"))
-    trainer.state = Checkpointer(trainer.config, tempfile.mkdtemp()).track(trainer.state)
+    trainer.state = tracked(trainer)
     steps = 0
     while trainer.touched() < fraction:
         trainer.train(1)
@@ -174,12 +184,11 @@ def bitmap_measurement(rows: int, batch: int, repeats: int, info: dict) -> None:
     """The jitted train step alone, on the same 50 device batches, with and without the bitmap."""
     import jax
 
-    from recjax.checkpoint import Checkpointer
 
     trainers = {}
     for name, policy in (("without_bitmap", "full"), ("with_bitmap", "consecutive")):
         trainer = Trainer(table_config(rows, batch, policy=policy))
-        trainer.state = Checkpointer(trainer.config, tempfile.mkdtemp()).track(trainer.state)
+        trainer.state = tracked(trainer)
         trainer.train(2)  # compile
         trainers[name] = trainer
     batches = [jax.device_put(next(trainers["with_bitmap"].stream)) for _ in range(50)]

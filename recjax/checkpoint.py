@@ -2,7 +2,7 @@
 
 A checkpoint is one Orbax `CheckpointManager` step directory, `<checkpoint dir>/<step>/`, finalised atomically by
 Orbax (written as `<step>.orbax-checkpoint-tmp*` and renamed when complete, so a save cut short is never loaded).
-Its items, all written by Orbax's standard handlers (arrays through tensorstore, JSON through json; no pickle):
+Its items, written by Orbax's handlers (arrays through tensorstore, JSON through json; nothing is pickled):
 
     state/  StandardSave {"step": i32[], "rng": u32[k] (the dropout key's data), "dense": {"00000": leaf, ...}
             (the leaves of (dense_params, dense_opt_state) in tree order), and in a *baseline* (kind "full") also
@@ -11,10 +11,11 @@ Its items, all written by Orbax's standard handlers (arrays through tensorstore,
             or, quantized, "codes": u8[n, dim * bits / 8], "offset": f32[n], "scale": f32[n], "opt": {name:
             f32[n, ...]}}} -- the rows touched since the previous checkpoint (consecutive) or since the baseline
             (one-shot), with their sparse-optimizer rows. Groups without touched rows are left out.
-    meta/   JsonSave: the format version, step, kind ("full" / "delta"), policy, `chain` (the steps whose tables this
-            restore point reads, baseline first), quantize bits, byte counts, the sha256 of every array written,
-            the dense leaves' tree paths, the trainer's loop state (selection, early stopping, metrics history,
-            train time), the resolved config and whether the run finished.
+    meta/   JSON (Orbax's JSON handler, subclassed only to await the checksums in its background commit): the
+            format version, step, kind ("full" / "delta"), policy, `chain` (the steps whose tables this restore point
+            reads, baseline first), quantize bits, byte counts, the sha256 of every array written, the dense
+            leaves' tree paths, the trainer's loop state (selection, early stopping, metrics history, train time),
+            the resolved config and whether the run finished.
 
 Restore = the latest complete step: the baseline's tables, then each delta of its chain in order (rows replaced by
 id), then that step's dense state, step and RNG. Every array read is checked against its sha256; a missing or
@@ -29,8 +30,12 @@ exceed `baseline_fraction` of the baseline's). The dirty-row bitmap (bool[rows] 
 TrainState and is set inside the jitted train step (`mark_dirty_rows`); a save reads it and clears it (one-shot:
 only at a baseline).
 
+Async saves: the loop waits for device-side copies of the tables (the next step donates the originals) and Orbax's
+save call; Orbax moves the copies to the host and writes them in the background, the sha256s are computed on a
+worker thread and awaited by the meta handler before Orbax finalises the step.
+
 Sharding (not landed yet): deltas are (row ids, rows) per stacked group, so a row-sharded table's owner can write
-and read its own id range; baselines hold whole groups, which Orbax already saves and restores per shard.
+and read its own id range; baselines hold whole groups as jax.Arrays, which Orbax saves per shard.
 """
 
 import concurrent.futures
@@ -314,7 +319,7 @@ def read_arrays(point: ResumePoint) -> dict[str, np.ndarray]:
     _check_chain(point)
     top = point.store.item(point.step, "state", point.meta)
     tables, sparse_opt = _chain_tables(point, top)
-    dense = [top["dense"][f"{i:05d}"] for i in range(len(point.meta["dense_paths"]))]
+    dense = _dense_values(top, point.meta)
     return {"step": np.asarray(top["step"]), "rng": np.asarray(top["rng"]),
             **{f"dense/{p}": np.asarray(a) for p, a in zip(point.meta["dense_paths"], dense, strict=True)},
             **{f"tables/{g}": t for g, t in tables.items()},
@@ -335,7 +340,7 @@ def restore_state(point: ResumePoint, like):
     _check_chain(point)
     top = store.item(step, "state", meta)
     for i, (path, leaf) in enumerate(zip(paths, like_leaves, strict=True)):
-        saved = top["dense"][f"{i:05d}"]
+        saved = _dense_values(top, meta)[i]
         if tuple(np.shape(saved)) != tuple(leaf.shape):
             raise CheckpointError(other_model.format(f"{path} has shape {np.shape(saved)}, not {tuple(leaf.shape)}"))
     tables, sparse_opt = _chain_tables(point, top)
@@ -348,7 +353,7 @@ def restore_state(point: ResumePoint, like):
             if k not in sparse_opt.get(g, {}) or sparse_opt[g][k].shape != tuple(v.shape):
                 raise CheckpointError(other_model.format(f"sparse optimizer state {g}/{k}"))
     dense_params, dense_opt_state = jax.tree_util.tree_unflatten(
-        treedef, [jnp.asarray(top["dense"][f"{i:05d}"]) for i in range(len(paths))])
+        treedef, [jnp.asarray(v) for v in _dense_values(top, meta)])
     return like.replace(
         step=jnp.asarray(top["step"], jnp.int32),
         dense_params=dense_params, dense_opt_state=dense_opt_state,
@@ -468,7 +473,8 @@ class Checkpointer:
         item_state = {
             "step": np.asarray(step, np.int32),
             "rng": np.array(jax.random.key_data(state.dropout_rng)),
-            "dense": {f"{i:05d}": np.array(leaf) for i, leaf in enumerate(leaves)},
+            # Orbax cannot store empty arrays (e.g. a layer over zero dense features): their shapes are in meta.
+            "dense": {f"{i:05d}": np.array(leaf) for i, leaf in enumerate(leaves) if np.size(leaf)},
         }
         kind, rows_item, delta_bytes = self._plan(state)
         if kind == "full":
@@ -491,7 +497,8 @@ class Checkpointer:
             "quantize_bits": self.bits if kind == "delta" else 0, "groups": sorted(rows_item),
             "table_bytes": table_bytes, "bytes": _nbytes(item_state) + _nbytes(rows_item),
             "baseline_bytes": self._baseline_bytes, "chain_bytes": self._chain_bytes,
-            "dense_paths": paths, "rng_impl": str(jax.random.key_impl(state.dropout_rng)),
+            "dense_paths": paths, "dense_shapes": [[str(leaf.dtype), list(leaf.shape)] for leaf in leaves],
+            "rng_impl": str(jax.random.key_impl(state.dropout_rng)),
             "arrays": arrays, "loop": loop, "config": self.config_dict, "finished": finished,
         }
         args = {"state": ocp.args.StandardSave(item_state), "meta": _meta_handler_types()[0](meta)}
@@ -552,6 +559,12 @@ class Checkpointer:
 
 def _nbytes(tree: Mapping) -> int:
     return int(sum(np.asarray(a).nbytes for a in _flat(tree).values()))
+
+
+def _dense_values(top: Mapping, meta: Mapping) -> list[np.ndarray]:
+    """The dense leaves of a state item in tree order, the empty ones (not stored) rebuilt from meta's shapes."""
+    return [top["dense"][f"{i:05d}"] if f"{i:05d}" in top.get("dense", {}) else np.zeros(shape, dtype)
+            for i, (dtype, shape) in enumerate(meta["dense_shapes"])]
 
 
 def _dense_leaves(state) -> tuple[list[str], list, Any]:

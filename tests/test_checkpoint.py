@@ -219,11 +219,13 @@ def copy_run(reference: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
 
 def test_corrupt_array_is_an_error_naming_step_and_file(reference, tmp_path):
     run = copy_run(reference, tmp_path)
-    data_files = sorted((run / "checkpoints" / "40" / "state").rglob("d/*"), key=lambda p: -p.stat().st_size)
-    blob = bytearray(data_files[0].read_bytes())
-    for i in range(len(blob) // 2, len(blob) // 2 + 64):
-        blob[i] ^= 0xFF
-    data_files[0].write_bytes(bytes(blob))
+    data_files = [p for p in (run / "checkpoints" / "40" / "state").rglob("d/*") if p.is_file()]
+    assert data_files
+    for path in data_files:  # every data file (tensorstore's chunks and index), so whichever is read is bad
+        blob = bytearray(path.read_bytes())
+        for i in range(len(blob) // 4, min(len(blob), len(blob) // 4 + 256)):
+            blob[i] ^= 0xFF
+        path.write_bytes(bytes(blob))
     (run / "summary.json").unlink()
     with pytest.raises(CheckpointError, match=r"checkpoint step 40: .*checkpoints/40/state.* corrupt\. Delete "):
         train_and_evaluate(reference_config(), run)
