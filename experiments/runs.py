@@ -3,7 +3,9 @@
 A sweep trains each of its runs with `recjax.train.train_and_evaluate` in `<workdir>/<run name>/`. A run whose
 summary.json exists is not trained again, so an interrupted sweep resumes where it stopped (the run it was in the
 middle of resumes from its last checkpoint, recjax/checkpoint.py); if that run's config.json differs from the config
-the sweep would train now, the sweep stops rather than mix results.
+the sweep would train now, the sweep stops rather than mix results. A finished run's checkpoints are deleted: its
+summary.json is the sweep's result, and dozens of runs' tables would fill a laptop's disk (train a run alone with
+`experiments.train` to keep its model).
 """
 
 import contextlib
@@ -48,6 +50,9 @@ def train_or_resume(config: ml_collections.ConfigDict, run_dir: pathlib.Path, pr
     t0 = time.perf_counter()
     summary = train_and_evaluate(config, run_dir)
     log(f"{prefix} {describe(summary)} ({time.perf_counter() - t0:.1f} s)")
+    checkpoints = run_dir / "checkpoints"
+    if not config.get("checkpoint", {}).get("dir") and checkpoints.is_dir():
+        shutil.rmtree(checkpoints)
     return summary
 
 
