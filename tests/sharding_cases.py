@@ -26,7 +26,6 @@ BATCH = 32
 STEPS = 3
 # name: (model, method, mesh, plan, overrides, extra config)
 CASES = {
-    "dlrm-full-table-8x1": ("dlrm", "full", "data=8", "table", "", {}),
     "dlrm-full-row_mod_model-2x4": ("dlrm", "full", "data=2,model=4", "row", "",
                                     {"sharding.row_axes": "model", "sharding.row_split": "mod",
                                      "optimizer.sparse.name": "rowwise_adagrad", "embedding.pooling": "mean"}),
@@ -39,7 +38,7 @@ CASES = {
     # A mix of methods (hashing, QR, mixed-dim blocks, full), dense Adam.
     "dlrm-methods-mixed-4x2": ("dlrm", "hashing", "data=4,model=2", "row", "C4=column,C2=table:2",
                                {"optimizer.dense.name": "adam", "optimizer.dense.learning_rate": 0.01}),
-    "wukong-qr-mixed-4x2": ("wukong", "qr", "data=4,model=2", "table", "C1=row,C2=column,C5=replicated", {}),
+    "wukong-qr-mixed-8x1": ("wukong", "qr", "data=8", "table", "C1=row,C2=column,C5=replicated", {}),
     "wukong-md-auto-2x4": ("wukong", "md", "data=2,model=4", "auto", "", {}),
     # Reduced-precision exchange: close to the f32 oracle, not equal (tests/test_sharding.py checks both).
     "dlrm-full-mixed-4x2-bf16": ("dlrm", "full", "data=4,model=2", "table", "C1=replicated,C2=row,C3=column",
