@@ -59,14 +59,19 @@ class Placement:
     offset: int
 
 
-def resolve_dedup(mode: str, kernel: str, optimizer: SparseOptimizer) -> bool:
+def resolve_dedup(mode: str, kernel: str, optimizer: SparseOptimizer, multi_hot: bool = True) -> bool:
     """Whether training routes deduplicate: always, except in "auto" mode when every occurrence's update can simply
-    be scatter-added (`optimizer.sums_duplicates`) and the update runs in XLA (the Pallas update kernel works on
-    distinct rows)."""
+    be scatter-added (`optimizer.sums_duplicates`), the update runs in XLA (the Pallas update kernel works on
+    distinct rows) and some feature has multi-hot bags (`multi_hot`).
+
+    Measured with SGD (benchmarks/kernels.py, idle 2-core CPU): multi-hot reference_random steps take 476 ms without
+    dedup vs 975 ms with it, but the one-hot Kaggle shape is slower without (batch 2048: ~78 vs ~58 ms; batch 128:
+    4.0 vs 3.3 ms), for a reason not yet found -- so one-hot-only data keeps dedup.
+    """
     if mode not in DEDUP_MODES:
         raise ValueError(f"unknown dedup mode '{mode}'; use one of {DEDUP_MODES}")
     xla = kernel == "xla" or (kernel == "auto" and jax.default_backend() not in ("tpu", "gpu"))
-    return mode == "always" or not (optimizer.sums_duplicates and xla)
+    return mode == "always" or not (optimizer.sums_duplicates and xla and multi_hot)
 
 
 def group_name(dim: int) -> str:

@@ -96,6 +96,7 @@ def test_dedup_is_skipped_only_when_every_occurrence_can_be_scatter_added():
     assert resolve_dedup("auto", "xla", SGD(0.1, weight_decay=1e-4))  # decay applies once per distinct row
     assert resolve_dedup("auto", "xla", Adagrad(0.1))
     assert resolve_dedup("auto", "xla", RowwiseAdagrad(0.1))
+    assert resolve_dedup("auto", "xla", SGD(0.1), multi_hot=False)  # one-hot data measured faster with dedup
     with pytest.raises(ValueError, match="dedup"):
         resolve_dedup("never", "xla", SGD(0.1))
 

@@ -34,8 +34,8 @@ def embedding_config(dim: int, pooling: str = "sum") -> ml_collections.ConfigDic
     # "pallas" (on a CPU: the kernels in Pallas's interpreter, slow; for tests).
     embedding.kernel = "auto"
     # Deduplicate a batch's ids before the lookup and the update: "auto" skips it when the sparse optimizer sums
-    # over duplicates (plain SGD without weight decay) and the kernel is XLA -- the update is then a scatter-add
-    # with duplicates, exact and cheaper; "always" keeps it (recjax/embedding.py).
+    # over duplicates (plain SGD without weight decay), the kernel is XLA and some bags are multi-hot -- the update
+    # is then a scatter-add with duplicates, exact and cheaper; "always" keeps it (recjax/embedding.py).
     embedding.dedup = "auto"
     return embedding
 
