@@ -30,6 +30,20 @@ def random_batch(spec: DatasetSpec, batch_size: int, seed: int = 0, full_bags: b
                  labels=(rng.random(batch_size) < 0.3).astype(np.float32))
 
 
+def train_steps(config, spec: DatasetSpec, batches):
+    """(task, state, losses) after one train step per batch from `init_state(key 0)`, for whole-step comparisons."""
+    from recjax.train import build_task, init_state, make_train_step
+
+    task = build_task(config, spec)
+    state = init_state(task, jax.random.key(0), batches[0])
+    step = make_train_step(task)
+    losses = []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return task, state, losses
+
+
 def run_notebook(path, workdir, monkeypatch, timeout: int):
     """Execute the notebook at `path` top to bottom from its folder, in its tiny setting (RECJAX_NOTEBOOK_TINY=1),
     writing into `workdir` (RECJAX_NOTEBOOK_WORKDIR), and return it with its outputs; skipped without nbformat /

@@ -5,13 +5,13 @@ first and per id, mixed dims, sum and mean pooling, duplicate ids, padding and o
 import jax
 import numpy as np
 import pytest
-from conftest import random_batch
+from conftest import random_batch, train_steps
 from test_train import tiny_config
 
 from recjax.embedding import resolve_dedup
 from recjax.sparse_optim import SGD, Adagrad, RowwiseAdagrad
 from recjax.specs import DatasetSpec, FeatureSpec
-from recjax.train import build_task, init_state, make_predict_step, make_train_step
+from recjax.train import build_task, init_state, make_predict_step
 
 # Small vocabularies and bags of 3-4 ids over 8 examples: most ids repeat within a batch.
 SPEC = DatasetSpec(num_dense=3, features=(FeatureSpec("a", 13), FeatureSpec("b", 9, bag_size=4),
@@ -27,14 +27,7 @@ def run(dedup: str, method: str, options: dict, pooling: str, batches, steps: in
     config.embedding.dedup = dedup
     config.optimizer.sparse.name = "sgd"
     config.optimizer.sparse.learning_rate = 0.5  # large, so a wrong update shows
-    task = build_task(config, SPEC)
-    state = init_state(task, jax.random.key(0), batches[0])
-    step = make_train_step(task)
-    losses = []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
-    return task, state, losses
+    return train_steps(config, SPEC, batches)
 
 
 @pytest.mark.parametrize("method, options, pooling", [

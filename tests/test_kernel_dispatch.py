@@ -4,11 +4,10 @@ this CPU) equals the XLA path, for sum and mean pooling and optimizers with [R, 
 import jax
 import numpy as np
 import pytest
-from conftest import random_batch
+from conftest import random_batch, train_steps
 from test_train import tiny_config
 
 from recjax.specs import DatasetSpec, FeatureSpec
-from recjax.train import build_task, init_state, make_train_step
 
 SPEC = DatasetSpec(num_dense=3, features=(FeatureSpec("a", 13), FeatureSpec("b", 9, bag_size=3),
                                           FeatureSpec("c", 6, bag_size=2)))
@@ -20,14 +19,8 @@ def run_steps(kernel: str, sparse: str, pooling: str, steps: int = 3):
     config.embedding.pooling = pooling
     config.optimizer.sparse.name = sparse
     config.optimizer.sparse.weight_decay = 1e-3
-    task = build_task(config, SPEC)
     batches = [jax.device_put(random_batch(SPEC, 8, seed=i)) for i in range(steps)]
-    state = init_state(task, jax.random.key(0), batches[0])
-    step = make_train_step(task)
-    losses = []
-    for batch in batches:
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    _, state, losses = train_steps(config, SPEC, batches)
     return state, losses
 
 
