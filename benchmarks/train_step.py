@@ -35,6 +35,9 @@ Measurements
                     fastest steps). The goal is ratio <= 1.3: QR gathers and updates two rows per id and combines
                     per id (mult is not linear, so it cannot pool first); MD adds a small projection per table;
                     TT gathers three core slices per id and contracts them (~2 (d_1 d_2 r^2 + D r) flops per id).
+                    Also FIITED (keep 0.25, 4 chunks; a step between adjustments with every chunk live: four
+                    reads of the pool per id, plus the chunk-utility update: a sort of each FIITED feature's ids
+                    and d loss / d embeddings), row_prune (1 chunk) and uniform_dim (4 of 16 columns).
 
 Fields of each run's line
   step_time_ms          median over the timed steps (after warmup), each step blocked until ready; also
@@ -134,8 +137,8 @@ _COMPRESSION_THRESHOLD = 200  # tables with <= 200 ids stay full (the reference'
 
 
 def _compression_runs() -> list[Run]:
-    """full vs QR (4 collisions, mult) vs MD (budget for 4x) vs TT-Rec (rank 16) on the kaggle_onehot shape at
-    batch 2048."""
+    """full vs QR (4 collisions, mult) vs MD (budget for 4x) vs TT-Rec (rank 16) vs FIITED and its baselines (a
+    quarter of the values) on the kaggle_onehot shape at batch 2048."""
     vocab = _kaggle_vocab_sizes()
     dim = 16
     md_budget = sum(vocab) * dim // 4  # params of every table, full ones included (compression/plan.py)
@@ -144,6 +147,11 @@ def _compression_runs() -> list[Run]:
         ("qr", {"collisions": 4, "op": "mult", "threshold": _COMPRESSION_THRESHOLD}),
         ("md", {"budget": md_budget, "alpha": 0.3, "threshold": _COMPRESSION_THRESHOLD}),
         ("tt", {"rank": 16, "threshold": _COMPRESSION_THRESHOLD}),
+        # FIITED between adjustments, before any pruning (the pool at V K chunks: the most it ever holds), and its
+        # baselines at a quarter of the values.
+        ("fiited", {"keep": 0.25, "threshold": _COMPRESSION_THRESHOLD}),
+        ("row_prune", {"keep": 0.25, "threshold": _COMPRESSION_THRESHOLD}),
+        ("uniform_dim", {"keep": 0.25, "threshold": _COMPRESSION_THRESHOLD}),
     )
     return [
         Run(key=f"compression_step_ratio_{method}", name=f"compression_step_ratio_{method}",

@@ -8,6 +8,10 @@ A method compiles it into
   3. `combine_module()`: a Flax module mapping the gathered rows of each physical table to the feature's
      embedding f32[..., dim] (the "dense glue": MD projections, TT cores, ...).
 
+Route outputs are one per physical table unless `read_tables()` says otherwise: FIITED reads its one chunk pool
+once per chunk position. A method whose routing changes during training (FIITED's indirection) keeps it in
+`init_aux()` arrays: the trainer carries them in its state and `route` receives them as keyword arguments.
+
 If `pools_before_combine` is True, combine is linear per row, so the engine may pool each physical table's
 rows over the bag first (a gather-reduce) and combine once per example; otherwise it gathers un-pooled rows,
 combines per id and pools afterwards.
@@ -70,6 +74,8 @@ class EmbeddingMethod(abc.ABC):
     pools_before_combine: ClassVar[bool] = True
     # Ids outside [0, vocab_size) are meaningful (e.g. hashing); otherwise the host rejects them.
     accepts_any_id: ClassVar[bool] = False
+    # `update_aux` needs d loss / d the feature's embedding (FIITED's gradient utility).
+    wants_embedding_grads: bool = False
 
     def __init__(self, spec: TableSpec):
         self.spec = spec
@@ -79,15 +85,37 @@ class EmbeddingMethod(abc.ABC):
         """Static shapes of the row arrays this method owns."""
 
     @abc.abstractmethod
-    def route(self, ids: jax.Array) -> tuple[jax.Array, ...]:
-        """Logical ids i32[...] -> one local row-id array i32[...] per physical table.
+    def route(self, ids: jax.Array, **aux: jax.Array) -> tuple[jax.Array, ...]:
+        """Logical ids i32[...] -> one local row-id array i32[...] per read (`read_tables`: by default one per
+        physical table). `aux` are the method's `init_aux` arrays as they stand (none for a static method).
 
         A negative local row means the id has no row in that table: it reads zeros and is never updated.
         """
 
+    def read_tables(self) -> tuple[int, ...]:
+        """For each array `route` returns, the index of the physical table it reads (default: one read each)."""
+        return tuple(range(len(self.physical_tables())))
+
+    def init_aux(self) -> dict[str, jax.Array]:
+        """Arrays the method keeps beside its physical tables and changes during training without gradients (FIITED's
+        indirection and chunk utility); {} for the static methods."""
+        return {}
+
     @abc.abstractmethod
     def combine_module(self, name: str) -> nn.Module:
         """Flax module: tuple of f32[..., d_t] (one per physical table) -> f32[..., spec.dim]."""
+
+    def update_aux(self, aux: dict[str, jax.Array], ids: jax.Array, weights: jax.Array, g_emb: jax.Array,
+                   step: jax.Array) -> dict[str, jax.Array]:
+        """The `init_aux` arrays after a train step (in the jitted step): ids i32[B, L] and their pooling weights
+        f32[B, L] (0 = padding), g_emb f32[B, D] = d loss / d this feature's embedding when
+        `wants_embedding_grads`, else None; `step` is the step just taken."""
+        del ids, weights, g_emb, step
+        return aux
+
+    def aux_bytes(self) -> tuple[int, int]:
+        """Bytes of the `init_aux` arrays: (those the model needs to serve, those only training needs)."""
+        return 0, 0
 
     def glue_params(self) -> int:
         """Number of dense glue parameters (0 for methods without any)."""

@@ -142,23 +142,25 @@ def grow(p: ChunkPool, rows: jax.Array, want: jax.Array, values: jax.Array | Non
 def compact(p: ChunkPool, capacity: int) -> ChunkPool:
     """A pool of `capacity` slots (>= the live chunks) with the live chunks at slots 0..live-1 in (row, chunk)
     order, their values and state moved along, the indirection remapped and the rest of the slots free. Runs on
-    the host's view of the live count (not under jit: the capacity is a shape)."""
+    the host, in numpy (the capacity is a shape, and compaction is rare): the result holds numpy arrays."""
     index = np.asarray(p.index)
     live = index >= 0
     total = int(live.sum())
     if capacity < total:
         raise ValueError(f"chunk pool: cannot compact {total} live chunks into capacity {capacity}")
-    old_slots = jnp.asarray(index[live])
+    old_slots = index[live]
     new_index = np.full(index.shape, -1, np.int32)
     new_index[live] = np.arange(total, dtype=np.int32)
 
-    def moved(a: jax.Array) -> jax.Array:
-        return jnp.zeros((capacity, *a.shape[1:]), a.dtype).at[:total].set(a[old_slots])
+    def moved(a) -> np.ndarray:
+        a = np.asarray(a)
+        out = np.zeros((capacity, *a.shape[1:]), a.dtype)
+        out[:total] = a[old_slots]
+        return out
 
     free = np.full(capacity, -1, np.int32)
     free[: capacity - total] = np.arange(capacity - 1, total - 1, -1)
-    return ChunkPool(pool=moved(p.pool), index=jnp.asarray(new_index), free=jnp.asarray(free),
-                     num_free=jnp.asarray(capacity - total, jnp.int32),
+    return ChunkPool(pool=moved(p.pool), index=new_index, free=free, num_free=np.asarray(capacity - total, np.int32),
                      state={k: moved(s) for k, s in p.state.items()})
 
 

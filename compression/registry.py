@@ -2,6 +2,7 @@
 
 from compression.base import EmbeddingMethod, TableSpec
 from compression.compositional import ChineseRemainder, MixedRadix, PathQuotientRemainder, QuotientRemainder
+from compression.fiited import FiitedEmbedding, RowPruneEmbedding, UniformDimEmbedding
 from compression.full import FullEmbedding
 from compression.hashing import HashingEmbedding
 from compression.mixed_dim import MixedDimBlocks, MixedDimEmbedding
@@ -17,6 +18,9 @@ METHODS: dict[str, type[EmbeddingMethod]] = {
     "md": MixedDimEmbedding,  # mixed dims per table (Ginart et al. 2019), dims from compression.plan
     "md_blocks": MixedDimBlocks,  # mixed dims per frequency block within a table
     "tt": TTEmbedding,  # TT-Rec tensor-train cores (Yin et al. 2021)
+    "fiited": FiitedEmbedding,  # per-row dynamic dims in a chunk pool, adjusted in training (Luo et al. 2024)
+    "row_prune": RowPruneEmbedding,  # in-training magnitude pruning of whole rows (FIITED's baseline)
+    "uniform_dim": UniformDimEmbedding,  # every row budget x D wide, zero tail (FIITED's baseline)
 }
 
 

@@ -1,6 +1,6 @@
 r"""Sweep embedding compression: methods x target compression ratios x seeds -> results.csv and pareto.png.
 
-    python -m experiments.sweep_compression                       # synthetic, full/hashing/qr/md/tt, 75 runs
+    python -m experiments.sweep_compression                       # synthetic, every method, 3 seeds
     python -m experiments.sweep_compression --dataset=movielens --data_dir=/path/to/ml-100k \
         --methods=full,hashing,qr,md --ratios=1,4,16 --seeds=0 --workdir=runs/sweep_ml100k
     python -m experiments.sweep_compression --dataset=criteo_kaggle --data_dir=/path/to/kaggle \
@@ -19,7 +19,11 @@ harder to make up for them:
            with op "concat" each table has half the columns),
   tt       the TT-rank per table (3 cores, default factors; compression/tt.py) with core params ~ n d / r',
 where one per-table ratio r' for all compressed tables is found by bisection on the total bytes;
-  md       the plan's budget mode (compression/plan.py) with budget = full params / ratio.
+  md       the plan's budget mode (compression/plan.py) with budget = full params / ratio;
+  fiited, row_prune, uniform_dim   `keep` = the share of each compressed table's values kept, so that the kept
+           values plus the full tables come to full params / ratio: the budget FIITED (Luo et al. 2024) states,
+           on the values; FIITED's indirection i32[V, K] and free stack come on top, and the achieved ratio counts
+           them (at ratio 10 with K = 4, D = 16 the run holds 10 % of the values + 25 % for the indirection).
 "full" is the baseline and runs once per seed, at ratio 1. A ratio a method cannot reach (QR needs at least
 2 sqrt(n) rows, MD at least dim 1 per table, tables kept full cost what they cost) is run at the method's
 maximum compression (TT: rank 1). Every CSV and the plot report the *achieved* ratio: the run summary's
@@ -59,12 +63,15 @@ from recjax.embedding import EmbeddingCollection
 from recjax.specs import DatasetSpec
 
 DATASETS = ("synthetic", "movielens", "criteo_kaggle")
-METHODS = ("full", "hashing", "qr", "md", "tt")
+METHODS = ("full", "hashing", "qr", "md", "tt", "fiited", "row_prune", "uniform_dim")
+# Methods whose knob is `keep`, the share of the embedding values kept (compression/fiited.py).
+KEEP_METHODS = ("fiited", "row_prune", "uniform_dim")
 RESULT_FIELDS = ("method", "target_ratio", "ratio", "params", "embedding_params", "embedding_bytes", "auc",
                  "logloss", "ne", "examples_per_sec", "seed", "run")
 SUMMARY_METRICS = ("auc", "logloss", "ne")
 # The same colour for a method in every plot.
-METHOD_COLORS = {"hashing": "tab:blue", "qr": "tab:orange", "md": "tab:green", "tt": "tab:red"}
+METHOD_COLORS = {"hashing": "tab:blue", "qr": "tab:orange", "md": "tab:green", "tt": "tab:red",
+                 "fiited": "tab:purple", "row_prune": "tab:brown", "uniform_dim": "tab:gray"}
 DEFAULT_THRESHOLD = 200  # the facebookresearch/dlrm reference's --qr-threshold / --md-threshold default
 
 
@@ -239,6 +246,15 @@ def embedding_section(method: str, spec: DatasetSpec, dim: int, target_ratio: fl
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if planned_params(mid) <= budget else (lo, mid)
         section.options.budget = min((under, hi), key=lambda b: abs(math.log(planned_params(b) / budget)))
+        return section
+    if method in KEEP_METHODS:
+        # The budget is on the embedding *values*, as FIITED states it ("prune 90 % of the embeddings"): every
+        # compressed table keeps the same share of its values, so that they plus the full tables come to the
+        # target. FIITED's indirection (K / D of a full table) and free stack are not in that budget; the run's
+        # achieved ratio counts them.
+        values = sum(n for _, n in compressed) * dim
+        if values:
+            section.options.keep = min(1.0, max(budget - fixed, 1.0) / values)
         return section
     if method not in ("hashing", "qr", "tt"):
         raise ValueError(f"unknown sweep method '{method}'; choose from {METHODS}")

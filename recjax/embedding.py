@@ -50,13 +50,15 @@ _INIT_CHUNK_ROWS = 1 << 16  # tables are initialised in chunks so peak memory st
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where one physical table lives: its group (stacked array) and row offset inside it."""
+    """One read of a physical table (one array `route` returns) and where that table lives: its group (stacked
+    array) and row offset inside it."""
 
     feature: str
-    index: int  # position in the method's physical_tables()
+    index: int  # position among the method's route outputs (the same as table_index unless a table is read twice)
     table: PhysicalTable
     group: str
     offset: int
+    table_index: int = -1  # position in the method's physical_tables()
 
 
 def resolve_dedup(mode: str, kernel: str, optimizer: SparseOptimizer, multi_hot: bool = True) -> bool:
@@ -104,19 +106,21 @@ class EmbeddingCollection:
         dims = {t.dim for t in self.table_specs.values()}
         self.dim = dims.pop() if len(dims) == 1 else None  # None: features have different output dims
 
-        # Stack physical tables by dim, in feature order, each at a static offset.
+        # Stack physical tables by dim, in feature order, each at a static offset; one placement per read.
         self.placements: dict[str, tuple[Placement, ...]] = {}
         self.group_rows: dict[str, int] = {}
         self.group_dims: dict[str, int] = {}
         for feature in spec.feature_names:
-            placed = []
-            for i, table in enumerate(self.methods[feature].physical_tables()):
+            offsets = []
+            for table in self.methods[feature].physical_tables():
                 group = group_name(table.dim)
-                offset = self.group_rows.get(group, 0)
-                placed.append(Placement(feature, i, table, group, offset))
-                self.group_rows[group] = offset + table.rows
+                offsets.append(self.group_rows.get(group, 0))
+                self.group_rows[group] = offsets[-1] + table.rows
                 self.group_dims[group] = table.dim
-            self.placements[feature] = tuple(placed)
+            tables = self.methods[feature].physical_tables()
+            self.placements[feature] = tuple(
+                Placement(feature, i, tables[t], group_name(tables[t].dim), offsets[t], t)
+                for i, t in enumerate(self.methods[feature].read_tables()))
         for group, rows in self.group_rows.items():
             if rows >= np.iinfo(np.int32).max:
                 raise ValueError(f"stacked group {group} has {rows} rows, more than int32 row ids can address")
@@ -126,25 +130,40 @@ class EmbeddingCollection:
     def any_id_features(self) -> frozenset[str]:
         return frozenset(f for f, m in self.methods.items() if m.accepts_any_id)
 
+    @property
+    def aux_features(self) -> tuple[str, ...]:
+        """Features whose method keeps `init_aux` arrays (routing that changes during training)."""
+        return tuple(f for f, m in self.methods.items() if m.init_aux.__func__ is not EmbeddingMethod.init_aux)
+
     def physical_tables(self) -> list[Placement]:
-        return [p for placed in self.placements.values() for p in placed]
+        """Each physical table once (its first read), in stacking order."""
+        first = {}
+        for placed in self.placements.values():
+            for p in placed:
+                first.setdefault((p.feature, p.table_index), p)
+        return list(first.values())
+
+    def init_aux(self) -> dict[str, dict[str, jax.Array]]:
+        """{feature: the method's `init_aux` arrays} for the features that have any."""
+        return {f: self.methods[f].init_aux() for f in self.aux_features}
 
     def accounting(self, optimizer: SparseOptimizer | None = None) -> dict:
         """Params and bytes per logical table and in total (f32 rows, glue params, optimizer state)."""
         per_table = {}
-        for feature, placed in self.placements.items():
-            method = self.methods[feature]
+        for feature, method in self.methods.items():
+            placed = [p for p in self.physical_tables() if p.feature == feature]
             rows_params = sum(p.table.params for p in placed)
             opt_bytes = sum(optimizer.state_bytes(p.table.rows, p.table.dim) for p in placed) if optimizer else 0
             spec = self.table_specs[feature]
+            aux_model, aux_training = method.aux_bytes()
             per_table[feature] = {
                 "method": spec.method,
                 "vocab_size": spec.vocab_size,
                 "dim": spec.dim,
                 "physical_tables": {p.table.name: [p.table.rows, p.table.dim] for p in placed},
                 "params": rows_params + method.glue_params(),
-                "bytes": 4 * (rows_params + method.glue_params()),
-                "optimizer_bytes": opt_bytes,
+                "bytes": 4 * (rows_params + method.glue_params()) + aux_model,
+                "optimizer_bytes": opt_bytes + aux_training,
                 "full_bytes": 4 * spec.vocab_size * spec.dim,
             }
         total = {k: sum(t[k] for t in per_table.values())
@@ -171,7 +190,7 @@ class EmbeddingCollection:
 
     # -------------------------------------------------------------------------------------------- route
     def route(self, ids: Mapping[str, jax.Array], lengths: Mapping[str, jax.Array], *,
-              dedup: bool | None = None) -> dict:
+              aux: Mapping[str, Mapping[str, jax.Array]] | None = None, dedup: bool | None = None) -> dict:
         """Logical ids -> distinct stacked rows per group, and per feature where each bag slot reads.
 
         Returns {"unique": {group: i32[N_g]}, "features": {feature: {"slots": (i32[B, L], ...) one per
@@ -179,8 +198,12 @@ class EmbeddingCollection:
         {feature: i32[]}}. N_g is the number of bag slots feeding the group; padded slots read the sentinel row
         (zeros) with weight 0; so do out-of-range ids unless bounds_check is "off" (see BOUNDS_CHECKS).
         With `dedup` False (default: the collection's `dedup`) there is no "unique" and the slots are the stacked
-        row ids themselves, indexing the group's table.
+        row ids themselves, indexing the group's table. `aux` ({feature: arrays}, see `init_aux`) is required when
+        some method keeps routing arrays.
         """
+        aux = aux or {}
+        missing = set(self.aux_features) - set(aux)
+        assert not missing, f"route needs the aux arrays of {sorted(missing)} (TrainState.aux)"
         dedup = self.dedup if dedup is None else dedup
         stacked_by_group: dict[str, list] = {g: [] for g in self.group_rows}
         weights, invalid = {}, {}
@@ -195,7 +218,7 @@ class EmbeddingCollection:
                 valid = valid & ~bad
             scale = 1.0 / jnp.maximum(n, 1)[:, None] if self.pooling == "mean" else 1.0
             weights[name] = (valid * scale).astype(jnp.float32)
-            local = self.methods[name].route(jnp.where(valid, x, 0))
+            local = self.methods[name].route(jnp.where(valid, x, 0), **aux.get(name, {}))
             for r, p in zip(local, self.placements[name], strict=True):
                 # A negative local row means "this id has no row in this physical table" (e.g. mixed-dim blocks).
                 stacked = jnp.where(valid & (r >= 0), r + p.offset, self.group_rows[p.group]).astype(jnp.int32)
@@ -225,6 +248,19 @@ class EmbeddingCollection:
         if not dedup:
             return {"features": features, "invalid_ids": invalid}
         return {"unique": unique, "features": features, "invalid_ids": invalid}
+
+    @property
+    def wants_embedding_grads(self) -> bool:
+        """Some method's `update_aux` reads d loss / d its feature's embedding (the train step then computes it)."""
+        return any(self.methods[f].wants_embedding_grads for f in self.aux_features)
+
+    def update_aux(self, aux: Mapping, ids: Mapping[str, jax.Array], routes: Mapping, g_emb: jax.Array | None,
+                   step: jax.Array) -> dict:
+        """Each aux feature's arrays after a train step; g_emb f32[B, F, D] = d loss / d the glue's output."""
+        names = self.spec.feature_names
+        return {f: self.methods[f].update_aux(
+            aux[f], ids[f], routes["features"][f]["weights"],
+            None if g_emb is None else g_emb[:, names.index(f)], step) for f in self.aux_features}
 
     # ------------------------------------------------------------------------------------------- gather
     def gather(self, tables: Mapping[str, jax.Array], routes: Mapping) -> dict:

@@ -44,6 +44,7 @@ from recjax.checkpoint import Checkpointer, ResumePoint, mark_dirty_rows
 from recjax.config_check import config_errors, eval_interval, validate_config
 from recjax.data import make_dataset
 from recjax.data.pipeline import DevicePrefetcher
+from recjax.dynamic import DynamicTables
 from recjax.embedding import EmbeddingCollection, EmbeddingGlue, resolve_dedup
 from recjax.errors import ConfigError
 from recjax.models import embedding_dim, make_model
@@ -63,6 +64,8 @@ class TrainState:
     dropout_rng: jax.Array  # folded with the step for each step's dropout masks
     # Incremental checkpoints: bool[rows] per stacked group, set at the rows each step touches ({} = not tracked).
     dirty_rows: dict[str, jax.Array] = flax.struct.field(default_factory=dict)
+    # Routing arrays of dynamic methods, {feature: {name: array}} (FIITED's indirection and utility; {} if none).
+    aux: dict[str, dict[str, jax.Array]] = flax.struct.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,9 +222,10 @@ def init_state(task: Task, rng: jax.Array, batch: Batch) -> TrainState:
     """Tables (DLRM init), dense params (from one example batch's shapes) and both optimizer states."""
     table_rng, glue_rng, model_rng, dropout_rng = jax.random.split(rng, 4)
     tables = task.collection.init_tables(table_rng)
+    aux = task.collection.init_aux()
 
     def init_dense(tables, batch):
-        routes = task.collection.route(batch.ids, batch.lengths)
+        routes = task.collection.route(batch.ids, batch.lengths, aux=aux)
         rows = task.collection.gather(tables, routes)
         glue_vars = task.glue.init(glue_rng, rows, routes["features"])
         emb = task.glue.apply(glue_vars, rows, routes["features"])
@@ -237,15 +241,18 @@ def init_state(task: Task, rng: jax.Array, batch: Batch) -> TrainState:
         tables=tables,
         sparse_opt_state=task.collection.init_optimizer(task.sparse_optimizer),
         dropout_rng=dropout_rng,
+        aux=aux,
     )
 
 
 # --------------------------------------------------------------------------------------------- steps
-def _forward(task: Task, dense_params, rows, routes, dense: jax.Array, dropout_rng: jax.Array | None = None
-             ) -> jax.Array:
+def _forward(task: Task, dense_params, rows, routes, dense: jax.Array, dropout_rng: jax.Array | None = None,
+             emb_probe: jax.Array | None = None) -> jax.Array:
     """Logits f32[B] from what `collection.gather` returned and the dense features; dropout only with a
-    `dropout_rng`."""
+    `dropout_rng`. `emb_probe` (zeros f32[B, F, D]) is added to the embeddings so its gradient is theirs."""
     emb = task.glue.apply({"params": dense_params["glue"]}, rows, routes["features"])
+    if emb_probe is not None:
+        emb = emb + emb_probe
     if dropout_rng is None:
         return task.model.apply({"params": dense_params["model"]}, dense, emb)
     return task.model.apply({"params": dense_params["model"]}, dense, emb, train=True, rngs={"dropout": dropout_rng})
@@ -254,16 +261,23 @@ def _forward(task: Task, dense_params, rows, routes, dense: jax.Array, dropout_r
 def make_train_step(task: Task):
     """jit((state, batch) -> (state, {"loss"})) with the state donated."""
 
+    collection = task.collection
+    probe = collection.wants_embedding_grads  # FIITED's chunk utility reads d loss / d embeddings
+
     def train_step(state: TrainState, batch: Batch):
-        routes = task.collection.route(batch.ids, batch.lengths)
-        rows = task.collection.gather(state.tables, routes)
+        routes = collection.route(batch.ids, batch.lengths, aux=state.aux)
+        rows = collection.gather(state.tables, routes)
         dropout_rng = jax.random.fold_in(state.dropout_rng, state.step)
 
-        def loss_fn(dense_params, rows):
-            logits = _forward(task, dense_params, rows, routes, batch.dense, dropout_rng)
+        def loss_fn(dense_params, rows, emb_probe):
+            logits = _forward(task, dense_params, rows, routes, batch.dense, dropout_rng, emb_probe)
             return optax.sigmoid_binary_cross_entropy(logits, batch.labels).mean()
 
-        loss, (g_dense, g_rows) = jax.value_and_grad(loss_fn, argnums=(0, 1))(state.dense_params, rows)
+        emb_probe = None
+        if probe:
+            emb_probe = jnp.zeros((batch.size, len(task.spec.features), collection.dim), jnp.float32)
+        loss, (g_dense, g_rows, g_emb) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(
+            state.dense_params, rows, emb_probe)
         updates, dense_opt_state = task.dense_tx.update(g_dense, state.dense_opt_state, state.dense_params)
         dense_params = optax.apply_updates(state.dense_params, updates)
         step = state.step + 1
@@ -272,8 +286,8 @@ def make_train_step(task: Task):
             task.sparse_lr(state.step), step)
         new_state = TrainState(step=step, dense_params=dense_params, dense_opt_state=dense_opt_state,
                                tables=tables, sparse_opt_state=sparse_opt_state, dropout_rng=state.dropout_rng,
-                               dirty_rows=mark_dirty_rows(state.dirty_rows,
-                                                          task.collection.touched_rows(routes)))
+                               dirty_rows=mark_dirty_rows(state.dirty_rows, collection.touched_rows(routes)),
+                               aux=collection.update_aux(state.aux, batch.ids, routes, g_emb, step))
         invalid = sum(routes["invalid_ids"].values(), jnp.zeros((), jnp.int32))
         return new_state, {"loss": loss, "invalid_ids": invalid}
 
@@ -285,7 +299,7 @@ def make_predict_step(task: Task):
 
     def predict_step(state: TrainState, batch: Batch):
         # Forward only: no update needs distinct rows, so the bags are pooled straight from the tables.
-        routes = task.collection.route(batch.ids, batch.lengths, dedup=False)
+        routes = task.collection.route(batch.ids, batch.lengths, aux=state.aux, dedup=False)
         rows = task.collection.gather(state.tables, routes)
         return jax.nn.sigmoid(_forward(task, state.dense_params, rows, routes, batch.dense))
 
@@ -333,6 +347,7 @@ class Selection:
 
     select_on: str
     patience: int
+    selectable_from: int = 0  # earlier evaluations are logged only (dynamic tables have not reached their budget)
     best_step: int = 0
     best_validation: dict = dataclasses.field(default_factory=dict)
     test: dict = dataclasses.field(default_factory=dict)
@@ -356,6 +371,8 @@ class Selection:
                                  "on validation logloss instead; provide a larger validation split")
             print(f"WARNING: {self.warnings[-1]}", flush=True)
         self.last_validation = validation
+        if step < self.selectable_from:
+            return False
         if self.improves(validation):
             self.best_step, self.best_validation, self.evals_without_improvement = step, validation, 0
             return True
@@ -397,13 +414,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
               f"{sharded.mesh.size} devices); this run cannot resume", flush=True)
         checkpointer.close()
         checkpointer = resume = None
+    dynamic = DynamicTables.create(task.collection, budget.steps, int(config.seed))
+    if dynamic is not None:
+        if sharded is not None:
+            raise ConfigError("embedding.method", f"tables {list(dynamic.features)} change shape during training "
+                                                  "(fiited / row_prune), which runs on one device only; set "
+                                                  "mesh.shape to one device or use another method")
+        if checkpointer is not None:
+            print(f"WARNING: checkpoints are not written for runs with dynamic tables ({', '.join(dynamic.features)}"
+                  ": their pools are re-allocated during training); this run cannot resume", flush=True)
+            checkpointer.close()
+            checkpointer = resume = None
     put = jax.device_put if sharded is None else sharded.put_batch
     # Step i's batch is a pure function of (seed, i), so a resumed run restarts the stream at its step.
     start = resume.step if resume else 0
     try:
         with DevicePrefetcher(dataset.train_batches(int(config.train.batch_size), start), validate,
                               put=put) as batches:
-            return _train_loop(config, workdir, dataset, task, budget, batches, sharded, checkpointer, resume)
+            return _train_loop(config, workdir, dataset, task, budget, batches, sharded, checkpointer, resume,
+                               dynamic)
     finally:
         if checkpointer:
             checkpointer.close()  # waits for a save in flight
@@ -411,7 +440,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
 
 def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, dataset, task: Task, budget: Budget,
                 batches: DevicePrefetcher, sharded: sharding.ShardedEmbedding | None = None,
-                checkpointer: Checkpointer | None = None, resume: ResumePoint | None = None) -> dict:
+                checkpointer: Checkpointer | None = None, resume: ResumePoint | None = None,
+                dynamic: DynamicTables | None = None) -> dict:
     train_cfg = config.train
     batch_size = budget.batch_size
 
@@ -439,8 +469,11 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
     # compile time and XLA's cost analysis come from exactly what runs.
     t0 = time.perf_counter()
     eval_example = put(eval_host)
-    predict_step = make_predict(task).lower(state, eval_example).compile()
-    train_step = make_train(task).lower(state, first).compile()
+
+    def compile_steps(task, state):
+        return make_predict(task).lower(state, eval_example).compile(), make_train(task).lower(state, first).compile()
+
+    predict_step, train_step = compile_steps(task, state)
     compile_time = time.perf_counter() - t0
     # XLA's cost analysis of a mesh step is per device, which sees batch_size / devices examples.
     examples = batch_size if sharded is None else batch_size // sharded.mesh.size
@@ -481,6 +514,11 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
 
     selection = Selection(**loop.get("selection", {"select_on": train_cfg.select_on,
                                                    "patience": int(train_cfg.early_stopping_patience)}))
+    if dynamic is not None:
+        selection.selectable_from = dynamic.ramp_end(task.collection)
+        dynamic.record(task.collection, task.sparse_optimizer, state, 0)
+        print(f"dynamic tables {', '.join(dynamic.features)}: budgets reached at step {selection.selectable_from:,}; "
+              "validation selects from there", flush=True)
     test_warned = loop.get("test_warned", False)
     train_time, run_start = loop.get("train_time", 0.0), time.perf_counter() - loop.get("wall_time", 0.0)
     loss = loop.get("loss", float("nan"))
@@ -499,6 +537,15 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
     for step in range(start + 1, last + 1):
         state, step_metrics = train_step(state, batch)
         window_examples += batch_size
+        if dynamic is not None and dynamic.due(task.collection, step):
+            compiling = dynamic.timings["adjust_compile_s"] + dynamic.timings["recompile_s"]
+            task, state, recompile = dynamic.adjust(task, state, step)
+            if recompile:  # a pool was compacted: new shapes
+                t0 = time.perf_counter()
+                predict_step, train_step = compile_steps(task, state)
+                dynamic.timings["recompile_s"] += time.perf_counter() - t0
+            # Compiling is not training time (as the first compile is not).
+            window_start += dynamic.timings["adjust_compile_s"] + dynamic.timings["recompile_s"] - compiling
         evaluate_now = budget.is_eval_step(step)
         if step % train_cfg.log_every == 0 or evaluate_now:
             loss = float(step_metrics["loss"])  # blocks: the window's time is real work
@@ -544,6 +591,8 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
 
     # --- summary --------------------------------------------------------------------------------
     test = selection.test
+    if dynamic is not None:  # the tables as they end (pools compacted to their budget)
+        accounting = task.collection.accounting(task.sparse_optimizer)
     summary = {
         # Headline metrics: the test split at the step with the best validation metric.
         **{k: test[k] for k in METRICS},
@@ -575,6 +624,7 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
         "epochs": step * batch_size / budget.examples_per_epoch if budget.examples_per_epoch else None,
         "final_train_loss": loss,
         "tables": accounting["tables"],
+        **({} if dynamic is None else {"dynamic_tables": dynamic.summary()}),
         **({} if sharded is None else {"mesh_shape": dict(sharded.plan.mesh_shape), "processes": jax.process_count(),
                                         "exchange_dtype": str(sharded.exchange_dtype)}),
     }

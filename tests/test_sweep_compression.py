@@ -122,7 +122,7 @@ def test_sweep_runs_full_once_per_seed_and_validates():
     assert runs == [("full", 1.0, 0), ("hashing", 1.0, 0), ("hashing", 4.0, 0),
                     ("full", 1.0, 1), ("hashing", 1.0, 1), ("hashing", 4.0, 1)]
     with pytest.raises(ValueError, match="unknown sweep method"):
-        sc.sweep_runs(["fiited"], [4], [0])
+        sc.sweep_runs(["fiitde"], [4], [0])
     with pytest.raises(ValueError, match=">= 1"):
         sc.sweep_runs(["qr"], [0.5], [0])
     with pytest.raises(ValueError, match="needs --data_dir"):
@@ -223,3 +223,13 @@ def test_identical_configs_train_once(tmp_path, monkeypatch):
     assert not (tmp_path / "md_x1000_seed0").exists()
     sc.run_sweep(tiny_base(), tmp_path, ["md"], [100, 1000], [0], log=lambda _: None)  # resumes: nothing new
     assert trained == ["md_x100_seed0"]
+
+
+@pytest.mark.parametrize("method", ["fiited", "row_prune", "uniform_dim"])
+def test_keep_methods_keep_the_share_of_values_that_meets_the_budget(method):
+    spec = spec_of((50_000, 20_000, 3_000, 150, 40))
+    section = sc.embedding_section(method, spec, DIM, 10.0)
+    values = (50_000 + 20_000 + 3_000) * DIM
+    fixed = (150 + 40) * DIM  # under the threshold: full
+    assert section.options.keep == pytest.approx((values + fixed) / 10 / values - fixed / values)
+    assert sc.embedding_section(method, spec, DIM, 1.0).options.keep == 1.0

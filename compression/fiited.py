@@ -1,0 +1,239 @@
+"""FIITED: per-row dynamic embedding dimensions during training, stored in a chunk pool that really frees memory
+(Luo et al. 2024, "Fine-grained Embedding Dimension Optimization During Training for Recommender Systems").
+
+Each logical row of a V x D table is K chunks of C = D / K columns (`chunks`). The chunks live in one physical
+table, the pool f32[capacity, C]; the indirection aux["index"] i32[V, K] maps (row, chunk) to a pool slot or -1
+(pruned: the chunk reads zeros and gets no update) -- see compression/chunk_pool.py, whose pure prune / grow /
+compact functions this method uses. Rows keep a prefix of their chunks, so the model always sees one D-wide vector
+with a zero tail. `route` reads the pool once per chunk position (`read_tables` = (0,) * K) and the combine
+concatenates the K pooled chunks, which is linear, so bags pool before combining.
+
+Chunk utility (`utility="gradient"`, FIITED's): every train step, for each row the batch touches and each of its
+chunks, u <- gamma^(t - t_last) u + ||g||, where g is the gradient this step gives that chunk's D / K columns -- the
+sum over the row's occurrences of (pooling weight) x (d loss / d the feature's embedding). A pruned chunk still has
+that gradient (the model sees its zeros), so its utility keeps growing while it is useful and it can come back.
+The decay is applied lazily (t_last per row), so a step costs O(rows touched) (`update_aux`).
+
+Adjustment (every `interval` steps, `adjust`): the memory budget goes linearly from all chunks to a share `keep` of
+them over the first `ramp` of the run's steps; a row's chunk k scores min(u[0..k]) (so the kept chunks are prefixes);
+the best `budget(t) V K` chunks are kept (ties: lower row, then lower chunk first), trailing chunks below the cut are
+pruned (their slots go back to the free stack, zeroed with their optimizer state) and chunks above it are grown
+from the free stack (values `grow_init`: zeros, so the model's function does not jump). The selection is one sort
+of the V K scores, on device, inside the same jitted function as the prune and grow. When the pool holds more than
+(1 + `compact_slack`) times the budget's chunks, the trainer compacts it to exactly the budget
+(`chunk_pool.compact`: a new, smaller array and a re-compile of the steps; recjax/dynamic.py), and at the end of the
+ramp to exactly the final budget, so the allocated bytes follow the budget down in a few geometric steps (slack 1:
+at most twice the budget; 4 compactions for a ramp to 10 %, each a re-compile of the steps).
+
+Baselines FIITED compares with:
+  `row_prune`    utility="magnitude", chunks=1: in-training magnitude pruning of whole rows (a row's score is its
+                 L2 norm at the adjustment; a pruned row reads zeros and does not come back);
+  `uniform_dim`  every row D' = round(keep D) wide with a zero tail (a plain V x D' table, no indirection).
+
+Bytes: the pool rows (and their optimizer state) are the physical table; the indirection i32[V, K] and the free
+stack i32[capacity] count as model bytes (`aux_bytes`), the utility f32[V, K] and t_last i32[V] as training-only
+bytes. The indirection alone is 4 K / (4 D) = K / D of the full table (1/4 for D = 16, K = 4), so budgets below
+that cannot shrink the model's bytes much further: the run reports what is really allocated.
+"""
+
+import math
+from typing import ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from compression import chunk_pool
+from compression.base import EmbeddingMethod, PhysicalTable, TableSpec, dlrm_init_scale, method_options
+from pallas_kernels import unique_rows
+
+UTILITIES = ("gradient", "magnitude")
+GROW_INITS = ("zeros", "uniform")
+
+
+class ConcatChunks(nn.Module):
+    """Combine: the K pooled chunks f32[..., C] side by side -> f32[..., K C]."""
+
+    @nn.compact
+    def __call__(self, rows: tuple[jax.Array, ...]) -> jax.Array:
+        return jnp.concatenate(rows, axis=-1)
+
+
+class FiitedEmbedding(EmbeddingMethod):
+    """A chunk pool f32[capacity, D / K] read through the indirection aux["index"] i32[V, K]."""
+
+    DEFAULTS: ClassVar[dict] = {
+        "chunks": 4,  # K: chunks per row (D must be divisible by K)
+        "keep": 0.25,  # the memory budget: the share of the V K chunks kept at the end of the ramp
+        "capacity": None,  # pool slots; None: V K (every chunk live at the start)
+        "utility": "gradient",
+        "decay": 0.99,  # gamma, per step
+        "interval": 0,  # steps between adjustments; 0: ten adjustments over the ramp (`adjust_every`)
+        "ramp": 0.3,  # share of the run's steps over which the budget falls from 1 to `keep`
+        "compact_slack": 1.0,  # compact when capacity > (1 + slack) x the budget's chunks (and at the ramp's end)
+        "grow_init": "zeros",
+    }
+
+    def __init__(self, spec: TableSpec):
+        super().__init__(spec)
+        o = method_options(spec, self.DEFAULTS)
+        k = int(o["chunks"])
+        if k < 1 or spec.dim % k:
+            raise ValueError(f"table '{spec.name}': fiited chunks={k} must divide dim {spec.dim}")
+        if not 0 < float(o["keep"]) <= 1:
+            raise ValueError(f"table '{spec.name}': fiited keep must be in (0, 1], got {o['keep']}")
+        if o["utility"] not in UTILITIES:
+            raise ValueError(f"table '{spec.name}': fiited utility '{o['utility']}'; use one of {UTILITIES}")
+        if o["grow_init"] not in GROW_INITS:
+            raise ValueError(f"table '{spec.name}': fiited grow_init '{o['grow_init']}'; use one of {GROW_INITS}")
+        if not 0 < float(o["decay"]) <= 1 or int(o["interval"]) < 0 or not 0 <= float(o["ramp"]) <= 1 \
+                or float(o["compact_slack"]) < 0:
+            raise ValueError(f"table '{spec.name}': fiited needs 0 < decay <= 1, interval >= 0, 0 <= ramp <= 1 and "
+                             f"compact_slack >= 0; got {o}")
+        self.chunks, self.chunk_dim = k, spec.dim // k
+        self.budget, self.utility = float(o["keep"]), o["utility"]
+        self.decay, self.interval, self.ramp = float(o["decay"]), int(o["interval"]), float(o["ramp"])
+        self.compact_slack, self.grow_init = float(o["compact_slack"]), o["grow_init"]
+        self.wants_embedding_grads = self.utility == "gradient"
+        total = spec.vocab_size * k
+        self.capacity = int(o["capacity"]) if o["capacity"] is not None else total
+        if not 1 <= self.capacity <= total:
+            raise ValueError(f"table '{spec.name}': fiited capacity {self.capacity} must be in [1, V K = {total}]")
+
+    # ------------------------------------------------------------------------------------ the interface
+    def physical_tables(self) -> tuple[PhysicalTable, ...]:
+        # Every chunk starts as the full table's DLRM init would draw it.
+        return (PhysicalTable(f"{self.spec.name}/pool", self.capacity, self.chunk_dim,
+                              dlrm_init_scale(self.spec.vocab_size)),)
+
+    def read_tables(self) -> tuple[int, ...]:
+        return (0,) * self.chunks
+
+    def route(self, ids: jax.Array, index: jax.Array, **_) -> tuple[jax.Array, ...]:
+        slots = index[ids]  # [..., K], -1 = pruned
+        return tuple(slots[..., k] for k in range(self.chunks))
+
+    def combine_module(self, name: str) -> nn.Module:
+        return ConcatChunks(name=name)
+
+    def init_aux(self) -> dict[str, jax.Array]:
+        """The indirection with the pool's slots dealt chunk-major (chunk 0 of every row, then chunk 1, ...) while
+        they last -- all of them at the default capacity V K --, the free stack, zero utility."""
+        v, k = self.spec.vocab_size, self.chunks
+        order = np.arange(v * k).reshape(k, v).T  # (row, chunk) -> chunk-major position
+        index = np.where(order < self.capacity, order, -1).astype(np.int32)
+        return {"index": jnp.asarray(index), "free": jnp.full((self.capacity,), -1, jnp.int32),
+                "num_free": jnp.zeros((), jnp.int32), "utility": jnp.zeros((v, k), jnp.float32),
+                "last": jnp.zeros((v,), jnp.int32)}
+
+    def aux_bytes(self) -> tuple[int, int]:
+        """(model bytes: the indirection and the free stack, training-only bytes: utility and t_last)."""
+        v, k = self.spec.vocab_size, self.chunks
+        return 4 * (v * k + self.capacity + 1), 4 * (v * k + v)
+
+    # -------------------------------------------------------------------------------------- the budget
+    def budget_at(self, step: int, total_steps: int) -> float:
+        """The kept share of chunks after `step` of `total_steps`: 1 -> `keep` linearly over the ramp."""
+        ramp_steps = self.ramp * total_steps
+        if ramp_steps <= 0 or step >= ramp_steps:
+            return self.budget
+        return 1.0 - (1.0 - self.budget) * step / ramp_steps
+
+    def ramp_end(self, total_steps: int) -> int:
+        """The step at which the budget reaches `keep` (the last adjustment)."""
+        return min(total_steps, max(0, round(self.ramp * total_steps)))
+
+    def adjust_every(self, total_steps: int) -> int:
+        """Steps between adjustments: `interval`, or (0) a tenth of the ramp, so a run of any length adjusts ten
+        times on the way down instead of dropping to its budget at once."""
+        return self.interval or max(1, self.ramp_end(total_steps) // 10)
+
+    def adjusts_at(self, step: int, total_steps: int) -> bool:
+        end = self.ramp_end(total_steps)
+        return 0 < step <= end and (step % self.adjust_every(total_steps) == 0 or step == end)
+
+    def budget_chunks(self, share: float) -> int:
+        return max(1, math.ceil(share * self.spec.vocab_size * self.chunks - 1e-9))
+
+    # ---------------------------------------------------------------------------- per step and adjustment
+    def update_aux(self, aux: dict[str, jax.Array], ids: jax.Array, weights: jax.Array, g_emb: jax.Array,
+                   step: jax.Array) -> dict[str, jax.Array]:
+        """Accumulate chunk utility for the rows of a batch: ids i32[B, L], weights f32[B, L] (0 = padding or
+        skipped), g_emb f32[B, D] = d loss / d this feature's embedding; `step` is the step just taken."""
+        if self.utility != "gradient":
+            return aux
+        v = self.spec.vocab_size
+        rows, inverse = unique_rows(jnp.where(weights > 0, ids, v).reshape(-1), v)
+        per_id = (weights[..., None] * g_emb[:, None, :]).reshape(-1, self.spec.dim)
+        summed = jax.ops.segment_sum(per_id, inverse, num_segments=rows.shape[0])  # the step's row gradients
+        norms = jnp.linalg.norm(summed.reshape(-1, self.chunks, self.chunk_dim), axis=-1)
+        age = (step - aux["last"].at[rows].get(mode="fill", fill_value=0)).astype(jnp.float32)
+        old = aux["utility"].at[rows].get(mode="fill", fill_value=0.0)
+        new = old * (self.decay ** age)[:, None] + norms
+        return {**aux, "utility": aux["utility"].at[rows].set(new, mode="drop"),
+                "last": aux["last"].at[rows].set(step, mode="drop")}
+
+    def scores(self, pool: chunk_pool.ChunkPool, aux: dict[str, jax.Array], step: jax.Array) -> jax.Array:
+        """f32[V, K] chunk scores, non-increasing along each row (a row's chunk k scores min(u[0..k]))."""
+        if self.utility == "gradient":
+            age = (step - aux["last"]).astype(jnp.float32)
+            u = aux["utility"] * (self.decay ** age)[:, None]
+        else:  # magnitude: the chunk's L2 norm now (pruned chunks read zeros)
+            slots = jnp.where(pool.index >= 0, pool.index, pool.capacity)
+            u = jnp.linalg.norm(pool.pool.at[slots].get(mode="fill", fill_value=0.0), axis=-1)
+        return jax.lax.cummin(u, axis=1)
+
+    def adjust(self, pool: chunk_pool.ChunkPool, aux: dict[str, jax.Array], step: jax.Array, keep: jax.Array,
+               rng: jax.Array) -> tuple[chunk_pool.ChunkPool, dict[str, jax.Array]]:
+        """Keep the best `keep` chunks (i32[], <= the pool's capacity): prune the rest, grow the missing ones."""
+        v, k = self.spec.vocab_size, self.chunks
+        order = jnp.argsort(-self.scores(pool, aux, step).reshape(-1), stable=True)
+        kept = jnp.zeros(v * k, jnp.bool_).at[order].set(jnp.arange(v * k) < keep).reshape(v, k)
+        counts = jnp.sum(kept, axis=1, dtype=jnp.int32)
+        rows = jnp.arange(v, dtype=jnp.int32)
+        pool = chunk_pool.prune(pool, rows, counts)
+        values = None
+        if self.grow_init == "uniform":
+            scale = dlrm_init_scale(v)
+            values = jax.random.uniform(rng, (v, k, self.chunk_dim), jnp.float32, -scale, scale)
+        pool = chunk_pool.grow(pool, rows, counts, values)
+        return pool, {**aux, "index": pool.index, "free": pool.free, "num_free": pool.num_free}
+
+
+class RowPruneEmbedding(FiitedEmbedding):
+    """In-training magnitude pruning of whole rows: FIITED's machinery with one chunk per row scored by its norm."""
+
+    DEFAULTS: ClassVar[dict] = {**FiitedEmbedding.DEFAULTS, "chunks": 1, "utility": "magnitude"}
+
+
+class ZeroTail(nn.Module):
+    """Combine for `uniform_dim`: the D' columns followed by D - D' zeros."""
+
+    dim: int
+
+    @nn.compact
+    def __call__(self, rows: tuple[jax.Array, ...]) -> jax.Array:
+        (only,) = rows
+        return jnp.pad(only, [(0, 0)] * (only.ndim - 1) + [(0, self.dim - only.shape[-1])])
+
+
+class UniformDimEmbedding(EmbeddingMethod):
+    """Uniform dimension reduction: a V x D' table, D' = max(1, round(keep D)), read with a zero tail to D."""
+
+    def __init__(self, spec: TableSpec):
+        super().__init__(spec)
+        budget = float(method_options(spec, {"keep": 0.25})["keep"])
+        if not 0 < budget <= 1:
+            raise ValueError(f"table '{spec.name}': uniform_dim keep must be in (0, 1], got {budget}")
+        self.reduced_dim = max(1, round(budget * spec.dim))
+
+    def physical_tables(self) -> tuple[PhysicalTable, ...]:
+        v = self.spec.vocab_size
+        return (PhysicalTable(self.spec.name, v, self.reduced_dim, dlrm_init_scale(v)),)
+
+    def route(self, ids: jax.Array) -> tuple[jax.Array, ...]:
+        return (ids,)
+
+    def combine_module(self, name: str) -> nn.Module:
+        return ZeroTail(self.spec.dim, name=name)

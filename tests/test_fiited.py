@@ -1,0 +1,207 @@
+"""FIITED through the engine and the trainer (compression/fiited.py, recjax/dynamic.py): each row reads its live
+chunk prefix with a zero tail, pruned chunks get no update, chunk utility equals the summed per-row chunk gradient
+norms, an adjustment keeps the best chunks and preserves the kept values, compaction preserves the model exactly,
+and the accounting equals the arrays really allocated. The pool's own invariants: tests/test_chunk_pool.py."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import random_batch
+from test_train import tiny_config
+
+from compression.base import TableSpec
+from compression.fiited import FiitedEmbedding, UniformDimEmbedding
+from recjax.dynamic import DynamicTables
+from recjax.specs import DatasetSpec, FeatureSpec
+from recjax.train import build_task, init_state, make_predict_step, make_train_step
+
+SPEC = DatasetSpec(num_dense=3, features=(FeatureSpec("a", 13), FeatureSpec("b", 9, bag_size=3),
+                                          FeatureSpec("c", 6)))
+
+
+def fiited_task(optimizer: str = "adagrad", total_steps: int = 8, **options):
+    config = tiny_config(steps=total_steps)
+    config.embedding.method = "fiited"
+    config.embedding.options.chunks = 4
+    for key, value in options.items():
+        config.embedding.options[key] = value
+    config.embedding.tables.c = {"method": "full"}  # a static table sharing nothing with the pools
+    config.optimizer.sparse.name = optimizer
+    config.optimizer.sparse.learning_rate = 0.3
+    return build_task(config, SPEC, total_steps=total_steps)
+
+
+def logical_rows(task, state, feature: str) -> np.ndarray:
+    """f32[V, D] of a fiited feature, read from the pool through the indirection (numpy oracle of `route`)."""
+    (p,) = [q for q in task.collection.physical_tables() if q.feature == feature]
+    pool = np.asarray(state.tables[p.group])[p.offset:p.offset + p.table.rows]
+    index = np.asarray(state.aux[feature]["index"])
+    rows = np.where(index[..., None] >= 0, pool[np.maximum(index, 0)], 0.0)
+    return rows.reshape(index.shape[0], -1)
+
+
+def test_rows_read_their_live_prefix_and_pruned_chunks_get_no_update():
+    task = fiited_task(optimizer="sgd")
+    batch = jax.device_put(random_batch(SPEC, 16, seed=0, full_bags=True))
+    state = init_state(task, jax.random.key(0), batch)
+    # Prune row 2 of "a" to one chunk and every row of "b" to two.
+    dynamic = DynamicTables.create(task.collection, 8, seed=0)
+    method = task.collection.methods["a"]
+    aux = dict(state.aux)
+    index = np.asarray(aux["a"]["index"]).copy()
+    index[2, 1:] = -1
+    aux["a"] = {**aux["a"], "index": jnp.asarray(index)}
+    index_b = np.asarray(aux["b"]["index"]).copy()
+    index_b[:, 2:] = -1
+    aux["b"] = {**aux["b"], "index": jnp.asarray(index_b)}
+    state = state.replace(aux=aux)
+    before_a, before_b = logical_rows(task, state, "a"), logical_rows(task, state, "b")
+    c = method.chunk_dim
+    assert np.all(before_a[2, c:] == 0) and np.all(before_b[:, 2 * c:] == 0)
+
+    (p,) = [q for q in task.collection.physical_tables() if q.feature == "b"]
+    old_group = np.asarray(state.tables[p.group])
+    new, _ = make_train_step(task)(state, batch)  # donates `state`
+    after_a, after_b = logical_rows(task, new, "a"), logical_rows(task, new, "b")
+    assert np.all(after_a[2, c:] == 0) and np.all(after_b[:, 2 * c:] == 0)  # still zero: no update
+    touched = np.unique(np.asarray(batch.ids["a"]))
+    assert not np.allclose(after_a[touched, :c], before_a[touched, :c])  # live chunks did train
+    # Pool slots nobody references were not written either.
+    live = set(index_b[index_b >= 0].tolist())
+    dead = [s for s in range(p.table.rows) if s not in live]
+    np.testing.assert_array_equal(np.asarray(new.tables[p.group])[p.offset + np.array(dead)],
+                                  old_group[p.offset + np.array(dead)])
+    assert dynamic is not None
+
+
+def test_utility_is_the_decayed_sum_of_per_row_chunk_gradient_norms():
+    task = fiited_task(optimizer="sgd", decay=0.5)
+    batches = [jax.device_put(random_batch(SPEC, 16, seed=i)) for i in range(2)]
+    state = init_state(task, jax.random.key(0), batches[0])
+    step = make_train_step(task)
+    collection, glue, model = task.collection, task.glue, task.model
+    names = SPEC.feature_names
+    want = np.zeros((13, 4))
+    last = np.zeros(13, int)
+    for t, batch in enumerate(batches, start=1):
+        # Oracle: d loss / d embeddings from the same forward, summed per row and chunk in numpy.
+        def loss_of_emb(emb, state=state, batch=batch, t=t):
+            logits = model.apply({"params": state.dense_params["model"]}, batch.dense, emb, train=True,
+                                 rngs={"dropout": jax.random.fold_in(state.dropout_rng, t - 1)})
+            return jnp.mean(jnp.maximum(logits, 0) - logits * batch.labels + jnp.log1p(jnp.exp(-jnp.abs(logits))))
+
+        routes = collection.route(batch.ids, batch.lengths, aux=state.aux)
+        emb = glue.apply({"params": state.dense_params["glue"]}, collection.gather(state.tables, routes),
+                         routes["features"])
+        g = np.asarray(jax.grad(loss_of_emb)(emb))[:, names.index("a")]  # [B, D], "a" is one-hot
+        ids = np.asarray(batch.ids["a"])[:, 0]
+        summed = np.zeros((13, g.shape[1]))
+        np.add.at(summed, ids, g)
+        seen = np.unique(ids)
+        want[seen] = want[seen] * 0.5 ** (t - last[seen])[:, None] + np.linalg.norm(
+            summed[seen].reshape(len(seen), 4, -1), axis=-1)
+        last[seen] = t
+        state, _ = step(state, batch)
+    np.testing.assert_allclose(np.asarray(state.aux["a"]["utility"]), want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(state.aux["a"]["last"]), last)
+
+
+def test_adjust_keeps_the_best_chunks_and_compaction_preserves_the_model():
+    task = fiited_task(optimizer="rowwise_adagrad", keep=0.3, interval=2, ramp=0.5, compact_slack=0.25, total_steps=8)
+    batches = [jax.device_put(random_batch(SPEC, 16, seed=i)) for i in range(4)]
+    state = init_state(task, jax.random.key(0), batches[0])
+    step = make_train_step(task)
+    for batch in batches[:2]:
+        state, _ = step(state, batch)
+    dynamic = DynamicTables.create(task.collection, 8, seed=0)
+    assert dynamic.features == ("a", "b") and dynamic.ramp_end(task.collection) == 4
+    assert dynamic.due(task.collection, 2) and not dynamic.due(task.collection, 3)
+
+    method = task.collection.methods["a"]
+    before = logical_rows(task, state, "a")
+    scores = np.asarray(method.scores(None, state.aux["a"], jnp.int32(2)))
+    keep = method.budget_chunks(method.budget_at(2, 8))  # 1 -> 0.3 over 4 steps: 0.65 at step 2
+    assert keep == int(np.ceil(0.65 * 13 * 4))
+    task2, state2, recompiled = dynamic.adjust(task, state, 2)
+    counts = (np.asarray(state2.aux["a"]["index"]) >= 0).sum(1)
+    assert counts.sum() == keep
+    # The kept chunks are the best by prefix score: every kept chunk scores >= every dropped one.
+    kept = np.arange(4)[None, :] < counts[:, None]
+    assert scores[kept].min() >= scores[~kept].max()
+    after = logical_rows(task2, state2, "a")
+    mask = np.repeat(kept, method.chunk_dim, axis=1)
+    np.testing.assert_array_equal(after, np.where(mask, before, 0.0))  # kept values survive, the rest reads 0
+    # 0.65 of the chunks: the pool (capacity V K) is more than 1.25x that, so it was compacted to the budget.
+    assert recompiled and task2.collection.methods["a"].capacity == keep
+    assert dynamic.timings["compactions"] == 1
+
+    # Compaction preserved the model: the compacted layout predicts what the logical rows (read back through the
+    # indirection, as V x D tables) predict.
+    probs = np.asarray(make_predict_step(task2)(state2, batches[2]))
+    want = reference_probs(task2, state2, {"a": after, "b": logical_rows(task2, state2, "b")}, batches[2])
+    np.testing.assert_allclose(probs, want, rtol=1e-6)
+
+    # Training goes on with the compacted layout; accounting equals the arrays allocated.
+    state2, metrics = make_train_step(task2)(state2, batches[3])
+    assert np.isfinite(float(metrics["loss"]))
+    accounting = task2.collection.accounting(task2.sparse_optimizer)["tables"]["a"]
+    (p,) = [q for q in task2.collection.physical_tables() if q.feature == "a"]
+    aux = state2.aux["a"]
+    model_bytes = p.table.rows * p.table.dim * 4 + sum(aux[k].nbytes for k in ("index", "free", "num_free"))
+    opt_bytes = task2.sparse_optimizer.state_bytes(p.table.rows, p.table.dim) + aux["utility"].nbytes \
+        + aux["last"].nbytes
+    assert accounting["bytes"] == model_bytes and accounting["optimizer_bytes"] == opt_bytes
+    assert state2.tables[p.group].shape[0] == task2.collection.group_rows[p.group]
+
+
+def reference_probs(task, state, rows: dict, batch) -> np.ndarray:
+    """Probabilities of the model with `rows` ({feature: f32[V, D]}) as plain tables, other features unchanged."""
+    collection = task.collection
+    routes = collection.route(batch.ids, batch.lengths, aux=state.aux, dedup=False)
+    looked = collection.gather(state.tables, routes)
+    emb = np.array(task.glue.apply({"params": state.dense_params["glue"]}, looked, routes["features"]))
+    for name, table in rows.items():
+        f = SPEC.feature_names.index(name)
+        ids, lengths = np.asarray(batch.ids[name]), np.asarray(batch.lengths[name])
+        valid = np.arange(ids.shape[1])[None, :] < lengths[:, None]
+        emb[:, f] = np.einsum("bl,bld->bd", valid.astype(np.float32), table[ids])
+    logits = task.model.apply({"params": state.dense_params["model"]}, batch.dense, jnp.asarray(emb))
+    return np.asarray(jax.nn.sigmoid(logits))
+
+
+def test_bad_options_name_the_table():
+    with pytest.raises(ValueError, match="table 'x'.*chunks=3 must divide dim 16"):
+        FiitedEmbedding(TableSpec("x", 10, 16, "fiited", {"chunks": 3}))
+    with pytest.raises(ValueError, match="table 'x'.*keep must be in"):
+        FiitedEmbedding(TableSpec("x", 10, 16, "fiited", {"keep": 0.0}))
+    with pytest.raises(ValueError, match="table 'x'.*utility"):
+        FiitedEmbedding(TableSpec("x", 10, 16, "fiited", {"utility": "random"}))
+    assert UniformDimEmbedding(TableSpec("x", 10, 16, "uniform_dim", {"keep": 0.1})).reduced_dim == 2
+
+
+def test_a_fiited_run_reaches_its_budget_selects_after_it_and_reports_memory(tmp_path, capsys):
+    from recjax.train import train_and_evaluate
+
+    config = tiny_config(steps=20)
+    config.embedding.method = "fiited"
+    config.embedding.options.keep = 0.25
+    config.embedding.options.threshold = 100  # the small tables stay full
+    config.train.eval_every = 10
+    summary = train_and_evaluate(config, tmp_path)
+    out = capsys.readouterr().out
+    assert "WARNING: checkpoints are not written for runs with dynamic tables" in out
+    dynamic = summary["dynamic_tables"]
+    assert dynamic["features"] == ["C1", "C3", "C5"]  # vocab (200, 50, 1000, 8, 3000, 20) above 100
+    memory = dynamic["memory"]
+    # Ramp 0.3 x 20 = 6 steps, adjusted every step (a tenth of it, at least 1) -> memory falls, then holds.
+    assert [m["step"] for m in memory] == list(range(7))
+    allocated = [m["allocated_bytes"] for m in memory]
+    assert allocated == sorted(allocated, reverse=True) and allocated[-1] < allocated[0] / 2
+    assert dynamic["peak_allocated_bytes"] == allocated[0] and dynamic["compactions"] >= 1
+    for f, v in zip(("C1", "C3", "C5"), (200, 1000, 3000), strict=True):
+        assert memory[-1]["live_chunks"][f] == memory[-1]["capacity"][f] == math.ceil(0.25 * v * 4)
+    assert summary["embedding_bytes"] == memory[-1]["embedding_bytes"]
+    assert summary["selected_step"] >= 6 and 0.5 < summary["auc"] <= 1
