@@ -379,7 +379,8 @@ def run_sweep(base: ml_collections.ConfigDict, workdir: str | pathlib.Path, meth
         done[planned_json] = run_dir.name, summary
         rows.append(result_row(method, target_ratio, seed, summary, run_dir.name))
         write_csv(workdir / "results.csv", rows, RESULT_FIELDS)  # after every run: a long sweep is readable early
-    write_outputs(rows, workdir, title or f"{base.data.name}, {int(base.train.steps)} steps, seeds {list(seeds)}")
+    length = f"{int(base.train.steps)} steps" if base.train.steps is not None else f"{base.train.epochs:g} epochs"
+    write_outputs(rows, workdir, title or f"{base.data.name}, {length}, seeds {list(seeds)}")
     return rows
 
 

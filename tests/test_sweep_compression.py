@@ -224,6 +224,14 @@ def test_identical_configs_train_once(tmp_path, monkeypatch):
     sc.run_sweep(tiny_base(), tmp_path, ["md"], [100, 1000], [0], log=lambda _: None)  # resumes: nothing new
     assert trained == ["md_x100_seed0"]
 
+    # A base config with an epoch budget (the real datasets' configs) titles its plot in epochs.
+    titles = []
+    monkeypatch.setattr(sc, "write_outputs", lambda rows, workdir, title: titles.append(title))
+    epochs = tiny_base()
+    epochs.train.steps, epochs.train.epochs = None, 2
+    sc.run_sweep(epochs, tmp_path / "epochs", ["md"], [100], [0], log=lambda _: None)
+    assert titles == ["synthetic, 2 epochs, seeds [0]"]
+
 
 @pytest.mark.parametrize("method", ["fiited", "row_prune", "uniform_dim"])
 def test_keep_methods_keep_the_share_of_values_that_meets_the_budget(method):
