@@ -25,6 +25,15 @@ of the V K scores, on device, inside the same jitted function as the prune and g
 ramp to exactly the final budget, so the allocated bytes follow the budget down in a few geometric steps (slack 1:
 at most twice the budget; 4 compactions for a ramp to 10 %, each a re-compile of the steps).
 
+Position discount (`position_discount` p, default 0 = FIITED's plain utility; our addition): chunk k's score is
+divided by (k + 1)^p before the prefix minimum. A row's chunks see gradients of the same scale, so with p = 0 the
+kept chunks come in whole rows -- on ML-100K at keep 0.25 the user table ended with 675 rows at 0 chunks and 154 at
+all 4, i.e. row pruning. p > 0 models the diminishing return of a row's later dimensions and spreads the budget.
+Measured on ML-100K (dlrm_movielens.py, tables <= 200 ids full, keep 0.1, seeds 0 / 1): test AUC 0.731 / 0.757 at
+p = 0, 0.748 / 0.765 at p = 1, 0.761 / 0.771 at p = 2; full 0.791 / 0.788 and uniform_dim at keep 0.125 0.779 /
+0.780 in the same runs -- on this small dataset, where every user and item is frequent, an equal width for every
+row stays better.
+
 Baselines FIITED compares with:
   `row_prune`    utility="magnitude", chunks=1: in-training magnitude pruning of whole rows (a row's score is its
                  L2 norm at the adjustment; a pruned row reads zeros and does not come back);
@@ -73,6 +82,7 @@ class FiitedEmbedding(EmbeddingMethod):
         "ramp": 0.3,  # share of the run's steps over which the budget falls from 1 to `keep`
         "compact_slack": 1.0,  # compact when capacity > (1 + slack) x the budget's chunks (and at the ramp's end)
         "grow_init": "zeros",
+        "position_discount": 0.0,  # p: chunk k's score is divided by (k + 1)^p (0: FIITED's plain utility)
     }
 
     def __init__(self, spec: TableSpec):
@@ -95,6 +105,7 @@ class FiitedEmbedding(EmbeddingMethod):
         self.budget, self.utility = float(o["keep"]), o["utility"]
         self.decay, self.interval, self.ramp = float(o["decay"]), int(o["interval"]), float(o["ramp"])
         self.compact_slack, self.grow_init = float(o["compact_slack"]), o["grow_init"]
+        self.position_discount = float(o["position_discount"])
         self.wants_embedding_grads = self.utility == "gradient"
         total = spec.vocab_size * k
         self.capacity = int(o["capacity"]) if o["capacity"] is not None else total
@@ -182,6 +193,7 @@ class FiitedEmbedding(EmbeddingMethod):
         else:  # magnitude: the chunk's L2 norm now (pruned chunks read zeros)
             slots = jnp.where(pool.index >= 0, pool.index, pool.capacity)
             u = jnp.linalg.norm(pool.pool.at[slots].get(mode="fill", fill_value=0.0), axis=-1)
+        u = u / (jnp.arange(1, self.chunks + 1, dtype=jnp.float32) ** self.position_discount)
         return jax.lax.cummin(u, axis=1)
 
     def adjust(self, pool: chunk_pool.ChunkPool, aux: dict[str, jax.Array], step: jax.Array, keep: jax.Array,

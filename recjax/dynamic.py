@@ -63,11 +63,14 @@ class DynamicTables:
     # ------------------------------------------------------------------------------------------ memory
     def record(self, collection: EmbeddingCollection, optimizer, state, step: int) -> dict:
         accounting = collection.accounting(optimizer)
-        live = {f: int(jnp.sum(state.aux[f]["index"] >= 0)) for f in self.features}
+        chunks = {f: np.asarray(jnp.sum(state.aux[f]["index"] >= 0, axis=1)) for f in self.features}
         entry = {"step": step, "embedding_bytes": accounting["bytes"],
                  "embedding_optimizer_bytes": accounting["optimizer_bytes"],
                  "allocated_bytes": accounting["bytes"] + accounting["optimizer_bytes"],
-                 "live_chunks": live,
+                 "live_chunks": {f: int(c.sum()) for f, c in chunks.items()},
+                 # rows_by_chunks[f][c]: how many rows hold c live chunks (c = 0..K), i.e. a c D / K wide vector
+                 "rows_by_chunks": {f: np.bincount(c, minlength=self._method(collection, f).chunks + 1).tolist()
+                                    for f, c in chunks.items()},
                  "capacity": {f: self._method(collection, f).capacity for f in self.features}}
         self.history.append(entry)
         return entry

@@ -205,3 +205,12 @@ def test_a_fiited_run_reaches_its_budget_selects_after_it_and_reports_memory(tmp
         assert memory[-1]["live_chunks"][f] == memory[-1]["capacity"][f] == math.ceil(0.25 * v * 4)
     assert summary["embedding_bytes"] == memory[-1]["embedding_bytes"]
     assert summary["selected_step"] >= 6 and 0.5 < summary["auc"] <= 1
+
+
+def test_position_discount_spreads_chunks_over_rows():
+    """Equal utility on every chunk: plain scores keep whole rows, a position discount keeps first chunks first."""
+    aux = {"utility": jnp.ones((6, 4)), "last": jnp.zeros(6, jnp.int32)}
+    for p, want in ((0.0, [4, 2, 0, 0, 0, 0]), (1.0, [1, 1, 1, 1, 1, 1])):
+        m = FiitedEmbedding(TableSpec("x", 6, 8, "fiited", {"position_discount": p}))
+        order = np.argsort(-np.asarray(m.scores(None, aux, jnp.int32(0))).reshape(-1), kind="stable")[:6]
+        assert np.bincount(order // 4, minlength=6).tolist() == want
