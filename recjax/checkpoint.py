@@ -6,7 +6,8 @@ Its items, written by Orbax's handlers (arrays through tensorstore, JSON through
 
     state/  StandardSave {"step": i32[], "rng": u32[k] (the dropout key's data), "dense": {"00000": leaf, ...}
             (the leaves of (dense_params, dense_opt_state) in tree order), and in a *baseline* (kind "full") also
-            "tables": {group: f32[rows, dim]} and "sparse_opt": {group: {name: f32[rows, ...]}}}
+            "tables": {group: f32[rows, dim]} and "sparse_opt": {group: {name: f32[rows, ...]}}; with dynamic tables
+            (FIITED) "aux": {feature: {name: array}} in every checkpoint, and a baseline after each compaction}
     rows/   StandardSave, only in a *delta*: {group: {"ids": i32[n] (stacked row ids, ascending), "rows": f32[n, dim]
             or, quantized, "codes": u8[n, dim * bits / 8], "offset": f32[n], "scale": f32[n], "opt": {name:
             f32[n, ...]}}} -- the rows touched since the previous checkpoint (consecutive) or since the baseline
@@ -90,6 +91,10 @@ def check_checkpoint_config(config: Mapping) -> None:
 
 
 # ------------------------------------------------------------------------------------------ dirty rows
+def _table_shapes(state) -> dict[str, tuple[int, ...]]:
+    return {g: tuple(t.shape) for g, t in state.tables.items()}
+
+
 def mark_dirty_rows(dirty: Mapping[str, jax.Array], touched: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     """Set the bitmap bool[rows] of each tracked group at the rows the step updated (`collection.touched_rows`;
     duplicates are harmless, the sentinel row id `rows`, padding, is dropped). Inside the jitted step, with the
@@ -323,7 +328,8 @@ def read_arrays(point: ResumePoint) -> dict[str, np.ndarray]:
     return {"step": np.asarray(top["step"]), "rng": np.asarray(top["rng"]),
             **{f"dense/{p}": np.asarray(a) for p, a in zip(point.meta["dense_paths"], dense, strict=True)},
             **{f"tables/{g}": t for g, t in tables.items()},
-            **{f"sparse_opt/{g}/{k}": v for g, s in sparse_opt.items() for k, v in s.items()}}
+            **{f"sparse_opt/{g}/{k}": v for g, s in sparse_opt.items() for k, v in s.items()},
+            **{f"aux/{f}/{k}": np.asarray(v) for f, a in top.get("aux", {}).items() for k, v in a.items()}}
 
 
 def restore_state(point: ResumePoint, like):
@@ -352,6 +358,11 @@ def restore_state(point: ResumePoint, like):
         for k, v in opt.items():
             if k not in sparse_opt.get(g, {}) or sparse_opt[g][k].shape != tuple(v.shape):
                 raise CheckpointError(other_model.format(f"sparse optimizer state {g}/{k}"))
+    aux = top.get("aux", {})
+    for f, arrays in like.aux.items():
+        for k, v in arrays.items():
+            if k not in aux.get(f, {}) or tuple(np.shape(aux[f][k])) != tuple(v.shape):
+                raise CheckpointError(other_model.format(f"routing array {f}/{k} of a dynamic table"))
     dense_params, dense_opt_state = jax.tree_util.tree_unflatten(
         treedef, [jnp.asarray(v) for v in _dense_values(top, meta)])
     return like.replace(
@@ -361,7 +372,7 @@ def restore_state(point: ResumePoint, like):
         sparse_opt_state={g: {k: jnp.asarray(sparse_opt[g][k]) for k in opt}
                           for g, opt in like.sparse_opt_state.items()},
         dropout_rng=jax.random.wrap_key_data(jnp.asarray(top["rng"]), impl=meta["rng_impl"]),
-        dirty_rows={})
+        dirty_rows={}, aux={f: {k: jnp.asarray(aux[f][k], v.dtype) for k, v in a.items()} for f, a in like.aux.items()})
 
 
 def open_checkpoint(path: str | pathlib.Path, step: int | None = None) -> ResumePoint:
@@ -406,6 +417,7 @@ class Checkpointer:
         self._chain: list[int] | None = None
         self._baseline_bytes = 0
         self._chain_bytes = 0
+        self._baseline_shapes: dict[str, tuple[int, ...]] = {}  # table shapes of the chain's baseline
         self._pending_retain = False
 
     # ---------------------------------------------------------------------------------------- resume
@@ -433,6 +445,7 @@ class Checkpointer:
     def restore(self, point: ResumePoint, like) -> tuple[Any, dict]:
         """(TrainState, the trainer's loop state) of `point`, with dirty-row bitmaps as the policy needs."""
         state = self.track(restore_state(point, like))
+        self._baseline_shapes = _table_shapes(state)  # the chain restored reads tables of these shapes
         meta = point.meta
         if point.own:
             self.last_saved_step = point.step
@@ -477,6 +490,8 @@ class Checkpointer:
             "dense": {f"{i:05d}": np.array(leaf) for i, leaf in enumerate(leaves) if np.size(leaf)},
         }
         kind, rows_item, delta_bytes = self._plan(state)
+        if state.aux:  # routing arrays of dynamic tables (FIITED's indirection, utility): small, saved whole
+            item_state["aux"] = {f: {k: jnp.copy(v) for k, v in a.items()} for f, a in state.aux.items()}
         if kind == "full":
             # Device-side copies, dispatched asynchronously: the next step may donate (overwrite) the tables while
             # Orbax moves these to the host and writes them in the background.
@@ -485,6 +500,7 @@ class Checkpointer:
                                         for g, s in state.sparse_opt_state.items() if s}
             table_bytes = _nbytes({"t": item_state["tables"], "o": item_state["sparse_opt"]})
             self._chain, self._baseline_bytes, self._chain_bytes = [step], table_bytes, 0
+            self._baseline_shapes = _table_shapes(state)
         else:
             table_bytes = delta_bytes
             if self.policy == "one_shot":
@@ -517,7 +533,8 @@ class Checkpointer:
 
     def _plan(self, state) -> tuple[str, dict, int]:
         """("full", {}, 0) or ("delta", the rows item, its bytes) for the next save under the policy."""
-        if self.policy == "full" or not self._chain:
+        # A dynamic table's pool re-allocated since the baseline (new shapes) needs a new baseline.
+        if self.policy == "full" or not self._chain or _table_shapes(state) != self._baseline_shapes:
             return "full", {}, 0
         rows_item = {}
         for g, dirty in state.dirty_rows.items():

@@ -14,6 +14,10 @@ live chunks move to slots 0..live-1 with their optimizer state; the other tables
 re-compiles its steps. Budgets only fall, so with a slack s a ramp from 1 to b compacts about log(1/b) / log(1 + s)
 times, plus once at the ramp's end to the exact budget (4 times for b = 10 % and the default s = 1).
 
+Checkpoints: the routing arrays are saved whole with every checkpoint; the adjustments mark the slots they free and
+grant as dirty rows (so deltas carry them); a compaction changes the tables' shapes, so the next save is a new
+baseline; `loop_state` keeps the capacities, which a resume re-sizes the task to before restoring.
+
 `history` records, at the start and after every adjustment, the embedding bytes really allocated -- every
 physical table (pools at their current capacity), their optimizer state, and the methods' aux arrays
 (`EmbeddingCollection.accounting`) -- with the live chunks, so the run's summary reports memory over time and its
@@ -116,12 +120,13 @@ class DynamicTables:
     def _adjust_tables(self, collection: EmbeddingCollection, optimizer, state, step: int, keep: dict[str, int]):
         """One jitted call adjusting every table in `keep` ({feature: chunks to keep}) in place (donated)."""
         placed = tuple((f, *self._pool_at(collection, f)) for f in sorted(keep))
-        if placed not in self._jitted:
+        key = (placed, tuple(sorted(state.dirty_rows)))
+        if key not in self._jitted:
             methods = {f: self._method(collection, f) for f, *_ in placed}
             initial = {k: optimizer.initial_state_value(k) for k in optimizer.state_shapes(1, 1)}
 
-            def run(tables, opt, aux, step, keep, rng):
-                tables, opt, aux = dict(tables), {g: dict(o) for g, o in opt.items()}, dict(aux)
+            def run(tables, opt, aux, dirty, step, keep, rng):
+                tables, opt, aux, dirty = dict(tables), {g: dict(o) for g, o in opt.items()}, dict(aux), dict(dirty)
                 for f, group, offset, cap in placed:
                     pool = chunk_pool.ChunkPool(
                         pool=jax.lax.dynamic_slice_in_dim(tables[group], offset, cap), index=aux[f]["index"],
@@ -133,27 +138,31 @@ class DynamicTables:
                     grown = jnp.where((before < 0) & (pool.index >= 0), pool.index, cap).reshape(-1)
                     pool = pool.replace(state={k: s.at[grown].set(initial[k], mode="drop") if initial[k] else s
                                                for k, s in pool.state.items()})
+                    if group in dirty:  # incremental checkpoints: the slots freed and granted changed too
+                        changed = before != pool.index
+                        slots = jnp.concatenate([jnp.where(changed & (before >= 0), before, cap).reshape(-1),
+                                                 jnp.where(changed & (pool.index >= 0), pool.index, cap).reshape(-1)])
+                        rows = jnp.where(slots < cap, offset + slots, dirty[group].shape[0])
+                        dirty[group] = dirty[group].at[rows].set(True, mode="drop")
                     tables[group] = jax.lax.dynamic_update_slice_in_dim(tables[group], pool.pool, offset, 0)
                     opt[group] = {k: jax.lax.dynamic_update_slice_in_dim(s, pool.state[k], offset, 0)
                                   for k, s in opt[group].items()}
-                return tables, opt, aux
+                return tables, opt, aux, dirty
 
-        args = (state.tables, state.sparse_opt_state, state.aux, jnp.int32(step),
+        args = (state.tables, state.sparse_opt_state, state.aux, state.dirty_rows, jnp.int32(step),
                 {f: jnp.int32(k) for f, k in keep.items()}, jax.random.fold_in(jax.random.key(self.seed), step))
-        if placed not in self._jitted:  # a new layout (the first adjustment, or after a compaction): compile once
+        if key not in self._jitted:  # a new layout (the first adjustment, or after a compaction): compile once
             start = time.perf_counter()
-            self._jitted[placed] = jax.jit(run, donate_argnums=(0, 1, 2)).lower(*args).compile()
+            self._jitted[key] = jax.jit(run, donate_argnums=(0, 1, 2, 3)).lower(*args).compile()
             self.timings["adjust_compile_s"] += time.perf_counter() - start
-        tables, opt, aux = self._jitted[placed](*args)
-        return state.replace(tables=tables, sparse_opt_state=opt, aux=aux)
+        tables, opt, aux, dirty = self._jitted[key](*args)
+        return state.replace(tables=tables, sparse_opt_state=opt, aux=aux, dirty_rows=dirty)
 
     def _compact(self, task, state, capacities: dict[str, int]):
         """Re-allocate the pools of `capacities` ({feature: new capacity}) and lay every stacked group out anew.
         On the host (numpy): compaction is rare, and eager device ops on ever new shapes would each compile."""
         old = task.collection
-        specs = [dataclasses.replace(s, options={**s.options, "capacity": capacities[f]}) if f in capacities else s
-                 for f, s in old.table_specs.items()]
-        new = EmbeddingCollection(old.spec, specs, old.pooling, old.bounds_check, old.kernel, old.dedup)
+        new = self.with_capacities(task, capacities).collection
         host_tables = {g: np.asarray(t) for g, t in state.tables.items()}
         host_opt = {g: {k: np.asarray(s) for k, s in o.items()} for g, o in state.sparse_opt_state.items()}
         moved, aux = {}, dict(state.aux)
@@ -185,5 +194,27 @@ class DynamicTables:
         for g in tables:
             assert tables[g].shape[0] == new.group_rows[g], (g, tables[g].shape, new.group_rows[g])
         task = dataclasses.replace(task, collection=new, glue=EmbeddingGlue(new))
-        # Dynamic runs write no checkpoints (train.py), so there are no dirty-row bitmaps to carry over.
-        return task, state.replace(tables=tables, sparse_opt_state=opt, aux=aux)
+        # New shapes: a checkpointed run's next save is a baseline (recjax/checkpoint.py), so the bitmaps restart.
+        dirty = {g: jnp.zeros(new.group_rows[g], jnp.bool_) for g in state.dirty_rows}
+        return task, state.replace(tables=tables, sparse_opt_state=opt, aux=aux, dirty_rows=dirty)
+
+    @staticmethod
+    def with_capacities(task, capacities: dict[str, int]):
+        """`task` with the pools of `capacities` ({feature: slots}) re-sized: a new collection and glue."""
+        old = task.collection
+        specs = [dataclasses.replace(s, options={**s.options, "capacity": int(capacities[f])})
+                 if f in capacities else s for f, s in old.table_specs.items()]
+        new = EmbeddingCollection(old.spec, specs, old.pooling, old.bounds_check, old.kernel, old.dedup)
+        return dataclasses.replace(task, collection=new, glue=EmbeddingGlue(new))
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    def loop_state(self, collection: EmbeddingCollection) -> dict:
+        """What a checkpoint keeps to resume: the pools' capacities (the shapes to restore into), the memory history
+        and the timings so far."""
+        return {"capacities": {f: self._method(collection, f).capacity for f in self.features},
+                "history": list(self.history), "timings": dict(self.timings)}
+
+    def resume(self, task, saved: dict):
+        """`task` re-sized to a checkpoint's capacities, with its history and timings restored."""
+        self.history, self.timings = list(saved["history"]), {**self.timings, **saved["timings"]}
+        return self.with_capacities(task, saved["capacities"])

@@ -420,11 +420,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
             raise ConfigError("embedding.method", f"tables {list(dynamic.features)} change shape during training "
                                                   "(fiited / row_prune), which runs on one device only; set "
                                                   "mesh.shape to one device or use another method")
-        if checkpointer is not None:
-            print(f"WARNING: checkpoints are not written for runs with dynamic tables ({', '.join(dynamic.features)}"
-                  ": their pools are re-allocated during training); this run cannot resume", flush=True)
-            checkpointer.close()
-            checkpointer = resume = None
     put = jax.device_put if sharded is None else sharded.put_batch
     # Step i's batch is a pure function of (seed, i), so a resumed run restarts the stream at its step.
     start = resume.step if resume else 0
@@ -457,6 +452,8 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
         state, sharded_train, sharded_predict, put = sharding.prepare(task, sharded, state, _forward)
         make_train, make_predict = lambda _: sharded_train, lambda _: sharded_predict
     elif resume:
+        if dynamic is not None:  # the pools were compacted: restore into the checkpoint's capacities
+            task = dynamic.resume(task, resume.meta["loop"]["dynamic"])
         like = jax.eval_shape(lambda batch: init_state(task, jax.random.key(config.seed), batch), first)
         state, loop = checkpointer.restore(resume, like)
         print(f"resuming from checkpoint step {resume.step:,} of {budget.steps:,} "
@@ -516,7 +513,8 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
                                                    "patience": int(train_cfg.early_stopping_patience)}))
     if dynamic is not None:
         selection.selectable_from = dynamic.ramp_end(task.collection)
-        dynamic.record(task.collection, task.sparse_optimizer, state, 0)
+        if not dynamic.history:  # a resumed run restored its history
+            dynamic.record(task.collection, task.sparse_optimizer, state, 0)
         print(f"dynamic tables {', '.join(dynamic.features)}: budgets reached at step {selection.selectable_from:,}; "
               "validation selects from there", flush=True)
     test_warned = loop.get("test_warned", False)
@@ -526,7 +524,8 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
     def loop_state() -> dict:
         return {"selection": dataclasses.asdict(selection), "test_warned": test_warned, "train_time": train_time,
                 "wall_time": time.perf_counter() - run_start, "loss": loss,
-                "history": list(history)}  # a copy: an async save serialises it while the loop appends
+                "history": list(history),  # a copy: an async save serialises it while the loop appends
+                **({} if dynamic is None else {"dynamic": dynamic.loop_state(task.collection)})}
 
     start = step = resume.step if resume else 0
     last = start if selection.should_stop else budget.steps  # a run restored after its early stop trains no more

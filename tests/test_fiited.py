@@ -182,31 +182,6 @@ def test_bad_options_name_the_table():
     assert UniformDimEmbedding(TableSpec("x", 10, 16, "uniform_dim", {"keep": 0.1})).reduced_dim == 2
 
 
-def test_a_fiited_run_reaches_its_budget_selects_after_it_and_reports_memory(tmp_path, capsys):
-    from recjax.train import train_and_evaluate
-
-    config = tiny_config(steps=20)
-    config.embedding.method = "fiited"
-    config.embedding.options.keep = 0.25
-    config.embedding.options.threshold = 100  # the small tables stay full
-    config.train.eval_every = 10
-    summary = train_and_evaluate(config, tmp_path)
-    out = capsys.readouterr().out
-    assert "WARNING: checkpoints are not written for runs with dynamic tables" in out
-    dynamic = summary["dynamic_tables"]
-    assert dynamic["features"] == ["C1", "C3", "C5"]  # vocab (200, 50, 1000, 8, 3000, 20) above 100
-    memory = dynamic["memory"]
-    # Ramp 0.3 x 20 = 6 steps, adjusted every step (a tenth of it, at least 1) -> memory falls, then holds.
-    assert [m["step"] for m in memory] == list(range(7))
-    allocated = [m["allocated_bytes"] for m in memory]
-    assert allocated == sorted(allocated, reverse=True) and allocated[-1] < allocated[0] / 2
-    assert dynamic["peak_allocated_bytes"] == allocated[0] and dynamic["compactions"] >= 1
-    for f, v in zip(("C1", "C3", "C5"), (200, 1000, 3000), strict=True):
-        assert memory[-1]["live_chunks"][f] == memory[-1]["capacity"][f] == math.ceil(0.25 * v * 4)
-    assert summary["embedding_bytes"] == memory[-1]["embedding_bytes"]
-    assert summary["selected_step"] >= 6 and 0.5 < summary["auc"] <= 1
-
-
 def test_position_discount_spreads_chunks_over_rows():
     """Equal utility on every chunk: plain scores keep whole rows, a position discount keeps first chunks first."""
     aux = {"utility": jnp.ones((6, 4)), "last": jnp.zeros(6, jnp.int32)}
@@ -214,3 +189,50 @@ def test_position_discount_spreads_chunks_over_rows():
         m = FiitedEmbedding(TableSpec("x", 6, 8, "fiited", {"position_discount": p}))
         order = np.argsort(-np.asarray(m.scores(None, aux, jnp.int32(0))).reshape(-1), kind="stable")[:6]
         assert np.bincount(order // 4, minlength=6).tolist() == want
+
+
+def test_a_fiited_run_reaches_its_budget_and_resumes_bit_identical_across_compactions(tmp_path, monkeypatch):
+    """The run's memory follows the budget down (summary.json `dynamic_tables`). Interrupted mid-ramp (after one compaction, before the last), resumed: the same final pools, indirection,
+    utility, optimizer state and metrics as the uninterrupted run -- with incremental (consecutive) checkpoints, so
+    the adjustments' freed and granted slots must be in the deltas and each compaction starts a new baseline."""
+    from test_checkpoint import assert_same_arrays, final_arrays, interrupted_run, tiny
+
+    from recjax import checkpoint
+    from recjax.train import train_and_evaluate
+
+    def config():
+        c = tiny(steps=20, policy="consecutive", keep=10, every_steps=3)
+        c.embedding.method = "fiited"
+        c.embedding.options.keep = 0.25
+        c.embedding.options.threshold = 100
+        return c
+
+    reference = train_and_evaluate(config(), tmp_path / "reference")
+    dynamic = reference["dynamic_tables"]
+    assert dynamic["features"] == ["C1", "C3", "C5"]  # vocab (200, 50, 1000, 8, 3000, 20) above 100
+    memory = dynamic["memory"]
+    # Ramp 0.3 x 20 = 6 steps, adjusted every step (a tenth of it, at least 1): memory falls, then holds.
+    assert [m["step"] for m in memory] == list(range(7))
+    allocated = [m["allocated_bytes"] for m in memory]
+    assert allocated == sorted(allocated, reverse=True) and allocated[-1] < allocated[0] / 2
+    assert dynamic["peak_allocated_bytes"] == allocated[0] and dynamic["compactions"] == 2
+    for f, v in zip(("C1", "C3", "C5"), (200, 1000, 3000), strict=True):
+        assert memory[-1]["live_chunks"][f] == memory[-1]["capacity"][f] == math.ceil(0.25 * v * 4)
+        assert sum(memory[-1]["rows_by_chunks"][f]) == v
+    assert reference["embedding_bytes"] == memory[-1]["embedding_bytes"]
+    assert reference["selected_step"] >= 6  # validation selects only once the budget holds
+
+    resumed = interrupted_run(config(), tmp_path / "resumed", monkeypatch, at_step=3)
+    assert_same_arrays(final_arrays(tmp_path / "reference"), final_arrays(tmp_path / "resumed"))
+    assert any(k.startswith("aux/C1/") for k in final_arrays(tmp_path / "resumed"))
+    timing = ("adjust_s", "adjust_compile_s", "compact_s", "recompile_s")
+    strip = lambda s: {k: v for k, v in s.items() if not k.endswith("_s") and k not in ("examples_per_sec",
+                                                                                          "peak_rss_bytes")}
+    a, b = dict(reference["dynamic_tables"]), dict(resumed["dynamic_tables"])
+    assert {k: v for k, v in a.items() if k not in timing} == {k: v for k, v in b.items() if k not in timing}
+    assert {k: v for k, v in strip(reference).items() if k != "dynamic_tables"} == \
+        {k: v for k, v in strip(resumed).items() if k != "dynamic_tables"}
+    kinds = {s: checkpoint.open_checkpoint(tmp_path / "reference" / "checkpoints", s).meta["kind"]
+             for s in (3, 6, 9)}
+    assert kinds[6] == "full"  # the pools were compacted at steps 5 and 6: a new baseline
+    assert kinds[9] == "delta"
