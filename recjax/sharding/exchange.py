@@ -286,10 +286,17 @@ class ShardedEmbedding:
 
     # --------------------------------------------------------------------------------------------- host side
     def put_batch(self, batch):
-        """A global host batch -> device arrays split over every device (recjax.sharding.step.put_batch)."""
+        """A host batch (multi-host: this process's rows) -> device arrays split over every device
+        (recjax.sharding.step.put_batch)."""
         from recjax.sharding.step import put_batch
 
         return put_batch(self, batch)
+
+    def process_rows(self, batch_size: int) -> slice | None:
+        """This process's rows of every global batch; None in a single-process run (recjax.sharding.step)."""
+        from recjax.sharding.step import process_rows
+
+        return process_rows(self, batch_size)
 
     def sharding(self, storage: str) -> NamedSharding:
         return NamedSharding(self.mesh, self.storages[storage].spec)
