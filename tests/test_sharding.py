@@ -96,6 +96,17 @@ def test_every_sharding_type_ran(runs):
     assert kinds == {"table", "row", "column", "replicated"}
 
 
+def test_expected_and_worst_case_buckets_both_ran(runs):
+    """sharding.capacity_factor (default 1.25): steps whose ids fit the expected buckets and steps that overflowed
+    them into the worst-case branch both happened in the cases above, which equal the single-device run."""
+    small_steps = overflow_steps = 0
+    for case in EXACT:
+        r = np.load(runs / f"{case}.npz")
+        small_steps += int((r["overflows"] < r["expected_buckets"]).sum())
+        overflow_steps += int((r["overflows"] > 0).sum())
+    assert small_steps > 0 and overflow_steps > 0, (small_steps, overflow_steps)
+
+
 # ------------------------------------------------------------------------------------------- compiled HLO
 def test_no_collective_or_temporary_has_a_table_size(runs):
     """In the compiled step (table-, row-, column-wise and replicated tables on a 4 x 2 mesh), every collective moves
@@ -112,6 +123,10 @@ def test_no_collective_or_temporary_has_a_table_size(runs):
     assert [c["bytes"] for c in small["collectives"]] == [c["bytes"] for c in large["collectives"]]
     assert small["temp_bytes"] == large["temp_bytes"]
     assert large["block_bytes"]["dim16/column"] == large["table_bytes"] // 8  # a slice of the column-wise table
+    # The row-/table-wise all_to_alls of a step without overflow are smaller than the worst-case branch's.
+    common = [c["bytes"] for c in small["collectives"] if c["op"] == "all-to-all" and not c["fallback"]]
+    fallback = [c["bytes"] for c in small["collectives"] if c["op"] == "all-to-all" and c["fallback"]]
+    assert fallback and max(common) < max(fallback)
 
 
 # ------------------------------------------------------------------------------------------ plans (1 device)
@@ -207,7 +222,9 @@ def test_config_errors_name_the_key():
                            ({"sharding__exchange_dtype": "int8"}, "sharding.exchange_dtype: unknown value"),
                            ({"sharding__row_axes": "data"}, "sharding.row_axes: unknown value"),
                            ({"mesh__shape": "data=x"}, "mesh.shape: cannot read"),
-                           ({"sharding__device_memory_bytes": -1}, "sharding.device_memory_bytes: must be >= 0")]:
+                           ({"sharding__device_memory_bytes": -1}, "sharding.device_memory_bytes: must be >= 0"),
+                           ({"sharding__capacity_factor": 0.5}, r"sharding.capacity_factor: must be 0 \(always the "
+                                                                r"worst case\) or >= 1, got 0.5")]:
         with pytest.raises(ConfigError, match=match):
             validate_config(config_with(**changes))
 

@@ -45,6 +45,9 @@ PLANS = ("auto", "table", "row", "column", "replicated")
 ROW_AXES = ("all", "model")
 ROW_SPLITS = ("range", "mod")
 EXCHANGE_DTYPES = ("float32", "bfloat16", "float16")
+# Row-wise / table-wise all_to_all buckets hold this many times the ids a device is expected to send an owner; a step
+# where some device has more takes the worst-case buckets instead (exact either way; recjax/sharding/exchange.py).
+CAPACITY_FACTOR = 1.25
 # auto: tables whose rows + optimizer state are at most this many bytes are replicated (lookups stay local).
 REPLICATE_BYTES = 64 * 1024
 

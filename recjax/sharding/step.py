@@ -116,7 +116,7 @@ def make_train_step(task, sharded: ShardedEmbedding, state, forward: Callable):
         invalid = jax.lax.psum(sum(routes["invalid_ids"].values(), jnp.zeros((), jnp.int32)), ALL_AXES)
         new_state = state.replace(step=step, dense_params=dense_params, dense_opt_state=dense_opt_state,
                                   tables=tables, sparse_opt_state=sparse_opt_state)
-        return new_state, {"loss": loss, "invalid_ids": invalid}
+        return new_state, {"loss": loss, "invalid_ids": invalid, "bucket_overflows": sharded.overflows(context)}
 
     specs = state_specs(sharded, state)
     step = jax.shard_map(local_step, mesh=sharded.mesh, in_specs=(specs, P(ALL_AXES)), out_specs=(specs, P()),
