@@ -166,6 +166,25 @@ def test_auto_splits_a_table_too_big_for_one_device():
     assert plan.placement("C0").sharding == "row"
 
 
+def test_auto_evens_the_blocks_of_each_storage():
+    """A storage is one [n L, d] array, so every device pays for the fullest: auto splits the fullest device's
+    largest whole tables by rows until no block holds more than 1.05x the mean (an oracle sum over part_rows);
+    `plan=table` keeps whole tables, and a pinned table stays where it was pinned."""
+    from recjax.sharding.plan import storage_rows
+
+    sizes = (1_000_000, 900_000, 12_517, 633, 93_145, 5683, 800_000, 3194, 286_181, 142_572, 14_992, 700_000)
+    infos = [TableInfo(f"C{i}", f"C{i}", "full", rows, 16, 1, 0) for i, rows in enumerate(sizes)]
+    table = make_plan(infos, MESH, 2048, plan="table", device_memory_bytes=2**34)
+    assert {p.sharding for p in table.placements} == {"table"}
+    rows = storage_rows(table.placements, 16, 8)
+    assert max(rows) > 1.3 * sum(rows) / 8  # whole tables: the 1M-row one alone is 2x the mean
+    auto = make_plan(infos, MESH, 2048, overrides="C2=table:3", device_memory_bytes=2**34)
+    rows = storage_rows(auto.placements, 16, 8)
+    assert sum(rows) + sum(p.table.rows for p in auto.placements if p.sharding == "replicated") == sum(sizes)
+    assert max(rows) <= 1.05 * sum(rows) / 8, rows
+    assert auto.placement("C0").sharding == "row" and auto.placement("C2").devices == (3,)
+
+
 def test_plan_that_cannot_fit_names_the_device_and_the_bytes():
     row_bytes = 4 * (16 + 32)
     with pytest.raises(ConfigError, match=r"sharding.plan: device 0 would hold 19,200,000 bytes .* has 19,199,952 "
