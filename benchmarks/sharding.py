@@ -20,7 +20,9 @@ Per line
   exchange_bytes                     all-to-all + all-gather bytes per device (the embedding exchange; the
                                      all-reduce is the dense gradients), next to minimum_exchange_bytes, the plan's
                                      unavoidable ids out + rows back + gradients back (recjax/sharding/plan.py),
-                                     and their ratio (the price of static worst-case buffers)
+                                     and their ratio (the price of static buffers); a step whose buckets overflow
+                                     `capacity_factor` x the expected ids runs the worst-case branch instead:
+                                     fallback_exchange_bytes, taken in overflow_steps of timed_steps
   peak_device_bytes                  XLA's memory analysis of the step: arguments + outputs + temporaries - aliased
   table_bytes_max / share            the largest per-device table block (incl. padding to the storage's row count)
                                      vs an even share (all tables / devices), and vs what the plan assigns it
@@ -79,6 +81,7 @@ def build(shape: dict, args, plan: str, seed: int = 0):
     config.mesh.shape = args.mesh
     config.sharding.plan = plan
     config.sharding.exchange_dtype = args.exchange_dtype
+    config.sharding.capacity_factor = args.capacity_factor
     spec = DatasetSpec(num_dense=13, features=tuple(FeatureSpec(f"C{i + 1}", v, shape["bag"])
                                                    for i, v in enumerate(sizes)))
     task = build_task(config, spec)
@@ -120,7 +123,11 @@ def measure(name: str, shape: dict, args) -> None:
         compile_s = time.perf_counter() - t0
         text = compiled.as_text()
         ops: dict[str, dict[str, int]] = {}
+        fallback = 0  # the worst-case buckets' branch, run only by a step whose buckets overflow
         for c in hlo.collectives(text):
+            if c["fallback"]:
+                fallback += c["bytes"]
+                continue
             entry = ops.setdefault(c["op"], {"count": 0, "bytes": 0})
             entry["count"] += 1
             entry["bytes"] += c["bytes"]
@@ -145,6 +152,7 @@ def measure(name: str, shape: dict, args) -> None:
         steps = {"single": lambda s: single_step(s, single_batch),
                  "sharded": lambda s, step=compiled, batch=device_batch: step(s, batch)}
         times: dict[str, list[float]] = {"single": [], "sharded": []}
+        overflows = []
         for which in states:  # warm up
             states[which], m = steps[which](states[which])
             jax.block_until_ready(m)
@@ -154,6 +162,8 @@ def measure(name: str, shape: dict, args) -> None:
                 states[which], m = steps[which](states[which])
                 jax.block_until_ready(m)
                 times[which].append(time.perf_counter() - t0)
+                if which == "sharded":
+                    overflows.append(int(m["bucket_overflows"]))
         single_state = states["single"]
         record = {
             "name": name, "plan": plan, "mesh": dict(sharded.plan.mesh_shape),
@@ -164,6 +174,8 @@ def measure(name: str, shape: dict, args) -> None:
             "compile_s": compile_s,
             "collectives": ops,
             "exchange_bytes": exchange, "minimum_exchange_bytes": minimum, "exchange_ratio": exchange / minimum,
+            "capacity_factor": args.capacity_factor, "fallback_exchange_bytes": fallback,
+            "overflow_steps": sum(o > 0 for o in overflows), "timed_steps": len(overflows),
             "peak_device_bytes": int(peak),
             "table_bytes_max": max(per_device), "table_bytes_share": total_rows / sharded.mesh.size,
             "table_max_over_share": max(per_device) / (total_rows / sharded.mesh.size),
@@ -184,6 +196,7 @@ def main(argv=None) -> None:
     parser.add_argument("--devices", type=int, default=8, help="CPU devices (jax_num_cpu_devices)")
     parser.add_argument("--mesh", default="data=4,model=2", help="config.mesh.shape")
     parser.add_argument("--exchange_dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--capacity_factor", type=float, default=1.25, help="config.sharding.capacity_factor")
     parser.add_argument("--vocab_cap", type=int, default=1_000_000, help="kaggle_b2048: rows per table at most")
     parser.add_argument("--reference_rows", type=int, default=100_000, help="reference_random: rows per table")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per contender (medians reported)")

@@ -263,13 +263,18 @@ def check_sharding(config: Mapping) -> None:
         parse_mesh_shape(_get(config, "mesh.shape"))
     if "sharding" in config:
         known_keys(config, "sharding", {"plan", "tables", "row_axes", "row_split", "exchange_dtype",
-                                        "device_memory_bytes"})
+                                        "device_memory_bytes", "capacity_factor"})
         choice(config, "sharding.plan", PLANS)
         check_text("sharding.tables", _get(config, "sharding.tables"))
         choice(config, "sharding.row_axes", ROW_AXES)
         choice(config, "sharding.row_split", ROW_SPLITS)
         choice(config, "sharding.exchange_dtype", EXCHANGE_DTYPES)
         integer(config, "sharding.device_memory_bytes", 0)
+        if "capacity_factor" in _get(config, "sharding"):
+            factor = number(config, "sharding.capacity_factor", at_least=0.0)
+            if 0 < factor < 1:
+                raise ConfigError("sharding.capacity_factor", f"must be 0 (always the worst case) or >= 1, got "
+                                                              f"{factor}")
 
 
 def check_data(config: Mapping) -> None:

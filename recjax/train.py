@@ -315,16 +315,25 @@ def flops_per_example(compiled, batch_size: int) -> float:
 
 
 def evaluate(task: Task, predict_step, state: TrainState, dataset, batch_size: int, split: str,
-             put=jax.device_put) -> dict[str, float]:
+             put=jax.device_put, rows: slice | None = None) -> dict[str, float]:
     """Exact metrics over the whole `split` (short last batch padded, padding dropped); `put` places a batch (a
-    mesh run splits it over the devices)."""
+    mesh run splits it over the devices). Multi-host, `rows` is this process's share of every batch: each process
+    reads only its rows, and every process computes the metrics over all processes' rows, each row once."""
     labels, probs = [], []
-    for i, batch in enumerate(dataset.eval_batches(batch_size, split)):
+    share = {} if rows is None else {"rows": rows}
+    local_size = batch_size if rows is None else rows.stop - rows.start
+    for i, batch in enumerate(dataset.eval_batches(batch_size, split, **share)):
         validate_batch(batch, task.spec, any_id=task.collection.any_id_features, where=f"{split} batch {i}")
         n = batch.size
-        p = predict_step(state, put(pad_batch(batch, batch_size)))
-        probs.append(sharding.to_host(p)[:n])
-        labels.append(batch.labels)
+        padded = pad_batch(batch, local_size)
+        p = sharding.to_host(predict_step(state, put(padded)))
+        if rows is None:
+            probs.append(p[:n])
+            labels.append(batch.labels)
+        else:  # every process's labels and which rows are real (a share of the short last batch may be empty)
+            label, real = (sharding.to_host(x) for x in put((padded.labels, np.arange(local_size) < n)))
+            probs.append(p[real])
+            labels.append(label[real])
     labels, probs = np.concatenate(labels), np.concatenate(probs)
     if not np.all(np.isfinite(probs)):
         raise FloatingPointError("model produced non-finite predictions; lower the learning rates")
@@ -423,8 +432,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     put = jax.device_put if sharded is None else sharded.put_batch
     # Step i's batch is a pure function of (seed, i), so a resumed run restarts the stream at its step.
     start = resume.step if resume else 0
+    # Multi-host: each process reads only its devices' rows of every batch (the batch is the same for any number
+    # of processes); the processes' shares make the global arrays (`put`).
+    rows = sharded.process_rows(int(config.train.batch_size)) if sharded is not None else None
+    share = {} if rows is None else {"rows": rows}
+    if rows is not None:
+        print(f"data: process {jax.process_index()} of {jax.process_count()} reads rows [{rows.start}, {rows.stop}) "
+              f"of every batch of {config.train.batch_size}", flush=True)
     try:
-        with DevicePrefetcher(dataset.train_batches(int(config.train.batch_size), start), validate,
+        with DevicePrefetcher(dataset.train_batches(int(config.train.batch_size), start, **share), validate,
                               put=put) as batches:
             return _train_loop(config, workdir, dataset, task, budget, batches, sharded, checkpointer, resume,
                                dynamic)
@@ -442,7 +458,10 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
 
     # --- state, steps, cost analysis --------------------------------------------------------------
     first = next(batches)
-    eval_host = pad_batch(next(dataset.eval_batches(batch_size, "validation")), batch_size)
+    rows = sharded.process_rows(batch_size) if sharded is not None else None  # multi-host: this process's share
+    share = {} if rows is None else {"rows": rows}
+    eval_host = pad_batch(next(dataset.eval_batches(batch_size, "validation", **share)),
+                          batch_size if rows is None else rows.stop - rows.start)
     make_train, make_predict, put = make_train_step, make_predict_step, jax.device_put
     loop = {}  # the loop's own state (selection, history, times), restored with a checkpoint
     if sharded is not None:  # the single-device initial state laid out by the plan; steps under shard_map
@@ -504,7 +523,7 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
                 writer.add_scalar(f"{row['split']}/{k}", v, row["step"])
 
     def scored(split: str, step: int) -> dict:
-        result = evaluate(task, predict_step, state, dataset, batch_size, split, put)
+        result = evaluate(task, predict_step, state, dataset, batch_size, split, put, rows)
         log_row({"step": step, "split": split, **{k: result[k] for k in METRICS},
                  "elapsed_s": time.perf_counter() - run_start})
         return result

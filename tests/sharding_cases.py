@@ -97,12 +97,13 @@ def run_case(name: str, out: pathlib.Path) -> None:
     assert sharded is not None
     sharded_state, sharded_train, sharded_predict, put = sharding.prepare(task, sharded, state, train._forward)
     ref_train, ref_predict = train.make_train_step(task), train.make_predict_step(task)
-    result = {"ref_loss": [], "loss": []}
+    result = {"ref_loss": [], "loss": [], "overflows": []}
     for batch in batches:
         state, ref_metrics = ref_train(state, jax.device_put(batch))
         sharded_state, metrics = sharded_train(sharded_state, put(batch))
         result["ref_loss"].append(float(ref_metrics["loss"]))
         result["loss"].append(float(metrics["loss"]))
+        result["overflows"].append(int(metrics["bucket_overflows"]))
     result["ref_logits"] = np.asarray(ref_predict(state, jax.device_put(batches[0])))
     result["logits"] = np.asarray(sharded_predict(sharded_state, put(batches[0])))
     back = sharded_step.unshard_state(sharded, sharded_state)
@@ -119,6 +120,10 @@ def run_case(name: str, out: pathlib.Path) -> None:
         result[f"ref_dense/{key}"] = np.asarray(ref)
         result[f"dense/{key}"] = np.asarray(value)
     result["shardings"] = np.array(sorted({p.sharding for p in sharded.plan.placements}))
+    # Storages whose all_to_all buckets are smaller than the worst case (a step takes the worst case on overflow).
+    result["expected_buckets"] = sum(small < capacity for capacity, small in
+                                     (sharded.capacities(s, BATCH // 8) for s in sharded.storages.values()
+                                      if s.kind in ("sharded", "model")))
     np.savez(out / f"{name}.npz", **result)
 
 
@@ -157,8 +162,8 @@ def hlo_facts(rows: int, exchange_dtype: str = "float32") -> dict:
     return {
         "table_bytes": rows * 16 * 4,
         "block_bytes": blocks,
-        "collectives": [{"op": c["op"], "bytes": c["largest"], "dtypes": c["dtypes"], "line": c["line"]}
-                        for c in collectives],
+        "collectives": [{"op": c["op"], "bytes": c["largest"], "dtypes": c["dtypes"], "fallback": c["fallback"],
+                         "line": c["line"]} for c in collectives],
         "largest_instruction_bytes": largest,
         "all_to_all_dtypes_requested": requested,
         "temp_bytes": int(memory.temp_size_in_bytes),

@@ -111,3 +111,26 @@ def test_a_split_without_rows_is_a_clear_error(tmp_path):
 def test_unknown_split(prepared):
     with pytest.raises(ValueError, match="unknown split 'dev'"):
         next(PreparedDataset(prepared, seed=0).eval_batches(10, "dev"))
+
+
+def test_process_shares_are_disjoint_and_make_the_global_batches(prepared):
+    """Multi-host: process i reads rows [i B/n, (i+1) B/n) of every global batch and nothing else; their shares,
+    side by side, are the single-process batches (train from a resumed step across epochs, and eval with a short
+    last batch, where a process's share may be empty)."""
+    ds = PreparedDataset(prepared, seed=5)
+    shares = [slice(0, 25), slice(25, 50), slice(50, 75), slice(75, 100)]
+    whole = ds.train_batches(100, start_step=7)
+    parts = [ds.train_batches(100, start_step=7, rows=r) for r in shares]
+    for _ in range(6):  # steps 7..12 cross the first epoch's end (1000 rows)
+        batch, local = next(whole), [next(p) for p in parts]
+        assert [b.size for b in local] == [25] * 4
+        np.testing.assert_array_equal(concatenate(local).dense, batch.dense)
+        np.testing.assert_array_equal(concatenate(local).ids["g"], batch.ids["g"])
+    for split in ("validation", "test"):  # 70 and 130 rows in batches of 100
+        whole = list(ds.eval_batches(100, split))
+        local = [list(ds.eval_batches(100, split, rows=r)) for r in shares]
+        assert all(len(b) == len(whole) for b in local)
+        for i, batch in enumerate(whole):
+            np.testing.assert_array_equal(concatenate([b[i] for b in local]).labels, batch.labels)
+    assert [[b.size for b in ds.eval_batches(100, "test", rows=r)] for r in shares] == [[25, 25], [25, 5], [25, 0],
+                                                                                         [25, 0]]

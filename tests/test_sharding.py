@@ -96,6 +96,17 @@ def test_every_sharding_type_ran(runs):
     assert kinds == {"table", "row", "column", "replicated"}
 
 
+def test_expected_and_worst_case_buckets_both_ran(runs):
+    """sharding.capacity_factor (default 1.25): steps whose ids fit the expected buckets and steps that overflowed
+    them into the worst-case branch both happened in the cases above, which equal the single-device run."""
+    small_steps = overflow_steps = 0
+    for case in EXACT:
+        r = np.load(runs / f"{case}.npz")
+        small_steps += int((r["overflows"] < r["expected_buckets"]).sum())
+        overflow_steps += int((r["overflows"] > 0).sum())
+    assert small_steps > 0 and overflow_steps > 0, (small_steps, overflow_steps)
+
+
 # ------------------------------------------------------------------------------------------- compiled HLO
 def test_no_collective_or_temporary_has_a_table_size(runs):
     """In the compiled step (table-, row-, column-wise and replicated tables on a 4 x 2 mesh), every collective moves
@@ -112,6 +123,10 @@ def test_no_collective_or_temporary_has_a_table_size(runs):
     assert [c["bytes"] for c in small["collectives"]] == [c["bytes"] for c in large["collectives"]]
     assert small["temp_bytes"] == large["temp_bytes"]
     assert large["block_bytes"]["dim16/column"] == large["table_bytes"] // 8  # a slice of the column-wise table
+    # The row-/table-wise all_to_alls of a step without overflow are smaller than the worst-case branch's.
+    common = [c["bytes"] for c in small["collectives"] if c["op"] == "all-to-all" and not c["fallback"]]
+    fallback = [c["bytes"] for c in small["collectives"] if c["op"] == "all-to-all" and c["fallback"]]
+    assert fallback and max(common) < max(fallback)
 
 
 # ------------------------------------------------------------------------------------------ plans (1 device)
@@ -149,6 +164,25 @@ def test_auto_splits_a_table_too_big_for_one_device():
     row_bytes = 4 * (16 + 32)
     plan = make_plan(big, MESH, 64, device_memory_bytes=20_000 * row_bytes)
     assert plan.placement("C0").sharding == "row"
+
+
+def test_auto_evens_the_blocks_of_each_storage():
+    """A storage is one [n L, d] array, so every device pays for the fullest: auto splits the fullest device's
+    largest whole tables by rows until no block holds more than 1.05x the mean (an oracle sum over part_rows);
+    `plan=table` keeps whole tables, and a pinned table stays where it was pinned."""
+    from recjax.sharding.plan import storage_rows
+
+    sizes = (1_000_000, 900_000, 12_517, 633, 93_145, 5683, 800_000, 3194, 286_181, 142_572, 14_992, 700_000)
+    infos = [TableInfo(f"C{i}", f"C{i}", "full", rows, 16, 1, 0) for i, rows in enumerate(sizes)]
+    table = make_plan(infos, MESH, 2048, plan="table", device_memory_bytes=2**34)
+    assert {p.sharding for p in table.placements} == {"table"}
+    rows = storage_rows(table.placements, 16, 8)
+    assert max(rows) > 1.3 * sum(rows) / 8  # whole tables: the 1M-row one alone is 2x the mean
+    auto = make_plan(infos, MESH, 2048, overrides="C2=table:3", device_memory_bytes=2**34)
+    rows = storage_rows(auto.placements, 16, 8)
+    assert sum(rows) + sum(p.table.rows for p in auto.placements if p.sharding == "replicated") == sum(sizes)
+    assert max(rows) <= 1.05 * sum(rows) / 8, rows
+    assert auto.placement("C0").sharding == "row" and auto.placement("C2").devices == (3,)
 
 
 def test_plan_that_cannot_fit_names_the_device_and_the_bytes():
@@ -207,7 +241,9 @@ def test_config_errors_name_the_key():
                            ({"sharding__exchange_dtype": "int8"}, "sharding.exchange_dtype: unknown value"),
                            ({"sharding__row_axes": "data"}, "sharding.row_axes: unknown value"),
                            ({"mesh__shape": "data=x"}, "mesh.shape: cannot read"),
-                           ({"sharding__device_memory_bytes": -1}, "sharding.device_memory_bytes: must be >= 0")]:
+                           ({"sharding__device_memory_bytes": -1}, "sharding.device_memory_bytes: must be >= 0"),
+                           ({"sharding__capacity_factor": 0.5}, r"sharding.capacity_factor: must be 0 \(always the "
+                                                                r"worst case\) or >= 1, got 0.5")]:
         with pytest.raises(ConfigError, match=match):
             validate_config(config_with(**changes))
 

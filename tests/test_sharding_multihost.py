@@ -1,5 +1,7 @@
 """Multi-host: 2 processes x 2 CPU devices on 127.0.0.1 (jax.distributed, gloo) train the same model as one process
-with 4 devices on the same global batches; only process 0 writes the summary. Partial multi-host flags are errors."""
+with 4 devices on the same global batches, each process reading only its half of every batch (train and eval; the
+last validation batch of 72 = 2 x 32 + 8 rows lies wholly in process 0's half); only process 0 writes the summary.
+Partial multi-host flags are errors."""
 
 import csv
 import json
@@ -15,7 +17,7 @@ from recjax.sharding import multihost
 from tests.test_sharding import FAST_COMPILE
 
 ARGS = ["--config.train.steps=3", "--config.train.batch_size=32", "--config.train.eval_every=3",
-        "--config.train.log_every=1", "--config.data.eval_examples=64", "--config.train.progress_bar=False",
+        "--config.train.log_every=1", "--config.data.eval_examples=72", "--config.train.progress_bar=False",
         "--config.data.vocab_sizes=7,300,1000,50,120", "--config.data.bag_sizes=1,3,1,2,1",
         "--config.model.dlrm.bottom_mlp=8,16", "--config.model.dlrm.top_mlp=16,1", "--config.mesh.shape=data=2,model=2",
         "--config.sharding.plan=table", "--config.sharding.tables=C1=row,C2=column,C3=replicated"]
@@ -52,6 +54,8 @@ def test_two_processes_equal_one_process_with_four_devices(tmp_path):
     outputs = [finish(p) for p in hosts]
     finish(launch(tmp_path / "single", "--cpu_devices=4"))
     assert '"auc"' in outputs[0] and '"auc"' not in outputs[1]  # only process 0 prints the headline
+    for i, out in enumerate(outputs):  # disjoint halves of every batch
+        assert f"data: process {i} of 2 reads rows [{16 * i}, {16 * i + 16}) of every batch of 32" in out, out[-3000:]
     assert (tmp_path / "multi" / "summary.json").is_file()
     assert not (tmp_path / "multi" / "process_1" / "summary.json").exists()
     multi, single = rows(tmp_path / "multi" / "metrics.csv"), rows(tmp_path / "single" / "metrics.csv")
@@ -62,6 +66,8 @@ def test_two_processes_equal_one_process_with_four_devices(tmp_path):
                 assert float(m[key]) == pytest.approx(float(s[key]), rel=1e-5, abs=1e-6), (m, s, key)
     summary = json.loads((tmp_path / "multi" / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["mesh_shape"] == {"data": 2, "model": 2}
+    # Each validation / test row counted once (duplicated rows would leave AUC and logloss unchanged).
+    assert summary["validation"]["eval_examples"] == summary["test"]["eval_examples"] == 72
 
 
 def test_partial_multihost_flags_are_config_errors(monkeypatch):

@@ -148,3 +148,26 @@ def test_high_order_term_changes_labels_but_not_the_features_and_keeps_the_ctr()
 def test_bad_teacher_settings_are_rejected(kw, match):
     with pytest.raises(ValueError, match=match):
         small(**kw)
+
+
+def test_process_shares_are_the_rows_of_the_global_batches():
+    """Multi-host: process i generates only rows [i B/n, (i+1) B/n) of every batch; side by side they are the
+    single-process batches (multi-hot lengths, labels and all), and eval shares cover the split once."""
+    ds = small(bag_sizes=(1, 4, 2))
+    shares = [slice(0, 16), slice(16, 32)]
+    whole = ds.train_batches(32, start_step=3)
+    parts = [ds.train_batches(32, start_step=3, rows=r) for r in shares]
+    for _ in range(2):
+        batch, local = next(whole), [next(p) for p in parts]
+        assert [b.size for b in local] == [16, 16]
+        for name in batch.ids:
+            np.testing.assert_array_equal(np.concatenate([b.ids[name] for b in local]), batch.ids[name])
+            np.testing.assert_array_equal(np.concatenate([b.lengths[name] for b in local]), batch.lengths[name])
+        np.testing.assert_array_equal(np.concatenate([b.labels for b in local]), batch.labels)
+        np.testing.assert_array_equal(np.concatenate([b.dense for b in local]), batch.dense)
+    shares = [slice(0, 1000), slice(1000, 2000), slice(2000, 3000)]  # 5000 rows in batches of 3000
+    assert [[b.size for b in ds.eval_batches(3000, "test", rows=r)] for r in shares] == [[1000, 1000],
+                                                                                         [1000, 1000], [1000, 0]]
+    labels = np.concatenate([b.labels for i in range(2) for r in shares
+                             for j, b in enumerate(ds.eval_batches(3000, "test", rows=r)) if j == i])
+    np.testing.assert_array_equal(labels, np.concatenate([b.labels for b in ds.eval_batches(3000, "test")]))

@@ -1,6 +1,8 @@
-"""Datasets. Each exposes `spec` (DatasetSpec), `train_batches(batch_size, start_step)` (endless),
-`eval_batches(batch_size, split)` for "validation" and "test", `num_examples(split)` (None for an endless train
-stream) and `info()` (extra summary fields, e.g. the synthetic teacher's `bayes_auc`, a parse report)."""
+"""Datasets. Each exposes `spec` (DatasetSpec), `train_batches(batch_size, start_step, rows=None)` (endless),
+`eval_batches(batch_size, split, rows=None)` for "validation" and "test", `num_examples(split)` (None for an endless
+train stream) and `info()` (extra summary fields, e.g. the synthetic teacher's `bayes_auc`, a parse report).
+`rows` (a slice of [0, batch_size)) makes a reader yield only those rows of every batch -- a multi-host process's
+share -- and eval readers then yield one (possibly empty) share per batch."""
 
 import ml_collections
 

@@ -21,6 +21,45 @@ def concatenate(batches: list[Batch]) -> Batch:
                  labels=np.concatenate([b.labels for b in batches]))
 
 
+def empty_batch(spec: DatasetSpec) -> Batch:
+    """A batch of 0 rows (a process's share of a short last eval batch may be empty)."""
+    return Batch(dense=np.zeros((0, spec.num_dense), np.float32),
+                 ids={f.name: np.zeros((0, f.bag_size), np.int32) for f in spec.features},
+                 lengths={f.name: np.zeros(0, np.int32) for f in spec.features}, labels=np.zeros(0, np.float32))
+
+
+def check_rows(rows: slice | None, batch_size: int) -> slice:
+    """`rows` of every global batch of `batch_size` a reader yields (multi-host: this process's devices' rows);
+    None = all of them."""
+    if rows is None:
+        return slice(0, batch_size)
+    if not (rows.step in (None, 1) and 0 <= rows.start < rows.stop <= batch_size):
+        raise ValueError(f"rows {rows} must be a non-empty [start, stop) within a batch of {batch_size}")
+    return rows
+
+
+def eval_shares(examples: int, batch_size: int, rows: slice) -> list[int]:
+    """How many rows of each global eval batch (ceil(examples / batch_size) of them; the last may be short) fall in
+    `rows`: a process yields one batch per global batch, possibly empty, so every process runs as many steps."""
+    sizes = [min(batch_size, examples - start) for start in range(0, examples, batch_size)]
+    return [max(0, min(rows.stop, size) - rows.start) for size in sizes]
+
+
+def cut(blocks: Iterable[Batch], sizes: Iterable[int], spec: DatasetSpec) -> Iterator[Batch]:
+    """Cut a stream of blocks into consecutive batches of the given sizes (0 gives an empty batch)."""
+    blocks = iter(blocks)
+    pending, have = [], 0
+    for size in sizes:
+        while have < size:
+            block = next(blocks)
+            pending.append(block)
+            have += block.size
+        merged = concatenate(pending) if len(pending) > 1 else (pending[0] if pending else empty_batch(spec))
+        yield take(merged, slice(0, size))
+        rest = take(merged, slice(size, None))
+        pending, have = ([rest] if rest.size else []), rest.size
+
+
 def rebatch(blocks: Iterable[Batch], batch_size: int, skip_rows: int = 0) -> Iterator[Batch]:
     """Cut a stream of blocks into batches of exactly `batch_size` rows (the final remainder is yielded short)."""
     pending: list[Batch] = []
@@ -60,8 +99,9 @@ class ArrayDataset:
     def num_examples(self, split: str) -> int:
         return self.splits[split].size
 
-    def train_batches(self, batch_size: int, start_step: int = 0) -> Iterator[Batch]:
-        """Endless shuffled stream of full batches."""
+    def train_batches(self, batch_size: int, start_step: int = 0, rows: slice | None = None) -> Iterator[Batch]:
+        """Endless shuffled stream of full batches (only `rows` of each: multi-host, this process's share)."""
+        rows = check_rows(rows, batch_size)
         data = self.splits["train"]
         n = data.size
         if n == 0:
@@ -79,9 +119,10 @@ class ArrayDataset:
                 index[filled:filled + part.size] = part
                 filled += part.size
                 row += part.size
-            yield take(data, index)
+            yield take(data, index[rows])
 
-    def eval_batches(self, batch_size: int, split: str) -> Iterator[Batch]:
+    def eval_batches(self, batch_size: int, split: str, rows: slice | None = None) -> Iterator[Batch]:
         data = self.splits[split]
+        rows = check_rows(rows, batch_size)
         for start in range(0, data.size, batch_size):
-            yield take(data, slice(start, start + batch_size))
+            yield take(data, slice(min(start + rows.start, data.size), min(start + rows.stop, data.size)))

@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from recjax.batch import Batch
-from recjax.data.arrays import rebatch, take
+from recjax.data.arrays import check_rows, cut, eval_shares, rebatch, take
 from recjax.errors import DataError
 from recjax.specs import SPLITS, DatasetSpec, FeatureSpec
 
@@ -207,25 +207,43 @@ class PreparedDataset:
         n = len(source)
         return 0 if n == 0 else (n - 1) * self.block_rows + len(source[n - 1]["labels"])
 
-    def _read_blocks(self, split: str, order: np.ndarray, shuffle_rows_seed: list[int] | None) -> Iterator[Batch]:
-        source = self.sources[split]
-        spec = self.spec
+    def _block_sizes(self, split: str) -> np.ndarray:
+        """i64[n_blocks]: every block holds `block_rows` rows but the split's last."""
+        n = len(self.sources[split])
+        sizes = np.full(n, self.block_rows, np.int64)
+        if n:
+            sizes[-1] = self.num_examples(split) - (n - 1) * self.block_rows
+        return sizes
 
-        def read(i):
-            block = unpack_block(source[int(i)], spec)
+    def _read_rows(self, split: str, order: np.ndarray, first_row: int, wanted, shuffle_rows_seed: list[int] | None
+                   ) -> Iterator[Batch]:
+        """The rows `wanted(position i64[k]) -> bool[k]` of the blocks in `order`, whose rows (shuffled within a
+        block with `shuffle_rows_seed`) sit back to back from stream position `first_row`. Blocks without a wanted
+        row are never read, so a multi-host process decodes only blocks holding its rows."""
+        source, spec = self.sources[split], self.spec
+        sizes = self._block_sizes(split)[order]
+        starts = first_row + np.cumsum(sizes) - sizes
+
+        def read(k):
+            keep = np.flatnonzero(wanted(starts[k] + np.arange(sizes[k])))
+            if keep.size == 0:
+                return None
+            i = int(order[k])
+            block = unpack_block(source[i], spec)
             if shuffle_rows_seed is not None:
-                perm = np.random.default_rng(shuffle_rows_seed + [int(i)]).permutation(block.size)
-                block = take(block, perm)
-            return block
+                keep = np.random.default_rng(shuffle_rows_seed + [i]).permutation(block.size)[keep]
+            return block if keep.size == block.size and shuffle_rows_seed is None else take(block, keep)
 
-        dataset = grain.MapDataset.source(order.tolist()).map(read)
+        dataset = grain.MapDataset.source(list(range(len(order)))).map(read)
         options = grain.ReadOptions(num_threads=self.read_threads, prefetch_buffer_size=4)
-        yield from dataset.to_iter_dataset(options)
+        yield from (block for block in dataset.to_iter_dataset(options) if block is not None)
 
-    def train_batches(self, batch_size: int, start_step: int = 0) -> Iterator[Batch]:
+    def train_batches(self, batch_size: int, start_step: int = 0, rows: slice | None = None) -> Iterator[Batch]:
         """Endless stream: each epoch visits blocks in a seeded random order and shuffles rows within blocks.
         Epochs follow each other without a gap, so `steps * batch_size` rows are `steps * batch_size /
-        num_examples("train")` epochs exactly."""
+        num_examples("train")` epochs exactly. With `rows` (multi-host: this process's share), only those rows of
+        each batch -- step i's batch is the same whatever the number of processes, each reads its disjoint part."""
+        rows = check_rows(rows, batch_size)
         source = self.sources["train"]
         n_blocks = len(source)
         if n_blocks == 0:
@@ -233,24 +251,28 @@ class PreparedDataset:
         rows_per_epoch = self.num_examples("train")
         skip = start_step * batch_size
 
+        def wanted(position):
+            within = position % batch_size
+            return (position >= skip) & (within >= rows.start) & (within < rows.stop)
+
         def blocks():
-            epoch, rows_to_skip = divmod(skip, rows_per_epoch)
+            epoch = skip // rows_per_epoch
             while True:
                 order = np.random.default_rng([self.seed, epoch]).permutation(n_blocks)
-                for block in self._read_blocks("train", order, [self.seed, epoch]):
-                    if rows_to_skip >= block.size:
-                        rows_to_skip -= block.size
-                        continue
-                    if rows_to_skip:
-                        block, rows_to_skip = take(block, slice(rows_to_skip, None)), 0
-                    yield block
+                yield from self._read_rows("train", order, epoch * rows_per_epoch, wanted, [self.seed, epoch])
                 epoch += 1
 
-        return rebatch(blocks(), batch_size)
+        return rebatch(blocks(), rows.stop - rows.start)
 
-    def eval_batches(self, batch_size: int, split: str) -> Iterator[Batch]:
-        """`split` in file order, in batches of `batch_size` (the last one may be shorter)."""
+    def eval_batches(self, batch_size: int, split: str, rows: slice | None = None) -> Iterator[Batch]:
+        """`split` in file order, in batches of `batch_size` (the last one may be shorter); with `rows`, only those
+        rows of each batch (one batch per global batch, possibly empty)."""
         if split not in SPLITS:
             raise ValueError(f"unknown split '{split}'; use one of {SPLITS}")
         order = np.arange(len(self.sources[split]))
-        return rebatch(self._read_blocks(split, order, None), batch_size)
+        if rows is None:
+            return rebatch(self._read_rows(split, order, 0, lambda p: np.ones(p.shape, bool), None), batch_size)
+        rows = check_rows(rows, batch_size)
+        within = lambda p: (p % batch_size >= rows.start) & (p % batch_size < rows.stop)  # noqa: E731
+        shares = eval_shares(self.num_examples(split), batch_size, rows)
+        return cut(self._read_rows(split, order, 0, within, None), shares, self.spec)

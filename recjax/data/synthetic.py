@@ -45,7 +45,7 @@ import numpy as np
 
 from recjax import metrics
 from recjax.batch import Batch
-from recjax.data.arrays import concatenate
+from recjax.data.arrays import check_rows, concatenate
 from recjax.specs import DatasetSpec, FeatureSpec
 
 # Per-feature cardinalities of Criteo Kaggle (facebookresearch/dlrm, day-based split).
@@ -167,19 +167,24 @@ class SyntheticDataset:
         """Held-out split sizes; None for train, which is endless (budgets are in steps, not epochs)."""
         return None if split == "train" else self._held_out[split].size
 
-    def train_batches(self, batch_size: int, start_step: int = 0) -> Iterator[Batch]:
-        """Endless training stream; batch i depends only on (seed, batch_size, i)."""
+    def train_batches(self, batch_size: int, start_step: int = 0, rows: slice | None = None) -> Iterator[Batch]:
+        """Endless training stream; batch i depends only on (seed, batch_size, i). With `rows` (multi-host: this
+        process's share), only those rows of each batch: the random draws of the whole batch are made (they are
+        sequential in one generator, and cheap), the features, teacher and labels only for `rows`."""
+        rows = check_rows(rows, batch_size)
         step = start_step
         while True:
-            batch, _ = self._batch(np.random.default_rng([self.seed, _TRAIN, batch_size, step]), batch_size)
+            batch, _ = self._batch(np.random.default_rng([self.seed, _TRAIN, batch_size, step]), batch_size, rows)
             yield batch
             step += 1
 
-    def eval_batches(self, batch_size: int, split: str) -> Iterator[Batch]:
-        """The fixed "validation" or "test" split in batches of `batch_size` (the last one may be shorter)."""
+    def eval_batches(self, batch_size: int, split: str, rows: slice | None = None) -> Iterator[Batch]:
+        """The fixed "validation" or "test" split in batches of `batch_size` (the last one may be shorter); with
+        `rows`, only those rows of each batch (possibly none of the last one)."""
         data = self._held_out[split]
+        rows = check_rows(rows, batch_size)
         for start in range(0, data.size, batch_size):
-            sl = slice(start, min(start + batch_size, data.size))
+            sl = slice(min(start + rows.start, data.size), min(start + rows.stop, data.size))
             yield Batch(dense=data.dense[sl], ids={k: v[sl] for k, v in data.ids.items()},
                         lengths={k: v[sl] for k, v in data.lengths.items()}, labels=data.labels[sl])
 
@@ -215,15 +220,16 @@ class SyntheticDataset:
         return self._combine(self._teacher_terms(batch.dense, ids, lengths), self._offset)
 
     # ----------------------------------------------------------------------------------- generation
-    def _features(self, rng: np.random.Generator, n: int):
-        """dense f32[n, num_dense], ids i64[n, F, Lmax], lengths i64[n, F]."""
-        z = rng.standard_normal((n, self.spec.num_dense))
+    def _features(self, rng: np.random.Generator, n: int, rows: slice = slice(None)):
+        """dense f32[n, num_dense], ids i64[n, F, Lmax], lengths i64[n, F] (only `rows` of the n drawn)."""
+        z = rng.standard_normal((n, self.spec.num_dense))[rows]
         dense = np.log1p(np.floor(np.exp(1.5 * z + 1.0))).astype(np.float32)
         num_features = len(self._vocab)
-        u = rng.random((n, num_features, self._max_bag))
+        u = rng.random((n, num_features, self._max_bag))[rows]
         ranks = _zipf_ranks(u, self._vocab[None, :, None], self.zipf_exponent)
         ids = self._perm[self._perm_offset[None, :, None] + ranks].astype(np.int64)
-        lengths = np.where(self._bag[None, :] > 1, rng.integers(1, self._bag[None, :] + 1, (n, num_features)), 1)
+        drawn = rng.integers(1, self._bag[None, :] + 1, (n, num_features))[rows]
+        lengths = np.where(self._bag[None, :] > 1, drawn, 1)
         slot = np.arange(self._max_bag)[None, None, :]
         ids = np.where(slot < lengths[:, :, None], ids, 0)
         return dense, ids, lengths
@@ -257,10 +263,10 @@ class SyntheticDataset:
         mix = sum(w * t / s for w, t, s in zip(self.weights, terms, self._term_std, strict=True))
         return offset + self.logit_scale * mix / np.sqrt(sum(w * w for w in self.weights))
 
-    def _batch(self, rng: np.random.Generator, n: int) -> tuple[Batch, np.ndarray]:
-        dense, ids, lengths = self._features(rng, n)
+    def _batch(self, rng: np.random.Generator, n: int, rows: slice = slice(None)) -> tuple[Batch, np.ndarray]:
+        dense, ids, lengths = self._features(rng, n, rows)
         logits = self._combine(self._teacher_terms(dense, ids, lengths), self._offset)
-        labels = (rng.random(n) < 1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+        labels = (rng.random(n)[rows] < 1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
         batch = Batch(
             dense=dense,
             ids={f.name: ids[:, i, : f.bag_size].astype(np.int32) for i, f in enumerate(self.spec.features)},

@@ -16,7 +16,7 @@ import ml_collections
 from recjax.errors import ConfigError
 from recjax.sharding.exchange import ShardedEmbedding, to_host
 from recjax.sharding.mesh import make_mesh, mesh_shape
-from recjax.sharding.plan import TableInfo, format_plan, make_plan, save_plan
+from recjax.sharding.plan import CAPACITY_FACTOR, TableInfo, format_plan, make_plan, save_plan
 from recjax.sharding.step import prepare
 
 __all__ = ["ShardedEmbedding", "format_plan", "make_mesh", "mesh_shape", "prepare", "process_workdir", "save_plan",
@@ -68,4 +68,5 @@ def setup(config: ml_collections.ConfigDict, task) -> ShardedEmbedding | None:
                      plan=sharding.get("plan", "auto"), overrides=sharding.get("tables", ""),
                      row_axes=sharding.get("row_axes", "all"), row_split=sharding.get("row_split", "range"),
                      device_memory_bytes=device_memory_bytes(int(sharding.get("device_memory_bytes", 0))))
-    return ShardedEmbedding(task.collection, plan, mesh, sharding.get("exchange_dtype", "float32"))
+    return ShardedEmbedding(task.collection, plan, mesh, sharding.get("exchange_dtype", "float32"),
+                            float(sharding.get("capacity_factor", CAPACITY_FACTOR)))

@@ -14,12 +14,14 @@ holds its local block; a step (per device, on its slice of the batch):
 
   forward (`fetch`): `collection.route` gives the local distinct stacked rows u i32[N] of a group. For a
     sharded/model storage each member row maps to (owner, local row) by static integer math on its table's split;
-    ids are bucketed by owner into i32[parts, C] (C = the static worst case an owner can receive from one device:
-    per table it holds, the fewer of the local slots and its rows there; padding = the local sentinel L),
-    all_to_all'd to the owners, who gather f32[parts, C, d] (cast to `exchange_dtype`) and all_to_all them back;
-    each distinct row is read from its bucket slot. Column storages all_gather the ids, every device gathers its
-    column slice of all of them and one all_to_all returns each requester its rows' slices (concatenated on the
-    dim). Replicated storages read locally.
+    ids are bucketed by owner into i32[parts, C1] (C1 = `capacity_factor` x the ids a device is expected to send
+    an owner; padding = the local sentinel L), all_to_all'd to the owners, who gather f32[parts, C1, d] (cast to
+    `exchange_dtype`) and all_to_all them back; each distinct row is read from its bucket slot. If any device has
+    more than C1 ids for an owner (a psum'ed flag), every device takes the worst-case branch of a `lax.cond`
+    instead: C = the most an owner can receive from one device (per table it holds, the fewer of the local slots
+    and its rows there), so no id is ever dropped. ragged_all_to_all would need no C1, but XLA:CPU cannot run it.
+    Column storages all_gather the ids, every device gathers its column slice of all of them and one all_to_all
+    returns each requester its rows' slices (concatenated on the dim). Replicated storages read locally.
   backward (`update`): d loss / d rows (f32[N, d], cast to `exchange_dtype`) goes back through the same buckets
     (the reverse all_to_all; for column storages split by columns); the owner all_gathers what it received over
     the axes its storage is replicated along (so every copy applies the same update), deduplicates the received
@@ -29,6 +31,7 @@ holds its local block; a step (per device, on its slice of the batch):
 """
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 
@@ -40,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import unique_rows
 from recjax.embedding import EmbeddingCollection
+from recjax.sharding.hlo import FALLBACK_SCOPE
 from recjax.sharding.plan import ShardingPlan, part_rows
 from recjax.sparse_optim import SparseOptimizer, sparse_apply
 
@@ -86,6 +90,16 @@ class Storage:
         (local_batch x bag size) and the rows the owner holds of it, summed over the owner's tables."""
         per_owner = np.minimum(self.part_rows, local_batch * self.table_bags[None, :]).sum(axis=1)
         return max(1, int(per_owner.max()))
+
+    def expected_capacity(self, local_batch: int, factor: float) -> int:
+        """C1 <= C: `factor` x the most distinct rows one device is expected to ask one owner for, ids spread evenly
+        over each table's rows (per table its slots x the owner's fraction of the table, at most the rows it holds).
+        Buckets of C1 carry a step unless some device has more for some owner; then every device takes the worst
+        case C instead (`fetch`), so no id is ever dropped."""
+        rows = np.maximum(self.part_rows.sum(axis=0), 1)
+        slots = local_batch * self.table_bags[None, :]
+        expected = np.minimum(self.part_rows, slots * self.part_rows / rows[None, :]).sum(axis=1)
+        return max(1, min(self.capacity(local_batch), math.ceil(factor * float(expected.max()))))
 
     def compact_size(self, local_batch: int, n: int) -> int:
         """S: the most distinct rows of a replicated / column storage's tables among a device's n distinct rows
@@ -175,6 +189,40 @@ def build_storages(collection: EmbeddingCollection, plan: ShardingPlan) -> dict[
     return storages
 
 
+def _fallback(branch):
+    """The worst-case exchange, under a named scope so the HLO tells its collectives apart."""
+    def run(*operands):
+        with jax.named_scope(FALLBACK_SCOPE):
+            return branch(*operands)
+    return run
+
+
+def _rows_exchange(table, s: Storage, owner, local, dest, pos, capacity: int, dtype, size: int):
+    """Ids to their owners in buckets i32[parts, size], rows back: (rows f32[N, d], the received ids padded to
+    i32[parts, capacity] with the sentinel)."""
+    d = table.shape[1]
+    send = jnp.full((s.parts, size), s.local_rows, jnp.int32).at[dest, pos].set(local, mode="drop")
+    recv = jax.lax.all_to_all(send, s.axes, 0, 0)  # recv[j]: the rows device j asks me for
+    vals = jnp.take(table, recv.reshape(-1), axis=0, mode="fill", fill_value=0)
+    back = jax.lax.all_to_all(vals.astype(dtype).reshape(s.parts, size, d), s.axes, 0, 0)  # back[j]: from owner j
+    recv = jnp.pad(recv, ((0, 0), (0, capacity - size)), constant_values=s.local_rows)
+    return back[owner, jnp.minimum(pos, size - 1)], recv
+
+
+def _grads_exchange(g, s: Storage, dest, pos, recv, size: int):
+    """Row gradients g [N, d] back through buckets of `size` to their owners (and every copy of the owner's block):
+    (local ids, gradients) aligned, padded to the worst case's static length with the sentinel."""
+    capacity, d = recv.shape[1], g.shape[1]
+    send = jnp.zeros((s.parts, size, d), g.dtype).at[dest, pos].set(g, mode="drop")
+    grads = jax.lax.all_to_all(send, s.axes, 0, 0).reshape(-1, d)  # aligned with recv[:, :size]
+    ids = recv[:, :size].reshape(-1)
+    if s.replica_axes:  # every copy of this block applies every copy's gradients
+        ids = jax.lax.all_gather(ids, s.replica_axes, tiled=True)
+        grads = jax.lax.all_gather(grads, s.replica_axes, tiled=True)
+    pad = ids.shape[0] * (capacity - size) // size
+    return jnp.pad(ids, (0, pad), constant_values=s.local_rows), jnp.pad(grads, ((0, pad), (0, 0)))
+
+
 def _compact_slots(member: jax.Array, size: int) -> jax.Array:
     """Where each member entry goes in a packed buffer of `size` (its rank among members); `size` (dropped) for the
     others."""
@@ -197,11 +245,12 @@ class ShardedEmbedding:
     `jax.shard_map` over every mesh axis) and host-side `shard` / `unshard` of the single-device layout."""
 
     def __init__(self, collection: EmbeddingCollection, plan: ShardingPlan, mesh: jax.sharding.Mesh,
-                 exchange_dtype: str = "float32"):
+                 exchange_dtype: str = "float32", capacity_factor: float = 0.0):
         self.collection = collection
         self.plan = plan
         self.mesh = mesh
         self.exchange_dtype = jnp.dtype(exchange_dtype)
+        self.capacity_factor = float(capacity_factor)  # 0: buckets always of the worst case C
         self.storages = build_storages(collection, plan)
 
     # ------------------------------------------------------------------------------------------- device side
@@ -231,17 +280,19 @@ class ShardedEmbedding:
                     got = back[jnp.minimum(slot, size - 1)]
                     context[s.name] = (member, ids, slot, size)
                 else:
-                    capacity = s.capacity(local_batch)
+                    capacity, small = self.capacities(s, local_batch)
                     pos = _bucket_positions(owner, member, s.parts)
                     dest = jnp.where(member, owner, s.parts)  # non-members fall off the buffer
-                    send = jnp.full((s.parts, capacity), s.local_rows, jnp.int32).at[dest, pos].set(
-                        local, mode="drop")
-                    recv = jax.lax.all_to_all(send, s.axes, 0, 0)  # recv[j]: the rows device j asks me for
-                    vals = jnp.take(table, recv.reshape(-1), axis=0, mode="fill", fill_value=0)
-                    vals = vals.astype(self.exchange_dtype).reshape(s.parts, capacity, d)
-                    back = jax.lax.all_to_all(vals, s.axes, 0, 0)  # back[j]: my rows from owner j
-                    got = back[owner, jnp.minimum(pos, capacity - 1)]
-                    context[s.name] = (member, dest, pos, recv)
+
+                    overflow = self._overflow(member, pos, small, capacity)
+                    args = (table, s, owner, local, dest, pos, capacity, self.exchange_dtype)
+                    if overflow is None:
+                        got, recv = _rows_exchange(*args, capacity)
+                    else:
+                        got, recv = jax.lax.cond(overflow, _fallback(functools.partial(_rows_exchange, *args,
+                                                                                       capacity)),
+                                                 functools.partial(_rows_exchange, *args, small))
+                    context[s.name] = (member, dest, pos, recv, overflow, small)
                 out = out + jnp.where(member[:, None], got.astype(jnp.float32), 0.0)
             rows[group] = out
         return rows, context
@@ -268,13 +319,18 @@ class ShardedEmbedding:
                 grads = jax.lax.all_to_all(packed, s.axes, 2, 0, tiled=True)  # [parts, S, d / parts]
                 grads = grads.reshape(s.parts * size, d // s.parts)
             else:
-                _, dest, pos, recv = context[s.name]
-                send = jnp.zeros((s.parts, recv.shape[1], d), g.dtype).at[dest, pos].set(g, mode="drop")
-                grads = jax.lax.all_to_all(send, s.axes, 0, 0).reshape(-1, d)  # aligned with recv
-                ids = recv.reshape(-1)
-                if s.replica_axes:  # every copy of this block applies every copy's gradients
-                    ids = jax.lax.all_gather(ids, s.replica_axes, tiled=True)
-                    grads = jax.lax.all_gather(grads, s.replica_axes, tiled=True)
+                _, dest, pos, recv, overflow, small = context[s.name]
+                capacity = recv.shape[1]
+
+                args = (g, s, dest, pos, recv)
+                if overflow is None:
+                    ids, grads = _grads_exchange(*args, capacity)
+                else:
+                    ids, grads = jax.lax.cond(overflow, _fallback(functools.partial(_grads_exchange, *args,
+                                                                                    capacity)),
+                                              functools.partial(_grads_exchange, *args, small))
+            # The owner's dedup and update run on the worst case's length either way: a cond around them would take
+            # the table as an operand, and XLA:CPU then copies it (measured: temp bytes grow with the table).
             table = tables[s.name]
             distinct, inverse = unique_rows(ids, s.local_rows)
             summed = jnp.zeros((ids.shape[0], table.shape[1]), jnp.float32).at[inverse].add(
@@ -284,12 +340,40 @@ class ShardedEmbedding:
                 optimizer, table, state[s.name], distinct, current, summed, lr, step, kernel=self.collection.kernel)
         return new_tables, new_state
 
+    @staticmethod
+    def overflows(context: Mapping) -> jax.Array:
+        """i32[]: how many storages took the worst-case buckets this step (the same on every device)."""
+        flags = [c[4] for name, c in context.items() if len(c) == 6 and c[4] is not None]
+        return sum((f.astype(jnp.int32) for f in flags), jnp.zeros((), jnp.int32))
+
+    def capacities(self, s: Storage, local_batch: int) -> tuple[int, int]:
+        """(C, C1): the worst-case bucket size and the expected one (`sharding.capacity_factor`; C1 = C when 0)."""
+        capacity = s.capacity(local_batch)
+        if not self.capacity_factor:
+            return capacity, capacity
+        return capacity, s.expected_capacity(local_batch, self.capacity_factor)
+
+    def _overflow(self, member: jax.Array, pos: jax.Array, small: int, capacity: int) -> jax.Array | None:
+        """bool[]: does any device have more than `small` rows for one owner this step (psum'ed, so every device
+        takes the same branch); None when the buckets are the worst case anyway."""
+        if small >= capacity:
+            return None
+        mine = jnp.any(member & (pos >= small)).astype(jnp.int32)
+        return jax.lax.psum(mine, ALL_AXES) > 0
+
     # --------------------------------------------------------------------------------------------- host side
     def put_batch(self, batch):
-        """A global host batch -> device arrays split over every device (recjax.sharding.step.put_batch)."""
+        """A host batch (multi-host: this process's rows) -> device arrays split over every device
+        (recjax.sharding.step.put_batch)."""
         from recjax.sharding.step import put_batch
 
         return put_batch(self, batch)
+
+    def process_rows(self, batch_size: int) -> slice | None:
+        """This process's rows of every global batch; None in a single-process run (recjax.sharding.step)."""
+        from recjax.sharding.step import process_rows
+
+        return process_rows(self, batch_size)
 
     def sharding(self, storage: str) -> NamedSharding:
         return NamedSharding(self.mesh, self.storages[storage].spec)

@@ -2,10 +2,13 @@
 
 The launcher passes `--coordinator_address=HOST:PORT --num_processes=N --process_id=I` (or the environment
 variables JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID); `initialize` must run before JAX's first
-use. Then `jax.devices()` lists every process's devices and the mesh spans them all. Each process reads the same
-global batch stream and places only its own devices' rows of every batch (`step.put_batch`); the loss and the
-dense gradients are psum'ed inside the step, evaluation gathers every process's predictions, and only process 0
-writes the workdir's summary (the others log under `workdir/process_<i>/`).
+use. Then `jax.devices()` lists every process's devices and the mesh spans them all. Each process reads only its
+devices' rows of every global batch (`step.process_rows`: rows [i B/n, (i+1) B/n) for process i of n; the readers'
+`rows=` argument), so the global batch is the single-process one whatever the number of processes, and the
+processes' shares make the global arrays (`jax.make_array_from_process_local_data` in `step.put_batch`). The loss
+and the dense gradients are psum'ed inside the step; evaluation reads each process's share of every validation /
+test batch and gathers every process's predictions and labels (each row once); only process 0 writes the
+workdir's summary (the others log under `workdir/process_<i>/`).
 """
 
 import os

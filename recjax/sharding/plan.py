@@ -30,7 +30,9 @@ table's rows, access skew is ignored):
     copy applies all of them: q * (4 + 4 d) + q * 4 d (1 + s) on each device;
   - column-wise over n: ids all-gathered (q * 4), a slice of each row read, sent and its gradient received and
     applied: q * (4 + 4 d / n * (3 + s)).
-The planner minimises the largest per-device sum (the slowest device sets the step time) subject to memory.
+The planner minimises the largest per-device sum (the slowest device sets the step time) subject to memory, then
+evens each storage's blocks to within BLOCK_BALANCE of the mean (`balance_blocks`). The exchange term charges the
+worst-case buckets C; a step's buckets are usually `sharding.capacity_factor` x the expected ids (exchange.py).
 """
 
 import dataclasses
@@ -45,8 +47,14 @@ PLANS = ("auto", "table", "row", "column", "replicated")
 ROW_AXES = ("all", "model")
 ROW_SPLITS = ("range", "mod")
 EXCHANGE_DTYPES = ("float32", "bfloat16", "float16")
+# Row-wise / table-wise all_to_all buckets hold this many times the ids a device is expected to send an owner; a step
+# where some device has more takes the worst-case buckets instead (exact either way; recjax/sharding/exchange.py).
+CAPACITY_FACTOR = 1.25
 # auto: tables whose rows + optimizer state are at most this many bytes are replicated (lookups stay local).
 REPLICATE_BYTES = 64 * 1024
+# auto: every device's block of a storage (tables of one dim) holds at most this x the mean rows per device; a storage
+# is one [n L, d] array, so every device pays for the fullest one (recjax/sharding/exchange.py).
+BLOCK_BALANCE = 1.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +268,10 @@ def make_plan(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_
     memory on the fullest device, then the lowest total cost; a table of at most REPLICATE_BYTES may be replicated
     instead if that scores better. Then memory is checked per device. Raises ConfigError naming the device and the
     bytes it is short of.
+
+    auto then evens the blocks (`balance_blocks`): while the fullest device of a dim's table- / row-wise storage
+    holds more than BLOCK_BALANCE x the mean, its largest whole (unpinned) table is split by rows over every
+    device, so padding to the fullest device costs at most 5% of memory.
     """
     n = math.prod(mesh_shape.values())
     axes_all = ("data", "model")
@@ -326,10 +338,43 @@ def make_plan(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_
             fits = [d for d in range(n) if room[d] >= t.bytes] or list(range(n))
             device = min(fits, key=lambda d: (load(d), d))
         commit(placed(t, kind, device))
+    if plan == "auto":
+        balance_blocks(result, set(pinned), mesh_shape, row_split)
     result_plan = ShardingPlan(dict(mesh_shape), tuple(result[t.name] for t in tables), batch_size,
                                int(device_memory_bytes))
     check_fits(result_plan)
     return result_plan
+
+
+def storage_rows(placements, dim: int, n: int) -> list[int]:
+    """Rows each flat device holds of the table- / row-wise-over-all tables of one dim (one storage's blocks)."""
+    rows = [0] * n
+    for p in placements:
+        if p.table.dim == dim and p.sharding in ("table", "row") and p.axes == ("data", "model"):
+            for k, device in enumerate(p.devices):
+                rows[device] += part_rows(p.table.rows, len(p.devices), k, p.row_split)
+    return rows
+
+
+def balance_blocks(result: dict[str, TablePlacement], pinned: set[str], mesh_shape: Mapping[str, int],
+                   row_split: str) -> None:
+    """Split the largest whole table of the fullest device by rows over every device until no device's block of a
+    storage exceeds BLOCK_BALANCE x the storage's mean rows (blocks of at most REPLICATE_BYTES are left alone).
+    Terminates: a device above the mean holds a whole table (row-wise parts alone are at most the mean)."""
+    n = math.prod(mesh_shape.values())
+    for dim in sorted({p.table.dim for p in result.values()}):
+        while True:
+            rows = storage_rows(result.values(), dim, n)
+            fullest = max(range(n), key=lambda d: (rows[d], -d))
+            row_bytes = max((p.table.row_bytes for p in result.values() if p.table.dim == dim), default=0)
+            if rows[fullest] <= BLOCK_BALANCE * sum(rows) / n or rows[fullest] * row_bytes <= REPLICATE_BYTES:
+                break
+            whole = [p for p in result.values() if p.table.dim == dim and p.sharding == "table"
+                     and p.devices == (fullest,) and p.table.name not in pinned]
+            if not whole:
+                break
+            big = max(whole, key=lambda p: (p.table.rows, p.table.name))
+            result[big.table.name] = TablePlacement(big.table, "row", ("data", "model"), tuple(range(n)), row_split)
 
 
 def check_fits(plan: ShardingPlan) -> None:

@@ -37,13 +37,27 @@ def batch_sharding(sharded: ShardedEmbedding) -> NamedSharding:
     return NamedSharding(sharded.mesh, P(ALL_AXES))
 
 
+def process_rows(sharded: ShardedEmbedding, batch_size: int) -> slice | None:
+    """The rows of every global batch this process's devices hold -- what its data reader yields (one contiguous
+    range, B / processes rows); None in a single-process run (the reader yields whole batches)."""
+    if jax.process_count() == 1:
+        return None
+    spans = sorted((s[0].start, s[0].stop) for s in
+                   batch_sharding(sharded).addressable_devices_indices_map((batch_size,)).values())
+    if any(a[1] != b[0] for a, b in zip(spans[:-1], spans[1:], strict=True)):
+        raise ValueError(f"process {jax.process_index()}'s devices hold rows {spans} of each batch of {batch_size}, "
+                         "not one range; order the mesh's devices by process")
+    return slice(spans[0][0], spans[-1][1])
+
+
 def put_batch(sharded: ShardedEmbedding, batch):
-    """A global host batch -> device arrays split over every device (B/n rows each, data major). Under multi-host
-    every process holds the same global batch and places only its own devices' rows."""
+    """A host batch -> device arrays split over every device (B/n rows each, data major). Single process: `batch`
+    is the global batch. Multi-host: it is this process's rows (`process_rows`), and the processes' shares
+    make the global arrays (no process holds another's rows)."""
     sharding = batch_sharding(sharded)
     if jax.process_count() == 1:
         return jax.device_put(batch, sharding)
-    return jax.tree.map(lambda x: put_global(np.asarray(x), sharding), batch)
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
 
 
 def shard_state(sharded: ShardedEmbedding, state):
@@ -102,7 +116,7 @@ def make_train_step(task, sharded: ShardedEmbedding, state, forward: Callable):
         invalid = jax.lax.psum(sum(routes["invalid_ids"].values(), jnp.zeros((), jnp.int32)), ALL_AXES)
         new_state = state.replace(step=step, dense_params=dense_params, dense_opt_state=dense_opt_state,
                                   tables=tables, sparse_opt_state=sparse_opt_state)
-        return new_state, {"loss": loss, "invalid_ids": invalid}
+        return new_state, {"loss": loss, "invalid_ids": invalid, "bucket_overflows": sharded.overflows(context)}
 
     specs = state_specs(sharded, state)
     step = jax.shard_map(local_step, mesh=sharded.mesh, in_specs=(specs, P(ALL_AXES)), out_specs=(specs, P()),
