@@ -424,11 +424,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
         checkpointer.close()
         checkpointer = resume = None
     dynamic = DynamicTables.create(task.collection, budget.steps, int(config.seed))
-    if dynamic is not None:
-        if sharded is not None:
-            raise ConfigError("embedding.method", f"tables {list(dynamic.features)} change shape during training "
-                                                  "(fiited / row_prune), which runs on one device only; set "
-                                                  "mesh.shape to one device or use another method")
+    if dynamic is not None and sharded is not None:
+        raise ConfigError("embedding.method", f"tables {list(dynamic.features)} change shape during training "
+                                              "(fiited / row_prune), which runs on one device only; set mesh.shape "
+                                              "to one device or use another method")
     put = jax.device_put if sharded is None else sharded.put_batch
     # Step i's batch is a pure function of (seed, i), so a resumed run restarts the stream at its step.
     start = resume.step if resume else 0

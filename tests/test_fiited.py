@@ -192,9 +192,10 @@ def test_position_discount_spreads_chunks_over_rows():
 
 
 def test_a_fiited_run_reaches_its_budget_and_resumes_bit_identical_across_compactions(tmp_path, monkeypatch):
-    """The run's memory follows the budget down (summary.json `dynamic_tables`). Interrupted mid-ramp (after one compaction, before the last), resumed: the same final pools, indirection,
-    utility, optimizer state and metrics as the uninterrupted run -- with incremental (consecutive) checkpoints, so
-    the adjustments' freed and granted slots must be in the deltas and each compaction starts a new baseline."""
+    """The run's memory follows the budget down (summary.json `dynamic_tables`). Interrupted after the compactions
+    (steps 5 and 6: the resume must re-size the pools first), resumed: the same final pools, indirection, utility, optimizer state and metrics as the
+    uninterrupted run -- with incremental (consecutive) checkpoints, so the adjustments' freed and granted slots must
+    be in the deltas and each compaction starts a new baseline."""
     from test_checkpoint import assert_same_arrays, final_arrays, interrupted_run, tiny
 
     from recjax import checkpoint
@@ -222,7 +223,7 @@ def test_a_fiited_run_reaches_its_budget_and_resumes_bit_identical_across_compac
     assert reference["embedding_bytes"] == memory[-1]["embedding_bytes"]
     assert reference["selected_step"] >= 6  # validation selects only once the budget holds
 
-    resumed = interrupted_run(config(), tmp_path / "resumed", monkeypatch, at_step=3)
+    resumed = interrupted_run(config(), tmp_path / "resumed", monkeypatch, at_step=6)
     assert_same_arrays(final_arrays(tmp_path / "reference"), final_arrays(tmp_path / "resumed"))
     assert any(k.startswith("aux/C1/") for k in final_arrays(tmp_path / "resumed"))
     timing = ("adjust_s", "adjust_compile_s", "compact_s", "recompile_s")
@@ -236,3 +237,23 @@ def test_a_fiited_run_reaches_its_budget_and_resumes_bit_identical_across_compac
              for s in (3, 6, 9)}
     assert kinds[6] == "full"  # the pools were compacted at steps 5 and 6: a new baseline
     assert kinds[9] == "delta"
+
+
+def test_adjustments_mark_the_slots_they_free_as_dirty_rows():
+    """Incremental checkpoints must carry what an adjustment changed: freed slots (zeroed) and granted ones."""
+    task = fiited_task(keep=0.5, interval=1, ramp=1.0)
+    state = init_state(task, jax.random.key(0), jax.device_put(random_batch(SPEC, 16, seed=0)))
+    state = state.replace(dirty_rows={g: jnp.zeros(t.shape[0], jnp.bool_) for g, t in state.tables.items()})
+    before = {f: np.asarray(state.aux[f]["index"]) for f in ("a", "b")}
+    dynamic = DynamicTables.create(task.collection, 8, seed=0)
+    task2, state2, recompiled = dynamic.adjust(task, state, 1)
+    assert not recompiled  # 15/16 of the chunks: no compaction, the bitmaps carry on
+    want = {}
+    for f in ("a", "b"):
+        (p,) = [q for q in task.collection.physical_tables() if q.feature == f]
+        after = np.asarray(state2.aux[f]["index"])
+        freed = before[f][(before[f] >= 0) & (after < 0)]
+        assert len(freed) > 0
+        want.setdefault(p.group, set()).update((p.offset + freed).tolist())
+    for g, rows in want.items():
+        assert set(np.flatnonzero(np.asarray(state2.dirty_rows[g])).tolist()) == rows
