@@ -193,9 +193,9 @@ def test_position_discount_spreads_chunks_over_rows():
 
 def test_a_fiited_run_reaches_its_budget_and_resumes_bit_identical_across_compactions(tmp_path, monkeypatch):
     """The run's memory follows the budget down (summary.json `dynamic_tables`). Interrupted after the compactions
-    (steps 5 and 6: the resume must re-size the pools first), resumed: the same final pools, indirection, utility, optimizer state and metrics as the
-    uninterrupted run -- with incremental (consecutive) checkpoints, so the adjustments' freed and granted slots must
-    be in the deltas and each compaction starts a new baseline."""
+    (steps 5 and 6: the resume must re-size the pools first) and resumed, it ends with the same pools, indirection,
+    utility, optimizer state and metrics as the uninterrupted run, with incremental (consecutive) checkpoints where
+    each compaction starts a new baseline."""
     from test_checkpoint import assert_same_arrays, final_arrays, interrupted_run, tiny
 
     from recjax import checkpoint
