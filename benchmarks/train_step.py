@@ -273,7 +273,8 @@ def run_single(run: Run, timed_steps: int, warmup_steps: int) -> dict[str, Any]:
     accounting = task.collection.accounting(task.sparse_optimizer)
     dense_param_bytes = _tree_bytes(state.dense_params)
     dense_opt_bytes = _tree_bytes(state.dense_opt_state)
-    table_array_bytes = _tree_bytes(state.tables) + _tree_bytes(state.sparse_opt_state)
+    # Dynamic tables' routing arrays (FIITED's indirection and utility) are accounted with their table.
+    table_array_bytes = _tree_bytes(state.tables) + _tree_bytes(state.sparse_opt_state) + _tree_bytes(state.aux)
     # accounting["bytes"] includes the methods' glue params (MD projections), which live in the dense params.
     glue_bytes = 4 * sum(m.glue_params() for m in task.collection.methods.values())
     assert table_array_bytes == accounting["bytes"] - glue_bytes + accounting["optimizer_bytes"], (
