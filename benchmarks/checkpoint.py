@@ -159,7 +159,7 @@ def bytes_measurement(rows: int, batch: int, intervals: int, info: dict) -> None
                 if i:
                     touched.append(trainer.touched() if trainer.state.dirty_rows else float("nan"))
                 trainer.state = checkpointer.save(trainer.step, trainer.state, {})
-                checkpointer.store.manager.wait_until_finished()
+                checkpointer.wait()
                 checkpointer_steps.append(trainer.step)
                 if i:  # the first save is everyone's baseline
                     sizes.append(du(checkpointer.directory / str(trainer.step)))
@@ -219,7 +219,7 @@ def stall_measurement(rows: int, batch: int, repeats: int, info: dict) -> None:
             trainer.train(1)
             trainer.state = checkpointer.save(trainer.step, trainer.state, {})
             stalls[mode].append(checkpointer.save_stall_s[-1])
-            checkpointer.store.manager.wait_until_finished()  # the next save must not wait for this one
+            checkpointer.wait()  # the next save must not wait for this one
     directory = checkpointers["sync"].directory
     size = du(directory / str(max(int(p.name) for p in directory.iterdir() if p.name.isdigit())))
     for checkpointer in checkpointers.values():

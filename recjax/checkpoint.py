@@ -31,9 +31,10 @@ exceed `baseline_fraction` of the baseline's). The dirty-row bitmap (bool[rows] 
 TrainState and is set inside the jitted train step (`mark_dirty_rows`); a save reads it and clears it (one-shot:
 only at a baseline).
 
-Async saves: the loop waits for device-side copies of the tables (the next step donates the originals) and Orbax's
-save call; Orbax moves the copies to the host and writes them in the background, the sha256s are computed on a
-worker thread and awaited by the meta handler before Orbax finalises the step.
+Async saves: the loop waits only for host copies of the tables (the next step donates the originals), made into
+buffers kept from save to save (a table's size of host memory, held between saves); Orbax's save call runs on a
+worker thread and writes in the background, the sha256s are computed on another worker and awaited by the meta
+handler before Orbax finalises the step. The next save (or `close`) first waits for this one.
 
 Sharding (not landed yet): deltas are (row ids, rows) per stacked group, so a row-sharded table's owner can write
 and read its own id range; baselines hold whole groups as jax.Arrays, which Orbax saves per shard.
@@ -43,6 +44,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import json
+import os
 import pathlib
 import time
 from collections.abc import Mapping
@@ -418,6 +420,11 @@ class Checkpointer:
         self._baseline_bytes = 0
         self._chain_bytes = 0
         self._baseline_shapes: dict[str, tuple[int, ...]] = {}  # table shapes of the chain's baseline
+        self._host: dict[str, np.ndarray] = {}  # host buffers of the baselines' tables (`_host_copy`)
+        self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-save")
+        self._copy_workers = os.cpu_count() or 1
+        self._copier = concurrent.futures.ThreadPoolExecutor(self._copy_workers, thread_name_prefix="checkpoint-copy")
+        self._saving: concurrent.futures.Future | None = None  # the async save call in flight
         self._pending_retain = False
 
     # ---------------------------------------------------------------------------------------- resume
@@ -491,13 +498,19 @@ class Checkpointer:
         }
         kind, rows_item, delta_bytes = self._plan(state)
         if state.aux:  # routing arrays of dynamic tables (FIITED's indirection, utility): small, saved whole
-            item_state["aux"] = {f: {k: jnp.copy(v) for k, v in a.items()} for f, a in state.aux.items()}
+            item_state["aux"] = {f: {k: np.array(v) for k, v in a.items()} for f, a in state.aux.items()}
         if kind == "full":
-            # Device-side copies, dispatched asynchronously: the next step may donate (overwrite) the tables while
-            # Orbax moves these to the host and writes them in the background.
-            item_state["tables"] = {g: jnp.copy(t) for g, t in state.tables.items()}
-            item_state["sparse_opt"] = {g: {k: jnp.copy(v) for k, v in s.items()}
-                                        for g, s in state.sparse_opt_state.items() if s}
+            # Host copies into buffers kept from the previous baseline: the next step may donate (overwrite) the
+            # tables while Orbax writes these in the background, and reusing the buffers halves the copy (a fresh
+            # allocation page-faults: 1M x 16 rows with lazy Adam, 50 -> 28 ms).
+            # A synchronous save is finished before the next step: it writes the arrays themselves.
+            arrays = {("tables", g): t for g, t in state.tables.items()}
+            arrays.update({("sparse_opt", g, k): v for g, o in state.sparse_opt_state.items() for k, v in o.items()})
+            if self.async_save:
+                arrays = self._host_copies(arrays)
+            item_state["tables"] = {key[1]: a for key, a in arrays.items() if key[0] == "tables"}
+            item_state["sparse_opt"] = {g: {key[2]: a for key, a in arrays.items() if key[:2] == ("sparse_opt", g)}
+                                        for g, o in state.sparse_opt_state.items() if o}
             table_bytes = _nbytes({"t": item_state["tables"], "o": item_state["sparse_opt"]})
             self._chain, self._baseline_bytes, self._chain_bytes = [step], table_bytes, 0
             self._baseline_shapes = _table_shapes(state)
@@ -520,8 +533,11 @@ class Checkpointer:
         args = {"state": ocp.args.StandardSave(item_state), "meta": _meta_handler_types()[0](meta)}
         if rows_item:
             args["rows"] = ocp.args.StandardSave(rows_item)
-        self.store.manager.save(step, args=ocp.args.Composite(**args), force=True)
-        if not self.async_save:
+        issue = lambda: self.store.manager.save(step, args=ocp.args.Composite(**args), force=True)
+        if self.async_save:  # Orbax's own save call (threads, an event loop) costs ~50 ms: off the loop too
+            self._saving = self._saver.submit(issue)
+        else:
+            issue()
             self.store.manager.wait_until_finished()
         self.store.remember(step, meta)
         self._pending_retain = True
@@ -554,9 +570,35 @@ class Checkpointer:
             return "full", {}, 0
         return "delta", rows_item, delta_bytes
 
+    def _host_copies(self, arrays: dict) -> dict:
+        """Each array copied into this checkpointer's host buffer for its key (re-allocated when its shape changes),
+        in row blocks over a thread per core (numpy releases the GIL: 28 -> 15 ms for 192 MB on 2 cores)."""
+        jobs = []
+        for key, array in arrays.items():
+            buffer = self._host.get(key)
+            if buffer is None or buffer.shape != array.shape or buffer.dtype != array.dtype:
+                buffer = self._host[key] = np.empty(array.shape, array.dtype)
+            source = np.asarray(array)
+            if source.ndim == 0 or len(source) < 2:
+                np.copyto(buffer, source)
+                continue
+            bounds = np.linspace(0, len(source), self._copy_workers + 1).astype(int)
+            jobs += [self._copier.submit(np.copyto, buffer[a:b], source[a:b])
+                     for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+        for job in jobs:
+            job.result()
+        return {key: self._host[key] for key in arrays}
+
+    def wait(self) -> None:
+        """Block until the save in flight is complete (and old checkpoints are pruned)."""
+        self._settle()
+
     def _settle(self) -> None:
         """Wait for the save in flight, then delete what no kept restore point needs -- only once the newer
         checkpoint is complete, so a crash always leaves a restorable chain."""
+        if self._saving is not None:
+            saving, self._saving = self._saving, None
+            saving.result()  # re-raises an error of the save call
         self.store.manager.wait_until_finished()
         if not self._pending_retain:
             return
@@ -570,8 +612,12 @@ class Checkpointer:
                 self.store.delete(s)
 
     def close(self) -> None:
-        self._settle()
-        self.store.manager.close()
+        try:
+            self._settle()
+        finally:
+            self._saver.shutdown(wait=True)
+            self._copier.shutdown(wait=True)
+            self.store.manager.close()
 
 
 def _nbytes(tree: Mapping) -> int:
