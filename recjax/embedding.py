@@ -111,13 +111,12 @@ class EmbeddingCollection:
         self.group_rows: dict[str, int] = {}
         self.group_dims: dict[str, int] = {}
         for feature in spec.feature_names:
-            offsets = []
-            for table in self.methods[feature].physical_tables():
+            tables, offsets = self.methods[feature].physical_tables(), []
+            for table in tables:
                 group = group_name(table.dim)
                 offsets.append(self.group_rows.get(group, 0))
                 self.group_rows[group] = offsets[-1] + table.rows
                 self.group_dims[group] = table.dim
-            tables = self.methods[feature].physical_tables()
             self.placements[feature] = tuple(
                 Placement(feature, i, tables[t], group_name(tables[t].dim), offsets[t], t)
                 for i, t in enumerate(self.methods[feature].read_tables()))
@@ -149,9 +148,9 @@ class EmbeddingCollection:
 
     def accounting(self, optimizer: SparseOptimizer | None = None) -> dict:
         """Params and bytes per logical table and in total (f32 rows, glue params, optimizer state)."""
-        per_table = {}
+        per_table, tables = {}, self.physical_tables()
         for feature, method in self.methods.items():
-            placed = [p for p in self.physical_tables() if p.feature == feature]
+            placed = [p for p in tables if p.feature == feature]
             rows_params = sum(p.table.params for p in placed)
             opt_bytes = sum(optimizer.state_bytes(p.table.rows, p.table.dim) for p in placed) if optimizer else 0
             spec = self.table_specs[feature]

@@ -197,6 +197,15 @@ def _fallback(branch):
     return run
 
 
+def _bucketed(exchange, args: tuple, overflow, capacity: int, small: int):
+    """`exchange(*args, size)` in buckets of `small` ids, or of the worst case `capacity` when any device overflowed
+    (`overflow` None: there is only the worst case)."""
+    if overflow is None:
+        return exchange(*args, capacity)
+    return jax.lax.cond(overflow, _fallback(functools.partial(exchange, *args, capacity)),
+                        functools.partial(exchange, *args, small))
+
+
 def _rows_exchange(table, s: Storage, owner, local, dest, pos, capacity: int, dtype, size: int):
     """Ids to their owners in buckets i32[parts, size], rows back: (rows f32[N, d], the received ids padded to
     i32[parts, capacity] with the sentinel)."""
@@ -285,13 +294,8 @@ class ShardedEmbedding:
                     dest = jnp.where(member, owner, s.parts)  # non-members fall off the buffer
 
                     overflow = self._overflow(member, pos, small, capacity)
-                    args = (table, s, owner, local, dest, pos, capacity, self.exchange_dtype)
-                    if overflow is None:
-                        got, recv = _rows_exchange(*args, capacity)
-                    else:
-                        got, recv = jax.lax.cond(overflow, _fallback(functools.partial(_rows_exchange, *args,
-                                                                                       capacity)),
-                                                 functools.partial(_rows_exchange, *args, small))
+                    got, recv = _bucketed(_rows_exchange, (table, s, owner, local, dest, pos, capacity,
+                                                           self.exchange_dtype), overflow, capacity, small)
                     context[s.name] = (member, dest, pos, recv, overflow, small)
                 out = out + jnp.where(member[:, None], got.astype(jnp.float32), 0.0)
             rows[group] = out
@@ -321,14 +325,7 @@ class ShardedEmbedding:
             else:
                 _, dest, pos, recv, overflow, small = context[s.name]
                 capacity = recv.shape[1]
-
-                args = (g, s, dest, pos, recv)
-                if overflow is None:
-                    ids, grads = _grads_exchange(*args, capacity)
-                else:
-                    ids, grads = jax.lax.cond(overflow, _fallback(functools.partial(_grads_exchange, *args,
-                                                                                    capacity)),
-                                              functools.partial(_grads_exchange, *args, small))
+                ids, grads = _bucketed(_grads_exchange, (g, s, dest, pos, recv), overflow, capacity, small)
             # The owner's dedup and update run on the worst case's length either way: a cond around them would take
             # the table as an operand, and XLA:CPU then copies it (measured: temp bytes grow with the table).
             table = tables[s.name]
