@@ -36,8 +36,14 @@ buffers kept from save to save (a table's size of host memory, held between save
 worker thread and writes in the background, the sha256s are computed on another worker and awaited by the meta
 handler before Orbax finalises the step. The next save (or `close`) first waits for this one.
 
-Sharding (not landed yet): deltas are (row ids, rows) per stacked group, so a row-sharded table's owner can write
-and read its own id range; baselines hold whole groups as jax.Arrays, which Orbax saves per shard.
+Mesh runs (one process, several devices): the state's tables are the plan's storages ("<group>/<kind>", written
+"<group>~<kind>" in the items), global arrays whose blocks live on their devices; the dirty-row bitmaps are split like
+their rows and set by each row's owner inside the sharded step. A save reads each device's block where it lives (host
+copies and delta gathers per shard, never a gather of the whole table on one device). `meta["layout"]` records the
+plan's layout (None on one device): a restore under another layout -- another mesh shape or plan, or one device --
+converts the tables and optimizer rows through the single-device layout (`restore_state`'s `relayout`, given by
+the trainer from recjax/sharding) and the next save starts a new baseline. Multi-process runs are not checkpointed
+yet: a numpy item is written by process 0 only, so each process's blocks would need Orbax's global-array path.
 """
 
 import concurrent.futures
@@ -65,7 +71,8 @@ QUANTIZE_BITS = (0, 2, 4, 8)
 KEYS = {"enabled", "dir", "every_steps", "every_minutes", "keep", "async_save", "policy", "baseline_fraction",
         "quantize_bits", "restore"}
 # Config keys that may change between a run and its resumption (everything else must match).
-RESUMABLE_CHANGES = ("checkpoint.", "train.progress_bar")
+# The mesh and plan may change too: the tables are re-laid out on restore.
+RESUMABLE_CHANGES = ("checkpoint.", "train.progress_bar", "mesh.", "sharding.")
 _ITEMS = ("state", "rows", "meta")
 
 
@@ -97,6 +104,24 @@ def _table_shapes(state) -> dict[str, tuple[int, ...]]:
     return {g: tuple(t.shape) for g, t in state.tables.items()}
 
 
+def _row_sharding(table: jax.Array):
+    """Where a per-row array of `table` lives: split like its rows on a mesh (replicated when the rows are not split,
+    e.g. a column-wise table), else the table's device."""
+    sharding = table.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[:1]))
+    return sharding
+
+
+def _encode(key: str) -> str:
+    """A table key as an item key: a mesh run's storages are named "<group>/<kind>", and "/" separates tree levels."""
+    return key.replace("/", "~")
+
+
+def _decode(tree: Mapping) -> dict:
+    return {k.replace("~", "/"): v for k, v in tree.items()}
+
+
 def mark_dirty_rows(dirty: Mapping[str, jax.Array], touched: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     """Set the bitmap bool[rows] of each tracked group at the rows the step updated (`collection.touched_rows`;
     duplicates are harmless, the sentinel row id `rows`, padding, is dropped). Inside the jitted step, with the
@@ -110,11 +135,27 @@ def _take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
 
 
 def _gather_rows(array: jax.Array, ids: np.ndarray) -> np.ndarray:
-    """array[ids] on the host, gathered on the device; ids padded to a power of two so few shapes compile."""
+    """array[ids] on the host, gathered on the device(s) holding the rows (a sharded array: each block gathers its
+    own rows, on its device); ids padded to a power of two so few shapes compile."""
+    if len(array.sharding.device_set) == 1:
+        return _gather_block(array, ids)
+    out = np.zeros((len(ids), *array.shape[1:]), array.dtype)
+    for shard in array.addressable_shards:
+        if shard.replica_id:
+            continue
+        rows, *rest = shard.index
+        start, stop, _ = rows.indices(array.shape[0])
+        mine = np.flatnonzero((ids >= start) & (ids < stop))
+        if len(mine):
+            out[(mine, *rest)] = _gather_block(shard.data, ids[mine] - start)
+    return out
+
+
+def _gather_block(array: jax.Array, ids: np.ndarray) -> np.ndarray:
     n = len(ids)
     padded = np.full(1 << max(n - 1, 0).bit_length(), array.shape[0], np.int32)
     padded[:n] = ids
-    return np.asarray(_take_rows(array, jnp.asarray(padded)))[:n]
+    return np.asarray(_take_rows(array, jax.device_put(padded, array.sharding)))[:n]
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -304,11 +345,11 @@ def _chain_tables(point: ResumePoint, top: dict) -> tuple[dict, dict]:
     replaced by id; quantized rows dequantized)."""
     store, chain = point.store, point.meta["chain"]
     base = top if chain[0] == point.step else store.item(chain[0], "state", store.meta(chain[0]))
-    tables = {g: np.array(t) for g, t in base["tables"].items()}
-    sparse_opt = {g: {k: np.array(v) for k, v in s.items()} for g, s in base.get("sparse_opt", {}).items()}
+    tables = {g: np.array(t) for g, t in _decode(base["tables"]).items()}
+    sparse_opt = {g: {k: np.array(v) for k, v in s.items()} for g, s in _decode(base.get("sparse_opt", {})).items()}
     for s in chain[1:]:
         delta_meta = store.meta(s)
-        rows = store.item(s, "rows", delta_meta) if delta_meta["groups"] else {}
+        rows = _decode(store.item(s, "rows", delta_meta)) if delta_meta["groups"] else {}
         for g, part in rows.items():
             ids = np.asarray(part["ids"])
             if "codes" in part:
@@ -329,14 +370,16 @@ def read_arrays(point: ResumePoint) -> dict[str, np.ndarray]:
     dense = _dense_values(top, point.meta)
     return {"step": np.asarray(top["step"]), "rng": np.asarray(top["rng"]),
             **{f"dense/{p}": np.asarray(a) for p, a in zip(point.meta["dense_paths"], dense, strict=True)},
-            **{f"tables/{g}": t for g, t in tables.items()},
+            **{f"tables/{g}": t for g, t in tables.items()},  # mesh runs: by storage, "<group>/<kind>"
             **{f"sparse_opt/{g}/{k}": v for g, s in sparse_opt.items() for k, v in s.items()},
             **{f"aux/{f}/{k}": np.asarray(v) for f, a in top.get("aux", {}).items() for k, v in a.items()}}
 
 
-def restore_state(point: ResumePoint, like):
+def restore_state(point: ResumePoint, like, relayout=None):
     """The TrainState of `point` (without dirty-row bitmaps); `like` is a TrainState of this config (arrays or
-    shapes) that gives the tree structure and the shape every array must have."""
+    shapes) that gives the tree structure, the shape every array must have and, for arrays on a mesh, where they
+    go. `relayout(by_key, saved_layout)` maps tables (or one optimizer field) {key: array} saved under
+    `point.meta["layout"]` to this run's layout (None: the same layout)."""
     store, meta, step = point.store, point.meta, point.step
     other_model = (f"checkpoint step {step} in {store.directory} holds another model than this config builds "
                    "({}); restore it with its own config")
@@ -352,6 +395,11 @@ def restore_state(point: ResumePoint, like):
         if tuple(np.shape(saved)) != tuple(leaf.shape):
             raise CheckpointError(other_model.format(f"{path} has shape {np.shape(saved)}, not {tuple(leaf.shape)}"))
     tables, sparse_opt = _chain_tables(point, top)
+    if relayout is not None:
+        tables = relayout(tables, meta.get("layout"))
+        fields = sorted({k for opt in sparse_opt.values() for k in opt})
+        by_field = {k: relayout({g: opt[k] for g, opt in sparse_opt.items()}, meta.get("layout")) for k in fields}
+        sparse_opt = {g: {k: by_field[k][g] for k in fields} for g in tables}
     for g, t in like.tables.items():
         if g not in tables or tables[g].shape != tuple(t.shape):
             raise CheckpointError(other_model.format(f"table group {g}: {tables[g].shape if g in tables else None}, "
@@ -366,15 +414,23 @@ def restore_state(point: ResumePoint, like):
             if k not in aux.get(f, {}) or tuple(np.shape(aux[f][k])) != tuple(v.shape):
                 raise CheckpointError(other_model.format(f"routing array {f}/{k} of a dynamic table"))
     dense_params, dense_opt_state = jax.tree_util.tree_unflatten(
-        treedef, [jnp.asarray(v) for v in _dense_values(top, meta)])
+        treedef, [_put(v, leaf) for v, leaf in zip(_dense_values(top, meta), like_leaves, strict=True)])
     return like.replace(
-        step=jnp.asarray(top["step"], jnp.int32),
+        step=_put(np.asarray(top["step"], np.int32), like.step),
         dense_params=dense_params, dense_opt_state=dense_opt_state,
-        tables={g: jnp.asarray(t) for g, t in tables.items()},
-        sparse_opt_state={g: {k: jnp.asarray(sparse_opt[g][k]) for k in opt}
+        tables={g: _put(tables[g], t) for g, t in like.tables.items()},
+        sparse_opt_state={g: {k: _put(sparse_opt[g][k], v) for k, v in opt.items()}
                           for g, opt in like.sparse_opt_state.items()},
-        dropout_rng=jax.random.wrap_key_data(jnp.asarray(top["rng"]), impl=meta["rng_impl"]),
+        dropout_rng=_put(jax.random.wrap_key_data(jnp.asarray(top["rng"]), impl=meta["rng_impl"]), like.dropout_rng),
         dirty_rows={}, aux={f: {k: jnp.asarray(aux[f][k], v.dtype) for k, v in a.items()} for f, a in like.aux.items()})
+
+
+def _put(value, like):
+    """`value` as a device array placed like `like` (a mesh array: the same sharding; else the default device)."""
+    sharding = getattr(like, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.device_put(value, sharding)
+    return jnp.asarray(value)
 
 
 def open_checkpoint(path: str | pathlib.Path, step: int | None = None) -> ResumePoint:
@@ -426,6 +482,8 @@ class Checkpointer:
         self._copier = concurrent.futures.ThreadPoolExecutor(self._copy_workers, thread_name_prefix="checkpoint-copy")
         self._saving: concurrent.futures.Future | None = None  # the async save call in flight
         self._pending_retain = False
+        self.layout: dict | None = None  # the tables' layout on a mesh (the trainer sets it; None on one device)
+        self.relayout = None  # (by_key, saved layout) -> by_key in this run's layout (the trainer sets it)
 
     # ---------------------------------------------------------------------------------------- resume
     def resume_point(self) -> ResumePoint | None:
@@ -451,17 +509,17 @@ class Checkpointer:
 
     def restore(self, point: ResumePoint, like) -> tuple[Any, dict]:
         """(TrainState, the trainer's loop state) of `point`, with dirty-row bitmaps as the policy needs."""
-        state = self.track(restore_state(point, like))
+        state = self.track(restore_state(point, like, self.relayout))
         self._baseline_shapes = _table_shapes(state)  # the chain restored reads tables of these shapes
         meta = point.meta
-        if point.own:
+        if point.own and meta.get("layout") == self.layout:  # another layout: the next save is a new baseline
             self.last_saved_step = point.step
             if meta["policy"] == self.policy and self.policy != "full":
                 self._chain = list(meta["chain"])
                 self._baseline_bytes, self._chain_bytes = int(meta["baseline_bytes"]), int(meta["chain_bytes"])
                 if self.policy == "one_shot" and meta["groups"]:
                     # One-shot deltas are cumulative since the baseline: the restored delta's rows stay dirty.
-                    rows = point.store.item(point.step, "rows", meta)
+                    rows = _decode(point.store.item(point.step, "rows", meta))
                     state = state.replace(dirty_rows={
                         g: d.at[jnp.asarray(rows[g]["ids"])].set(True) if g in rows else d
                         for g, d in state.dirty_rows.items()})
@@ -472,7 +530,8 @@ class Checkpointer:
         """`state` with a zero dirty-row bitmap per group when the policy writes deltas (none for "full")."""
         if self.policy == "full":
             return state.replace(dirty_rows={})
-        return state.replace(dirty_rows={g: jnp.zeros(t.shape[0], jnp.bool_) for g, t in state.tables.items()})
+        return state.replace(dirty_rows={g: jax.device_put(jnp.zeros(t.shape[0], jnp.bool_), _row_sharding(t))
+                                         for g, t in state.tables.items()})
 
     def due(self, step: int) -> bool:
         """Whether the interval (steps or minutes) asks for a save after `step`."""
@@ -506,10 +565,11 @@ class Checkpointer:
             # A synchronous save is finished before the next step: it writes the arrays themselves.
             arrays = {("tables", g): t for g, t in state.tables.items()}
             arrays.update({("sparse_opt", g, k): v for g, o in state.sparse_opt_state.items() for k, v in o.items()})
-            if self.async_save:
-                arrays = self._host_copies(arrays)
-            item_state["tables"] = {key[1]: a for key, a in arrays.items() if key[0] == "tables"}
-            item_state["sparse_opt"] = {g: {key[2]: a for key, a in arrays.items() if key[:2] == ("sparse_opt", g)}
+            arrays = (self._host_copies(arrays) if self.async_save
+                      else {key: np.asarray(a) for key, a in arrays.items()})
+            item_state["tables"] = {_encode(key[1]): a for key, a in arrays.items() if key[0] == "tables"}
+            item_state["sparse_opt"] = {_encode(g): {key[2]: a for key, a in arrays.items()
+                                                     if key[:2] == ("sparse_opt", g)}
                                         for g, o in state.sparse_opt_state.items() if o}
             table_bytes = _nbytes({"t": item_state["tables"], "o": item_state["sparse_opt"]})
             self._chain, self._baseline_bytes, self._chain_bytes = [step], table_bytes, 0
@@ -523,11 +583,11 @@ class Checkpointer:
         arrays = _Checksums({"state": item_state, "rows": rows_item})
         meta = {
             "format": FORMAT_VERSION, "step": step, "kind": kind, "policy": self.policy, "chain": self._chain,
-            "quantize_bits": self.bits if kind == "delta" else 0, "groups": sorted(rows_item),
+            "quantize_bits": self.bits if kind == "delta" else 0, "groups": sorted(_decode(rows_item)),
             "table_bytes": table_bytes, "bytes": _nbytes(item_state) + _nbytes(rows_item),
             "baseline_bytes": self._baseline_bytes, "chain_bytes": self._chain_bytes,
             "dense_paths": paths, "dense_shapes": [[str(leaf.dtype), list(leaf.shape)] for leaf in leaves],
-            "rng_impl": str(jax.random.key_impl(state.dropout_rng)),
+            "rng_impl": str(jax.random.key_impl(state.dropout_rng)), "layout": self.layout,
             "arrays": arrays, "loop": loop, "config": self.config_dict, "finished": finished,
         }
         args = {"state": ocp.args.StandardSave(item_state), "meta": _meta_handler_types()[0](meta)}
@@ -563,7 +623,7 @@ class Checkpointer:
             opt = {k: _gather_rows(v, ids) for k, v in state.sparse_opt_state[g].items()}
             if opt:
                 part["opt"] = opt
-            rows_item[g] = part
+            rows_item[_encode(g)] = part
         delta_bytes = _nbytes(rows_item)
         if self.policy == "intermittent" and (self._chain_bytes + delta_bytes
                                               > self.baseline_fraction * self._baseline_bytes):
@@ -578,13 +638,17 @@ class Checkpointer:
             buffer = self._host.get(key)
             if buffer is None or buffer.shape != array.shape or buffer.dtype != array.dtype:
                 buffer = self._host[key] = np.empty(array.shape, array.dtype)
-            source = np.asarray(array)
-            if source.ndim == 0 or len(source) < 2:
-                np.copyto(buffer, source)
-                continue
-            bounds = np.linspace(0, len(source), self._copy_workers + 1).astype(int)
-            jobs += [self._copier.submit(np.copyto, buffer[a:b], source[a:b])
-                     for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+            # A mesh array: each device's block is copied into its place (a replicated block once).
+            blocks = ([(shard.index, np.asarray(shard.data)) for shard in array.addressable_shards
+                       if not shard.replica_id] if isinstance(array, jax.Array) else [((), np.asarray(array))])
+            for index, source in blocks:
+                target = buffer[index]
+                if source.ndim == 0 or len(source) < 2:
+                    np.copyto(target, source)
+                    continue
+                bounds = np.linspace(0, len(source), self._copy_workers + 1).astype(int)
+                jobs += [self._copier.submit(np.copyto, target[a:b], source[a:b])
+                         for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
         for job in jobs:
             job.result()
         return {key: self._host[key] for key in arrays}

@@ -306,6 +306,12 @@ def make_predict_step(task: Task):
     return jax.jit(predict_step)
 
 
+def _describe_layout(layout: dict | None) -> str:
+    if layout is None:
+        return "one device"
+    return "mesh " + ",".join(f"{axis}={size}" for axis, size in layout["mesh_shape"].items())
+
+
 def flops_per_example(compiled, batch_size: int) -> float:
     """FLOPs/example from XLA's cost analysis of a compiled step."""
     cost = compiled.cost_analysis()
@@ -416,13 +422,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     sharded = sharding.setup(config, task)  # None on one device: the single-device engine below, untouched
     validate = lambda b, where: validate_batch(b, task.spec, any_id=task.collection.any_id_features,
                                                where=where)
-    if sharded is not None and checkpointer is not None:
-        # Checkpoints hold the single-device layout (tables keyed by stacked group, dirty rows set in the
-        # single-device step); a mesh run's state is keyed by storage and its step does not mark dirty rows.
-        print("WARNING: checkpoints are not written for sharded runs yet (mesh.shape spans "
-              f"{sharded.mesh.size} devices); this run cannot resume", flush=True)
+    if checkpointer is not None and jax.process_count() > 1:
+        # A checkpoint's arrays are host copies, which Orbax writes from process 0 only (recjax/checkpoint.py).
+        print(f"WARNING: checkpoints are not written for multi-process runs yet ({jax.process_count()} processes); "
+              "this run cannot resume", flush=True)
         checkpointer.close()
         checkpointer = resume = None
+    if checkpointer is not None:  # where the tables' rows are, and how to restore a checkpoint saved elsewhere
+        checkpointer.layout = sharding.layout(sharded)
+        checkpointer.relayout = sharding.relayout(task.collection, sharded)
     dynamic = DynamicTables.create(task.collection, budget.steps, int(config.seed))
     if dynamic is not None and sharded is not None:
         raise ConfigError("embedding.method", f"tables {list(dynamic.features)} change shape during training "
@@ -463,23 +471,35 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
                           batch_size if rows is None else rows.stop - rows.start)
     make_train, make_predict, put = make_train_step, make_predict_step, jax.device_put
     loop = {}  # the loop's own state (selection, history, times), restored with a checkpoint
+
+    def restore_or_track(like):
+        """The checkpoint's state placed like `like` (the loop state into `loop`), else `like` with dirty-row
+        bitmaps when the checkpoint policy writes deltas."""
+        if not resume:
+            return checkpointer.track(like) if checkpointer else like
+        state, loop_state = checkpointer.restore(resume, like)
+        loop.update(loop_state)
+        saved = resume.meta.get("layout")
+        moved = "" if saved == checkpointer.layout else (
+            f"; its tables re-laid out from {_describe_layout(saved)} to {_describe_layout(checkpointer.layout)}")
+        print(f"resuming from checkpoint step {resume.step:,} of {budget.steps:,} "
+              f"({resume.store.directory / str(resume.step)}){moved}", flush=True)
+        return state
+
     if sharded is not None:  # the single-device initial state laid out by the plan; steps under shard_map
         print(sharding.format_plan(sharded.plan), flush=True)
         sharding.save_plan(sharded.plan, workdir)
         state = init_state(task, jax.random.key(config.seed), eval_host)
-        state, sharded_train, sharded_predict, put = sharding.prepare(task, sharded, state, _forward)
+        state, sharded_train, sharded_predict, put = sharding.prepare(task, sharded, state, _forward,
+                                                                      restore_or_track)
         make_train, make_predict = lambda _: sharded_train, lambda _: sharded_predict
     elif resume:
         if dynamic is not None:  # the pools were compacted: restore into the checkpoint's capacities
             task = dynamic.resume(task, resume.meta["loop"]["dynamic"])
-        like = jax.eval_shape(lambda batch: init_state(task, jax.random.key(config.seed), batch), first)
-        state, loop = checkpointer.restore(resume, like)
-        print(f"resuming from checkpoint step {resume.step:,} of {budget.steps:,} "
-              f"({resume.store.directory / str(resume.step)})", flush=True)
+        state = restore_or_track(jax.eval_shape(lambda batch: init_state(task, jax.random.key(config.seed), batch),
+                                                first))
     else:
-        state = init_state(task, jax.random.key(config.seed), first)
-        if checkpointer:
-            state = checkpointer.track(state)
+        state = restore_or_track(init_state(task, jax.random.key(config.seed), first))
     # Compile once, up front: the loop calls the executables, so no step pays for compilation and the
     # compile time and XLA's cost analysis come from exactly what runs.
     t0 = time.perf_counter()

@@ -13,14 +13,22 @@ import pathlib
 import jax
 import ml_collections
 
-from recjax.errors import ConfigError
-from recjax.sharding.exchange import ShardedEmbedding, to_host
+from recjax.errors import CheckpointError, ConfigError
+from recjax.sharding.exchange import ShardedEmbedding, build_storages, group_layout, storage_layout, to_host
 from recjax.sharding.mesh import make_mesh, mesh_shape
-from recjax.sharding.plan import CAPACITY_FACTOR, TableInfo, format_plan, make_plan, save_plan
+from recjax.sharding.plan import (
+    CAPACITY_FACTOR,
+    ShardingPlan,
+    TableInfo,
+    TablePlacement,
+    format_plan,
+    make_plan,
+    save_plan,
+)
 from recjax.sharding.step import prepare
 
-__all__ = ["ShardedEmbedding", "format_plan", "make_mesh", "mesh_shape", "prepare", "process_workdir", "save_plan",
-           "setup", "table_infos", "to_host"]
+__all__ = ["ShardedEmbedding", "format_plan", "layout", "make_mesh", "mesh_shape", "prepare", "process_workdir",
+           "relayout", "save_plan", "setup", "table_infos", "to_host"]
 
 
 def process_workdir(workdir: pathlib.Path) -> pathlib.Path:
@@ -70,3 +78,42 @@ def setup(config: ml_collections.ConfigDict, task) -> ShardedEmbedding | None:
                      device_memory_bytes=device_memory_bytes(int(sharding.get("device_memory_bytes", 0))))
     return ShardedEmbedding(task.collection, plan, mesh, sharding.get("exchange_dtype", "float32"),
                             float(sharding.get("capacity_factor", CAPACITY_FACTOR)))
+
+
+# --------------------------------------------------------------------------------------- checkpoint layouts
+def layout(sharded: ShardedEmbedding | None) -> dict | None:
+    """What a checkpoint records of where the tables' rows are (recjax/checkpoint.py `meta["layout"]`): the mesh
+    shape and each physical table's placement; None on one device (tables keyed by stacked group)."""
+    if sharded is None:
+        return None
+    return {"mesh_shape": dict(sharded.plan.mesh_shape),
+            "tables": [{"table": p.table.name, "sharding": p.sharding, "axes": list(p.axes), "devices": list(p.devices),
+                        "row_split": p.row_split} for p in sharded.plan.placements]}
+
+
+def relayout(collection, sharded: ShardedEmbedding | None):
+    """(by_key, saved layout) -> by_key in `sharded`'s layout (the single-device one when None), on the host:
+    tables (or one optimizer state field) saved by a run on another mesh or plan, or on one device, go through
+    the single-device layout {group: rows}. The identity when the layouts are the same."""
+    current = layout(sharded)
+
+    def convert(by_key: dict, saved: dict | None) -> dict:
+        if saved == current:
+            return by_key
+        logical = by_key if saved is None else group_layout(_storages_of(collection, saved), by_key)
+        return logical if sharded is None else storage_layout(sharded.storages, logical)
+
+    return convert
+
+
+def _storages_of(collection, saved: dict):
+    """The storages of a checkpoint's layout, rebuilt for `collection` (the same tables, another placement)."""
+    infos = {i.name: i for i in table_infos(collection, None)}
+    names = [t["table"] for t in saved["tables"]]
+    if sorted(names) != sorted(infos):
+        raise CheckpointError(f"the checkpoint's tables {sorted(names)} are not this config's {sorted(infos)}; "
+                              "restore it with its own config")
+    placements = tuple(TablePlacement(infos[t["table"]], t["sharding"], tuple(t["axes"]), tuple(t["devices"]),
+                                      t["row_split"]) for t in saved["tables"])
+    return build_storages(collection, ShardingPlan(saved["mesh_shape"], placements, batch_size=0,
+                                                   device_memory_bytes=0))

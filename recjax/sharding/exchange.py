@@ -85,6 +85,12 @@ class Storage:
         return {"sharded": P(ALL_AXES), "model": P("model"), "replicated": P(),
                 "column": P(None, ALL_AXES)}[self.kind]
 
+    @property
+    def row_spec(self) -> P:
+        """The sharding of a per-row array (the dirty-row bitmap): split like the rows; replicated when every device
+        holds every row (replicated and column storages, whose devices update the same rows)."""
+        return self.spec if self.kind in ("sharded", "model") else P()
+
     def capacity(self, local_batch: int) -> int:
         """C: the most distinct rows one device can ask one owner for in a step: per table the fewer of its slots
         (local_batch x bag size) and the rows the owner holds of it, summed over the owner's tables."""
@@ -303,9 +309,11 @@ class ShardedEmbedding:
 
     def update(self, optimizer: SparseOptimizer, tables: Mapping[str, jax.Array], state: Mapping[str, dict],
                context: Mapping, row_grads: Mapping[str, jax.Array], lr: jax.Array, step: jax.Array
-               ) -> tuple[dict, dict]:
-        """Send each distinct row's gradient to its owner(s) and apply the optimizer there, in place."""
-        new_tables, new_state = dict(tables), dict(state)
+               ) -> tuple[dict, dict, dict]:
+        """Send each distinct row's gradient to its owner(s) and apply the optimizer there, in place. Also returns
+        {storage: i32[M]} the local rows each device updated (padded with the sentinel `local_rows`), for the
+        checkpoints' dirty-row bitmaps."""
+        new_tables, new_state, touched = dict(tables), dict(state), {}
         for s in self.storages.values():
             g = row_grads[s.group]
             n, d = g.shape
@@ -335,7 +343,8 @@ class ShardedEmbedding:
             current = jnp.take(table, distinct, axis=0, mode="fill", fill_value=0)
             new_tables[s.name], new_state[s.name] = sparse_apply(
                 optimizer, table, state[s.name], distinct, current, summed, lr, step, kernel=self.collection.kernel)
-        return new_tables, new_state
+            touched[s.name] = distinct
+        return new_tables, new_state, touched
 
     @staticmethod
     def overflows(context: Mapping) -> jax.Array:
@@ -378,24 +387,35 @@ class ShardedEmbedding:
     def shard(self, by_group: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """Single-device stacked arrays {group: [rows, ...]} (tables or one optimizer state field) -> the plan's
         arrays {storage: jax.Array}, each device receiving only its block."""
-        out = {}
-        for name, s in self.storages.items():
-            full = np.asarray(by_group[s.group])
-            data = full[np.maximum(s.source, 0)]
-            data[s.source < 0] = 0
-            out[name] = put_global(data, self.sharding(name))
-        return out
+        return {name: put_global(data, self.sharding(name))
+                for name, data in storage_layout(self.storages, by_group).items()}
 
     def unshard(self, by_storage: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:
         """The inverse of `shard`: {group: np.ndarray} in the single-device layout (on every process)."""
-        out: dict[str, np.ndarray] = {}
-        for name, s in self.storages.items():
-            data = to_host(by_storage[name])
-            if s.group not in out:
-                out[s.group] = np.zeros((s.group_rows, *data.shape[1:]), data.dtype)
-            valid = s.source >= 0
-            out[s.group][s.source[valid]] = data[valid]
-        return out
+        return group_layout(self.storages, {name: to_host(a) for name, a in by_storage.items()})
+
+
+def storage_layout(storages: Mapping[str, Storage], by_group: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Host arrays in the single-device layout {group: [rows, ...]} -> the storages' global arrays, as numpy
+    (rows no table uses are zero)."""
+    out = {}
+    for name, s in storages.items():
+        data = np.asarray(by_group[s.group])[np.maximum(s.source, 0)]
+        data[s.source < 0] = 0
+        out[name] = data
+    return out
+
+
+def group_layout(storages: Mapping[str, Storage], by_storage: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The inverse of `storage_layout`: the storages' global host arrays -> {group: [rows, ...]}."""
+    out: dict[str, np.ndarray] = {}
+    for name, s in storages.items():
+        data = np.asarray(by_storage[name])
+        if s.group not in out:
+            out[s.group] = np.zeros((s.group_rows, *data.shape[1:]), data.dtype)
+        valid = s.source >= 0
+        out[s.group][s.source[valid]] = data[valid]
+    return out
 
 
 def put_global(data: np.ndarray, sharding: NamedSharding) -> jax.Array:

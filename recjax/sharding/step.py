@@ -30,7 +30,7 @@ def state_specs(sharded: ShardedEmbedding, state):
         step=P(), dense_params=replicated(state.dense_params), dense_opt_state=replicated(state.dense_opt_state),
         tables={k: sharded.storages[k].spec for k in state.tables},
         sparse_opt_state={k: {f: sharded.storages[k].spec for f in v} for k, v in state.sparse_opt_state.items()},
-        dropout_rng=P())
+        dirty_rows={k: sharded.storages[k].row_spec for k in state.dirty_rows}, dropout_rng=P())
 
 
 def batch_sharding(sharded: ShardedEmbedding) -> NamedSharding:
@@ -111,11 +111,14 @@ def make_train_step(task, sharded: ShardedEmbedding, state, forward: Callable):
         updates, dense_opt_state = task.dense_tx.update(g_dense, state.dense_opt_state, state.dense_params)
         dense_params = optax.apply_updates(state.dense_params, updates)
         step = state.step + 1
-        tables, sparse_opt_state = sharded.update(task.sparse_optimizer, state.tables, state.sparse_opt_state,
-                                                  context, g_rows, task.sparse_lr(state.step), step)
+        tables, sparse_opt_state, touched = sharded.update(task.sparse_optimizer, state.tables,
+                                                           state.sparse_opt_state, context, g_rows,
+                                                           task.sparse_lr(state.step), step)
         invalid = jax.lax.psum(sum(routes["invalid_ids"].values(), jnp.zeros((), jnp.int32)), ALL_AXES)
+        # Checkpoint deltas: each device marks the rows of its block it updated (the sentinel is dropped).
+        dirty = {k: d.at[touched[k]].set(True, mode="drop") for k, d in state.dirty_rows.items()}
         new_state = state.replace(step=step, dense_params=dense_params, dense_opt_state=dense_opt_state,
-                                  tables=tables, sparse_opt_state=sparse_opt_state)
+                                  tables=tables, sparse_opt_state=sparse_opt_state, dirty_rows=dirty)
         return new_state, {"loss": loss, "invalid_ids": invalid, "bucket_overflows": sharded.overflows(context)}
 
     specs = state_specs(sharded, state)
@@ -137,10 +140,11 @@ def make_predict_step(task, sharded: ShardedEmbedding, state, forward: Callable)
                                  out_specs=P(ALL_AXES), check_vma=False))
 
 
-def prepare(task, sharded: ShardedEmbedding, state, forward: Callable):
-    """What the trainer swaps in on a mesh: the sharded state (from the single-device initial `state`), the jitted
-    train and predict steps (predictions come back as numpy on every process) and the batch placement."""
-    state = shard_state(sharded, state)
+def prepare(task, sharded: ShardedEmbedding, state, forward: Callable, adapt: Callable = lambda state: state):
+    """What the trainer swaps in on a mesh: the sharded state (from the single-device initial `state`, then
+    `adapt`ed: e.g. restored from a checkpoint, given dirty-row bitmaps), the jitted train and predict steps for its
+    structure (predictions come back as numpy on every process) and the batch placement."""
+    state = adapt(shard_state(sharded, state))
     train_step = make_train_step(task, sharded, state, forward)
     predict = make_predict_step(task, sharded, state, forward)
     return state, train_step, predict, lambda batch: put_batch(sharded, batch)

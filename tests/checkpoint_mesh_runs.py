@@ -1,0 +1,60 @@
+"""Mesh runs for tests/test_checkpoint_mesh.py, in a subprocess with 8 CPU devices (the pytest process keeps its one
+device, where the single-device runs happen).
+
+    python tests/checkpoint_mesh_runs.py OUT_DIR SINGLE_DEVICE_WORKDIR     (JAX_NUM_CPU_DEVICES=8 set by the caller)
+
+Writes OUT_DIR/reference (data=4,model=2, consecutive deltas, uninterrupted), OUT_DIR/resumed (the same run killed
+after its step-20 save and resumed, one-shot deltas) and OUT_DIR/from_single (data=2,model=4, started from the
+single-device run's step-20 checkpoint).
+"""
+
+import pathlib
+import sys
+
+import jax
+
+from recjax import checkpoint
+from recjax.train import train_and_evaluate
+from tests.test_checkpoint import tiny
+
+STEP = 20  # the interruption, and the checkpoint another layout starts from
+
+
+def mesh_config(mesh: str, **ckpt):
+    """tiny()'s run on a mesh, with a table of every sharding type and Adagrad (a state row per table row)."""
+    config = tiny(**{"policy": "consecutive", "keep": 10, **ckpt})
+    config.mesh.shape = mesh
+    config.sharding.plan = "table"
+    config.sharding.tables = "C1=replicated,C2=row,C3=column,C5=row"
+    config.optimizer.sparse.name = "adagrad"
+    config.model.dlrm.dropout = 0.0  # a mesh run draws its dropout masks per device: only the single run's differ
+    return config
+
+
+def main(out: pathlib.Path, single: pathlib.Path) -> None:
+    assert jax.device_count() == 8, jax.device_count()
+    train_and_evaluate(mesh_config("data=4,model=2"), out / "reference")
+
+    save = checkpoint.Checkpointer.save
+
+    def dying(self, step, state, loop, finished=False):
+        state = save(self, step, state, loop, finished)
+        if step == STEP:
+            raise KeyboardInterrupt(f"killed after the save of step {step}")
+        return state
+
+    checkpoint.Checkpointer.save = dying
+    try:
+        train_and_evaluate(mesh_config("data=4,model=2", policy="one_shot"), out / "resumed")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        checkpoint.Checkpointer.save = save
+    train_and_evaluate(mesh_config("data=4,model=2", policy="one_shot"), out / "resumed")
+
+    train_and_evaluate(mesh_config("data=2,model=4", restore=str(single / "checkpoints" / str(STEP))),
+                       out / "from_single")
+
+
+if __name__ == "__main__":
+    main(pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]))
