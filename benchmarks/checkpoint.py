@@ -4,6 +4,7 @@ the dirty-row bitmap on step time, the AUC of models restored from 2-, 4- and 8-
 
     python benchmarks/checkpoint.py                          # everything (~5-10 min on 2 shared cores)
     python benchmarks/checkpoint.py --only bytes,stall --rows 1000000
+    python benchmarks/checkpoint.py --only bytes,stall --cpu_devices 8 --mesh data=4,model=2   # a mesh run's tables
 
 Prints one JSON line per measurement to stdout (progress to stderr), each with its config and the machine.
 
@@ -21,6 +22,8 @@ Measurements
   quality    the default synthetic DLRM (`small` preset) trained `--quality_steps` steps, checkpointed every 1/5 of the
              run with consecutive deltas at 0 (f32), 2, 4 and 8 bits: the test AUC and logloss of the model restored
              from the final checkpoint, and the difference to the f32 one (training itself is the same f32 run).
+  With --mesh, bytes / bitmap / stall train on that mesh (tables split by `sharding.plan=row`, every device's block
+  saved where it lives); on a CPU machine --cpu_devices gives JAX that many devices.
   crash      tests/crash_driver.py with `--crash_trials` SIGKILLs (mid-save and mid-steps): how many resumed from the
              newest complete checkpoint and ended bit-identical to an uninterrupted run.
 """
@@ -70,11 +73,17 @@ def du(path: pathlib.Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+MESH = ""  # --mesh: the mesh shape the bytes / bitmap / stall trainers use ("" = one device)
+
+
 def table_config(rows: int, batch: int, **ckpt):
     """A small-MLP DLRM whose cost is its tables: 4 one-hot features of rows / 4 ids, dim 16, lazy Adam."""
     from experiments.configs.dlrm_synthetic import get_config
 
     config = get_config()
+    if MESH:
+        config.mesh.shape = MESH
+        config.sharding.plan = "row"
     config.data.vocab_sizes = (rows // 4,) * 4
     config.data.zipf_exponent = 1.05
     config.data.eval_examples = 1024
@@ -88,29 +97,50 @@ def table_config(rows: int, batch: int, **ckpt):
 
 
 class Trainer:
-    """The trainer's pieces without its loop: a state, the compiled step and the synthetic stream."""
+    """The trainer's pieces without its loop: a state, the compiled step and the synthetic stream (on a mesh when
+    the config has one: the state laid out by its plan, the sharded step)."""
 
     def __init__(self, config):
         import jax
 
+        from recjax import sharding
         from recjax.data import make_dataset
-        from recjax.train import build_task, init_state, make_train_step
+        from recjax.train import _forward, build_task, init_state, make_train_step
 
         self.config = config
         self.dataset = make_dataset(config.data, seed=config.seed)
         self.task = build_task(config, self.dataset.spec, self.dataset, 100_000)
         self.stream = self.dataset.train_batches(config.train.batch_size)
-        first = jax.device_put(next(self.stream))
-        self.state = init_state(self.task, jax.random.key(0), first)
-        self.step_fn = make_train_step(self.task)
+        self.sharded = sharding.setup(config, self.task)
+        self.put = jax.device_put if self.sharded is None else self.sharded.put_batch
+        self.state = init_state(self.task, jax.random.key(0), jax.device_put(next(self.stream)))
+        if self.sharded is not None:
+            self.state = sharding.step.shard_state(self.sharded, self.state)
+        self._steps = {}  # sharded steps by the state's bitmaps (their specs are part of the step)
+        self._single = make_train_step(self.task) if self.sharded is None else None
+        self._make_sharded = lambda state: sharding.step.make_train_step(self.task, self.sharded, state, _forward)
         self.step = 0
+
+    def step_fn(self, state, batch):
+        if self.sharded is None:
+            return self._single(state, batch)
+        key = tuple(sorted(state.dirty_rows))
+        if key not in self._steps:
+            self._steps[key] = self._make_sharded(state)
+        return self._steps[key](state, batch)
 
     def train(self, steps: int) -> None:
         import jax
 
+        from recjax.train import MESH_STEPS_IN_FLIGHT
+
+        in_flight = []
         for _ in range(steps):
-            self.state, _ = self.step_fn(self.state, jax.device_put(next(self.stream)))
+            self.state, metrics = self.step_fn(self.state, self.put(next(self.stream)))
             self.step += 1
+            in_flight.append(metrics["loss"])
+            if self.sharded is not None and len(in_flight) > MESH_STEPS_IN_FLIGHT:  # see recjax/train.py
+                in_flight.pop(0).block_until_ready()
         jax.block_until_ready(self.state)
 
     def touched(self) -> float:
@@ -176,7 +206,8 @@ def bytes_measurement(rows: int, batch: int, intervals: int, info: dict) -> None
                    "bytes_vs_full": r["bytes_per_interval"] / results["full"]["bytes_per_interval"],
                    "table_bytes_vs_full": r["table_bytes_per_interval"] / results["full"]["table_bytes_per_interval"],
                    "capacity_vs_full": r["capacity_bytes"] / results["full"]["capacity_bytes"],
-                   "config": {"rows": rows, "dim": 16, "batch": batch, "sparse": "lazy_adam", "zipf": 1.05},
+                   "config": {"rows": rows, "dim": 16, "batch": batch, "sparse": "lazy_adam", "zipf": 1.05,
+                              "mesh": MESH},
                    "machine": info})
 
 
@@ -191,7 +222,7 @@ def bitmap_measurement(rows: int, batch: int, repeats: int, info: dict) -> None:
         trainer.state = tracked(trainer)
         trainer.train(2)  # compile
         trainers[name] = trainer
-    batches = [jax.device_put(next(trainers["with_bitmap"].stream)) for _ in range(50)]
+    batches = [trainers["with_bitmap"].put(next(trainers["with_bitmap"].stream)) for _ in range(50)]
     times = {name: [] for name in trainers}
     for _ in range(repeats):
         for name, trainer in trainers.items():
@@ -203,7 +234,7 @@ def bitmap_measurement(rows: int, batch: int, repeats: int, info: dict) -> None:
     medians = {name: statistics.median(t) for name, t in times.items()}
     _emit({"measurement": "bitmap", **{f"{k}_step_ms": v for k, v in medians.items()},
            "overhead": medians["with_bitmap"] / medians["without_bitmap"] - 1, "repeats": repeats,
-           "config": {"rows": rows, "dim": 16, "batch": batch, "sparse": "lazy_adam"}, "machine": info})
+           "config": {"rows": rows, "dim": 16, "batch": batch, "sparse": "lazy_adam", "mesh": MESH}, "machine": info})
 
 
 def stall_measurement(rows: int, batch: int, repeats: int, info: dict) -> None:
@@ -228,7 +259,8 @@ def stall_measurement(rows: int, batch: int, repeats: int, info: dict) -> None:
     medians = {mode: statistics.median(s) for mode, s in stalls.items()}
     _emit({"measurement": "stall", "sync_stall_s": medians["sync"], "async_stall_s": medians["async"],
            "async_vs_sync": medians["async"] / medians["sync"], "checkpoint_bytes": size, "repeats": repeats,
-           "config": {"rows": rows, "dim": 16, "sparse": "lazy_adam", "policy": "full"}, "machine": info})
+           "config": {"rows": rows, "dim": 16, "sparse": "lazy_adam", "policy": "full", "mesh": MESH},
+           "machine": info})
 
 
 def quality_measurement(steps: int, info: dict) -> None:
@@ -294,7 +326,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quality_steps", type=int, default=3000)
     parser.add_argument("--crash_trials", type=int, default=30)
+    parser.add_argument("--mesh", default="", help="bytes / bitmap / stall on this mesh, e.g. data=4,model=2")
+    parser.add_argument("--cpu_devices", type=int, default=0, help="give JAX this many CPU devices (before it starts)")
     args = parser.parse_args(argv)
+    if args.cpu_devices:
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    global MESH
+    MESH = args.mesh
     only = {m.strip() for m in args.only.split(",") if m.strip()}
     if only - set(MEASUREMENTS):
         parser.error(f"unknown measurements {sorted(only - set(MEASUREMENTS))}; use {MEASUREMENTS}")

@@ -42,8 +42,11 @@ their rows and set by each row's owner inside the sharded step. A save reads eac
 copies and delta gathers per shard, never a gather of the whole table on one device). `meta["layout"]` records the
 plan's layout (None on one device): a restore under another layout -- another mesh shape or plan, or one device --
 converts the tables and optimizer rows through the single-device layout (`restore_state`'s `relayout`, given by
-the trainer from recjax/sharding) and the next save starts a new baseline. Multi-process runs are not checkpointed
-yet: a numpy item is written by process 0 only, so each process's blocks would need Orbax's global-array path.
+the trainer from recjax/sharding) and the next save starts a new baseline.
+
+Multi-process runs: a baseline's tables are global arrays (device copies) that Orbax writes by blocks, each process
+its own; meta marks them "blocks" and the `digests` item holds each block's sha256 (u8[R, 32 C], placed like the
+array), checked by whoever reads the block. Row deltas are not written there yet (policy "full" only).
 """
 
 import concurrent.futures
@@ -73,7 +76,11 @@ KEYS = {"enabled", "dir", "every_steps", "every_minutes", "keep", "async_save", 
 # Config keys that may change between a run and its resumption (everything else must match).
 # The mesh and plan may change too: the tables are re-laid out on restore.
 RESUMABLE_CHANGES = ("checkpoint.", "train.progress_bar", "mesh.", "sharding.")
-_ITEMS = ("state", "rows", "meta")
+_ITEMS = ("state", "rows", "meta", "digests")
+# Multi-process runs decide time-based saves together (process 0's clock) every this many steps.
+AGREE_EVERY_STEPS = 20
+BLOCKS = "blocks"  # meta["arrays"] marker: an array saved by blocks (each process its own), checked by digests
+DIGESTS = "digests"  # meta["arrays"] marker: the sha256s of those blocks (the `digests` item)
 
 
 def check_checkpoint_config(config: Mapping) -> None:
@@ -159,8 +166,12 @@ def _gather_block(array: jax.Array, ids: np.ndarray) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------- helpers
+def _digest(array) -> bytes:
+    return hashlib.sha256(np.ascontiguousarray(array).view(np.uint8).reshape(-1)).digest()
+
+
 def _sha256(array: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(array).view(np.uint8).reshape(-1)).hexdigest()
+    return _digest(array).hex()
 
 
 def _flat(tree: Mapping, prefix: str = "") -> dict[str, np.ndarray]:
@@ -174,9 +185,77 @@ def _flat(tree: Mapping, prefix: str = "") -> dict[str, np.ndarray]:
 
 
 def _describe_arrays(item: str, tree: Mapping) -> dict[str, list]:
-    """{item/path: [dtype, shape, sha256]} for every array of an item."""
-    return {f"{item}/{p}": [str(np.asarray(a).dtype), list(np.shape(a)), _sha256(np.asarray(a))]
-            for p, a in _flat(tree).items()}
+    """{item/path: [dtype, shape, sha256]} for every array of an item; an array spread over processes has
+    "blocks" instead of a sha256: its blocks' sha256s are the `digests` item (`_block_digests`)."""
+    return {f"{item}/{p}": [str(a.dtype), list(a.shape), BLOCKS] if _is_global(a) else
+            [str(np.asarray(a).dtype), list(np.shape(a)), _sha256(np.asarray(a))] for p, a in _flat(tree).items()}
+
+
+def _is_global(array) -> bool:
+    """An array some of whose blocks live in other processes."""
+    return isinstance(array, jax.Array) and not array.is_fully_addressable
+
+
+def _local(array) -> np.ndarray:
+    """The host value of an array every process holds whole (a replicated multi-process array: its local copy)."""
+    if _is_global(array):
+        return np.array(array.addressable_data(0))
+    return np.array(array)
+
+
+def _block_grid(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, int]:
+    """(R, C): the row and column blocks of an array of `shape` split into blocks of `block`."""
+    return shape[0] // max(block[0], 1), (shape[1] // max(block[1], 1) if len(shape) > 1 else 1)
+
+
+def _block_of(index: tuple, block: tuple[int, ...]) -> tuple[int, int]:
+    """(r, c) of the block at a shard's `index`."""
+    r = (index[0].start or 0) // max(block[0], 1)
+    c = (index[1].start or 0) // max(block[1], 1) if len(block) > 1 else 0
+    return r, c
+
+
+def _block_digests(array: jax.Array) -> jax.Array:
+    """u8[R, C * 32]: the sha256 of each (row block r, column block c) of a mesh array, placed like the array (the
+    device holding block (r, c) holds row r, columns [32 c, 32 c + 32)), so each process hashes and Orbax writes
+    only the blocks it holds."""
+    sharding = array.sharding
+    block = sharding.shard_shape(array.shape)
+    local = {}
+    for shard in array.addressable_shards:
+        key = _block_of(shard.index, block)
+        if key not in local:
+            local[key] = np.frombuffer(_digest(shard.data), np.uint8)
+    return jax.make_array_from_callback(tuple(_digest_shape(array)), _digest_sharding(sharding),
+                                        lambda index: local[(index[0].start or 0, (index[1].start or 0) // 32)][None])
+
+
+def _digest_shape(array: jax.Array) -> list[int]:
+    rows, cols = _block_grid(array.shape, array.sharding.shard_shape(array.shape))
+    return [rows, 32 * cols]
+
+
+def _digest_sharding(sharding):
+    """Where the digests of an array placed by `sharding` go: their rows and columns split like its rows and
+    columns."""
+    spec = (*tuple(sharding.spec), None, None)
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(spec[0], spec[1]))
+
+
+def _check_blocks(array, digests, where: str) -> None:
+    """Compare each block of `array` this process holds (or all of a host array) with its recorded sha256."""
+    if _on_mesh(array):
+        expected = {d.device: np.asarray(d.data) for d in digests.addressable_shards}
+        found = [(shard.data, expected[shard.device].reshape(-1)) for shard in array.addressable_shards]
+    else:
+        host, table = np.asarray(array), np.asarray(digests)
+        rows, cols = table.shape[0], table.shape[1] // 32
+        h, w = host.shape[0] // rows, (host.shape[1] // cols if host.ndim > 1 else 0)
+        found = [(host[r * h:(r + 1) * h, c * w:(c + 1) * w] if host.ndim > 1 else host[r * h:(r + 1) * h],
+                  table[r, 32 * c:32 * c + 32]) for r in range(rows) for c in range(cols)]
+    for data, digest in found:
+        if _digest(data) != bytes(digest):
+            raise CheckpointError(f"{where}: a block does not match its sha256 in the digests item")
 
 
 class _Checksums:
@@ -185,9 +264,10 @@ class _Checksums:
 
     _pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="recjax-sha256")
 
-    def __init__(self, items: Mapping[str, Mapping]):
-        self._future = self._pool.submit(lambda: {k: v for item, tree in items.items()
-                                                  for k, v in _describe_arrays(item, tree).items()})
+    def __init__(self, items: Mapping[str, Mapping], extra: Mapping[str, list] | None = None):
+        self._future = self._pool.submit(lambda: {**{k: v for item, tree in items.items()
+                                                     for k, v in _describe_arrays(item, tree).items()},
+                                                  **(extra or {})})
 
     def result(self) -> dict:
         return self._future.result()
@@ -286,8 +366,10 @@ class _Store:
             self._metas[step] = meta
         return self._metas[step]
 
-    def item(self, step: int, item: str, meta: dict | None = None):
-        """One item of a step, its arrays checked against the sha256, dtype and shape recorded in `meta`."""
+    def item(self, step: int, item: str, meta: dict | None = None, like: Mapping | None = None):
+        """One item of a step, its arrays checked against the sha256, dtype and shape recorded in `meta`. Arrays a
+        multi-process run saved by blocks are read where `like` ({path: array}) places them -- each process its
+        blocks --, else whole, as numpy, and each block is checked against the step's `digests` item."""
         import orbax.checkpoint as ocp
 
         where = self.directory / str(step) / item
@@ -296,7 +378,12 @@ class _Store:
         if not where.exists():
             raise CheckpointError(f"checkpoint step {step}: {where} is missing; the checkpoint is incomplete or was "
                                   f"deleted. {todo}")
-        restore = _meta_handler_types()[1]() if item == "meta" else ocp.args.StandardRestore()
+        expected = {k: v for k, v in (meta or {}).get("arrays", {}).items() if k.startswith(f"{item}/")}
+        blocks = sorted(k[len(item) + 1:] for k, v in expected.items() if v[2] == BLOCKS)
+        marked = {k: v[2] for k, v in expected.items() if v[2] in (BLOCKS, DIGESTS)}
+        restore = (_meta_handler_types()[1]() if item == "meta" else
+                   ocp.args.StandardRestore(_target(expected, item, like or {})) if marked else
+                   ocp.args.StandardRestore())
         try:
             value = getattr(self.manager.restore(step, args=ocp.args.Composite(**{item: restore})), item)
         except Exception as error:
@@ -304,15 +391,43 @@ class _Store:
                                   f"{str(error)[:300]}); it is corrupt. {todo}") from error
         if meta is None:
             return value
-        expected = {k: v for k, v in meta["arrays"].items() if k.startswith(f"{item}/")}
         found = _describe_arrays(item, value)
+        for path, marker in marked.items():  # blocks are checked against the digests below
+            if path in found:
+                found[path][2] = marker
         for path in sorted(set(expected) | set(found)):
             if expected.get(path) != found.get(path):
                 what = "is missing" if path not in found else ("is unexpected" if path not in expected else
                                                                "does not match the sha256 / dtype / shape in its meta")
                 raise CheckpointError(f"checkpoint step {step}: array {path} in {where} {what}; the checkpoint is "
                                       f"corrupt. {todo}")
+        if blocks:
+            arrays = _flat(value)
+            digest_like = {p: jax.ShapeDtypeStruct(meta["arrays"][f"digests/{p}"][1], np.uint8,
+                                                   sharding=_digest_sharding(arrays[p].sharding))
+                           for p in blocks if _on_mesh(arrays[p])}
+            digests = _flat(self.item(step, "digests", meta, digest_like))
+            for p in blocks:
+                try:
+                    _check_blocks(arrays[p], digests[p], f"checkpoint step {step}: array {item}/{p} in {where}")
+                except CheckpointError as error:
+                    raise CheckpointError(f"{error}; the checkpoint is corrupt. {todo}") from None
         return value
+
+
+def _on_mesh(array) -> bool:
+    return isinstance(array, jax.Array) and len(array.sharding.device_set) > 1
+
+
+def _target(expected: Mapping[str, list], item: str, like: Mapping) -> dict:
+    """The restore target of an item from its arrays in meta ({item/path: [dtype, shape, ...]}): an abstract array
+    placed like `like[path]` where given (each process reads its blocks), else numpy (the whole array)."""
+    targets = {}
+    for key, (dtype, shape, _) in expected.items():
+        path = key[len(item) + 1:]
+        targets[path] = (jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=like[path].sharding) if path in like
+                         else np.empty(shape, dtype))
+    return _unflat(targets)
 
 
 @dataclasses.dataclass
@@ -389,13 +504,24 @@ def restore_state(point: ResumePoint, like, relayout=None):
         raise CheckpointError(other_model.format(f"dense parameters / optimizer state differ at {first[0]} vs "
                                                  f"{first[1]}"))
     _check_chain(point)
-    top = store.item(step, "state", meta)
+    # Saved by blocks (a multi-process run) and restored by processes: each reads the blocks its devices hold.
+    distributed = jax.process_count() > 1 and _by_blocks(meta)
+    like_arrays = {}
+    if distributed:
+        like_arrays = {f"tables/{_encode(g)}": t for g, t in like.tables.items()}
+        like_arrays.update({f"sparse_opt/{_encode(g)}/{k}": v for g, o in like.sparse_opt_state.items()
+                            for k, v in o.items()})
+    top = store.item(step, "state", meta, like_arrays)
     for i, (path, leaf) in enumerate(zip(paths, like_leaves, strict=True)):
         saved = _dense_values(top, meta)[i]
         if tuple(np.shape(saved)) != tuple(leaf.shape):
             raise CheckpointError(other_model.format(f"{path} has shape {np.shape(saved)}, not {tuple(leaf.shape)}"))
-    tables, sparse_opt = _chain_tables(point, top)
-    if relayout is not None:
+    if distributed:  # a baseline (multi-process runs write no deltas), in this run's layout (Checkpointer.restore)
+        tables = _decode(top["tables"])
+        sparse_opt = {g: dict(o) for g, o in _decode(top.get("sparse_opt", {})).items()}
+    else:
+        tables, sparse_opt = _chain_tables(point, top)
+    if relayout is not None and not distributed:
         tables = relayout(tables, meta.get("layout"))
         fields = sorted({k for opt in sparse_opt.values() for k in opt})
         by_field = {k: relayout({g: opt[k] for g, opt in sparse_opt.items()}, meta.get("layout")) for k in fields}
@@ -426,11 +552,23 @@ def restore_state(point: ResumePoint, like, relayout=None):
 
 
 def _put(value, like):
-    """`value` as a device array placed like `like` (a mesh array: the same sharding; else the default device)."""
+    """`value` as a device array placed like `like` (a mesh array: the same sharding, each device receiving its
+    block of the host value every process holds; else the default device)."""
     sharding = getattr(like, "sharding", None)
+    if isinstance(value, jax.Array) and value.sharding == sharding:
+        return value
     if isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.device_put(value, sharding)
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(_put(np.asarray(jax.random.key_data(value)), like),
+                                            impl=jax.random.key_impl(value))
+        host = np.asarray(value)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
     return jnp.asarray(value)
+
+
+def _by_blocks(meta: Mapping) -> bool:
+    """Whether a checkpoint's arrays were saved by blocks (a multi-process run)."""
+    return any(v[2] == BLOCKS for v in meta["arrays"].values())
 
 
 def open_checkpoint(path: str | pathlib.Path, step: int | None = None) -> ResumePoint:
@@ -467,6 +605,9 @@ class Checkpointer:
         self.bits = int(ck.quantize_bits)
         self.restore_from = ck.restore
         self.async_save = bool(ck.async_save)
+        if jax.process_count() > 1 and self.policy != "full":
+            raise ConfigError("checkpoint.policy", f"{self.policy!r} writes row deltas, which multi-process runs do "
+                                                   f"not support yet ({jax.process_count()} processes); use 'full'")
         self.store = _Store(self.directory, async_save=self.async_save)
         self.last_save_time = time.monotonic()
         self.last_saved_step: int | None = None
@@ -509,6 +650,10 @@ class Checkpointer:
 
     def restore(self, point: ResumePoint, like) -> tuple[Any, dict]:
         """(TrainState, the trainer's loop state) of `point`, with dirty-row bitmaps as the policy needs."""
+        if jax.process_count() > 1 and _by_blocks(point.meta) and point.meta.get("layout") != self.layout:
+            raise CheckpointError(f"checkpoint step {point.step} in {point.store.directory} was saved by a "
+                                  "multi-process run on another mesh or plan; restore it on the same mesh.shape and "
+                                  "sharding.*, or in one process (which re-lays its tables out)")
         state = self.track(restore_state(point, like, self.relayout))
         self._baseline_shapes = _table_shapes(state)  # the chain restored reads tables of these shapes
         meta = point.meta
@@ -537,7 +682,17 @@ class Checkpointer:
         """Whether the interval (steps or minutes) asks for a save after `step`."""
         if self.every_steps and step % self.every_steps == 0:
             return True
-        return bool(self.every_seconds) and time.monotonic() - self.last_save_time >= self.every_seconds
+        if not self.every_seconds:
+            return False
+        late = time.monotonic() - self.last_save_time >= self.every_seconds
+        if jax.process_count() == 1:
+            return late
+        # Every process must save at the same step: every AGREE_EVERY_STEPS steps, process 0's clock decides.
+        if step % AGREE_EVERY_STEPS:
+            return False
+        from jax.experimental import multihost_utils
+
+        return bool(multihost_utils.broadcast_one_to_all(np.asarray(late)))
 
     def save(self, step: int, state, loop: dict, finished: bool = False):
         """Checkpoint `state` after `step` (written in the background unless `async_save` is off); returns the state
@@ -549,11 +704,12 @@ class Checkpointer:
         t0 = time.perf_counter()
         self._settle()
         paths, leaves, _ = _dense_leaves(state)
+        distributed = jax.process_count() > 1
         item_state = {
             "step": np.asarray(step, np.int32),
-            "rng": np.array(jax.random.key_data(state.dropout_rng)),
+            "rng": _local(jax.random.key_data(state.dropout_rng)),
             # Orbax cannot store empty arrays (e.g. a layer over zero dense features): their shapes are in meta.
-            "dense": {f"{i:05d}": np.array(leaf) for i, leaf in enumerate(leaves) if np.size(leaf)},
+            "dense": {f"{i:05d}": _local(leaf) for i, leaf in enumerate(leaves) if np.size(leaf)},
         }
         kind, rows_item, delta_bytes = self._plan(state)
         if state.aux:  # routing arrays of dynamic tables (FIITED's indirection, utility): small, saved whole
@@ -565,8 +721,11 @@ class Checkpointer:
             # A synchronous save is finished before the next step: it writes the arrays themselves.
             arrays = {("tables", g): t for g, t in state.tables.items()}
             arrays.update({("sparse_opt", g, k): v for g, o in state.sparse_opt_state.items() for k, v in o.items()})
-            arrays = (self._host_copies(arrays) if self.async_save
-                      else {key: np.asarray(a) for key, a in arrays.items()})
+            if distributed:  # device copies: each process's blocks stay on its devices, Orbax writes them
+                arrays = {key: jnp.copy(a) for key, a in arrays.items()}
+            else:
+                arrays = (self._host_copies(arrays) if self.async_save
+                          else {key: np.asarray(a) for key, a in arrays.items()})
             item_state["tables"] = {_encode(key[1]): a for key, a in arrays.items() if key[0] == "tables"}
             item_state["sparse_opt"] = {_encode(g): {key[2]: a for key, a in arrays.items()
                                                      if key[:2] == ("sparse_opt", g)}
@@ -580,7 +739,9 @@ class Checkpointer:
                 self._chain, self._chain_bytes = [self._chain[0], step], delta_bytes
             else:
                 self._chain, self._chain_bytes = [*self._chain, step], self._chain_bytes + delta_bytes
-        arrays = _Checksums({"state": item_state, "rows": rows_item})
+        global_arrays = {p: a for p, a in _flat(item_state).items() if _is_global(a)}
+        arrays = _Checksums({"state": item_state, "rows": rows_item},
+                            {f"digests/{p}": ["uint8", _digest_shape(a), DIGESTS] for p, a in global_arrays.items()})
         meta = {
             "format": FORMAT_VERSION, "step": step, "kind": kind, "policy": self.policy, "chain": self._chain,
             "quantize_bits": self.bits if kind == "delta" else 0, "groups": sorted(_decode(rows_item)),
@@ -593,7 +754,13 @@ class Checkpointer:
         args = {"state": ocp.args.StandardSave(item_state), "meta": _meta_handler_types()[0](meta)}
         if rows_item:
             args["rows"] = ocp.args.StandardSave(rows_item)
-        issue = lambda: self.store.manager.save(step, args=ocp.args.Composite(**args), force=True)
+
+        def issue():
+            if global_arrays:  # each process hashes the blocks it holds (on this worker thread, not the loop's)
+                digests = {p: _block_digests(a) for p, a in global_arrays.items()}
+                args["digests"] = ocp.args.StandardSave(_unflat(digests))
+            self.store.manager.save(step, args=ocp.args.Composite(**args), force=True)
+
         if self.async_save:  # Orbax's own save call (threads, an event loop) costs ~50 ms: off the loop too
             self._saving = self._saver.submit(issue)
         else:
@@ -684,8 +851,20 @@ class Checkpointer:
             self.store.manager.close()
 
 
+def _unflat(flat: Mapping[str, Any]) -> dict:
+    """The inverse of `_flat`."""
+    tree: dict = {}
+    for path, value in flat.items():
+        *parents, name = path.split("/")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[name] = value
+    return tree
+
+
 def _nbytes(tree: Mapping) -> int:
-    return int(sum(np.asarray(a).nbytes for a in _flat(tree).values()))
+    return int(sum(a.nbytes if isinstance(a, jax.Array) else np.asarray(a).nbytes for a in _flat(tree).values()))
 
 
 def _dense_values(top: Mapping, meta: Mapping) -> list[np.ndarray]:

@@ -1,7 +1,8 @@
 """Multi-host: 2 processes x 2 CPU devices on 127.0.0.1 (jax.distributed, gloo) train the same model as one process
 with 4 devices on the same global batches, each process reading only its half of every batch (train and eval; the
 last validation batch of 72 = 2 x 32 + 8 rows lies wholly in process 0's half); only process 0 writes the summary.
-Partial multi-host flags are errors."""
+Their checkpoint (each process writing its own blocks) restores into another 2-process run, which continues to equal
+the single process, and reads in one process. Partial multi-host flags are errors."""
 
 import csv
 import json
@@ -12,7 +13,8 @@ import sys
 
 import pytest
 
-from recjax.errors import ConfigError
+from recjax import checkpoint
+from recjax.errors import CheckpointError, ConfigError
 from recjax.sharding import multihost
 from tests.test_sharding import FAST_COMPILE
 
@@ -32,7 +34,7 @@ def free_port() -> int:
 def launch(workdir, *flags) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")} | {
         "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()}
-    return subprocess.Popen([sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *flags, *ARGS],
+    return subprocess.Popen([sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *ARGS, *flags],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -47,27 +49,55 @@ def rows(path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def test_two_processes_equal_one_process_with_four_devices(tmp_path):
+def two_processes(workdir, *flags) -> list[str]:
     port = free_port()
-    hosts = [launch(tmp_path / "multi", "--cpu_devices=2", f"--coordinator_address=127.0.0.1:{port}",
-                    "--num_processes=2", f"--process_id={i}") for i in (0, 1)]
-    outputs = [finish(p) for p in hosts]
-    finish(launch(tmp_path / "single", "--cpu_devices=4"))
+    hosts = [launch(workdir, "--cpu_devices=2", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                    f"--process_id={i}", *flags) for i in (0, 1)]
+    return [finish(p) for p in hosts]
+
+
+def assert_same_metrics(multi: list[dict], single: list[dict]) -> None:
+    assert [(r["step"], r["split"]) for r in multi] == [(r["step"], r["split"]) for r in single]
+    for m, s in zip(multi, single, strict=True):
+        for key in ("loss", "auc", "logloss"):
+            if s[key]:
+                assert float(m[key]) == pytest.approx(float(s[key]), rel=1e-5, abs=1e-6), (m, s, key)
+
+
+def test_two_processes_equal_one_process_with_four_devices(tmp_path):
+    outputs = two_processes(tmp_path / "multi")
+    finish(launch(tmp_path / "single", "--cpu_devices=4", "--config.train.steps=6"))
     assert '"auc"' in outputs[0] and '"auc"' not in outputs[1]  # only process 0 prints the headline
     for i, out in enumerate(outputs):  # disjoint halves of every batch
         assert f"data: process {i} of 2 reads rows [{16 * i}, {16 * i + 16}) of every batch of 32" in out, out[-3000:]
     assert (tmp_path / "multi" / "summary.json").is_file()
     assert not (tmp_path / "multi" / "process_1" / "summary.json").exists()
     multi, single = rows(tmp_path / "multi" / "metrics.csv"), rows(tmp_path / "single" / "metrics.csv")
-    assert [(r["step"], r["split"]) for r in multi] == [(r["step"], r["split"]) for r in single]
-    for m, s in zip(multi, single, strict=True):
-        for key in ("loss", "auc", "logloss"):
-            if s[key]:
-                assert float(m[key]) == pytest.approx(float(s[key]), rel=1e-5, abs=1e-6), (m, s, key)
+    assert_same_metrics(multi, single[:len(multi)])  # the single run goes on to step 6 (a constant learning rate)
     summary = json.loads((tmp_path / "multi" / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["mesh_shape"] == {"data": 2, "model": 2}
     # Each validation / test row counted once (duplicated rows would leave AUC and logloss unchanged).
     assert summary["validation"]["eval_examples"] == summary["test"]["eval_examples"] == 72
+
+
+    # Its final checkpoint: each process wrote the blocks its devices hold (Orbax's per-process OCDBT stores), with
+    # their sha256s; another 2-process run starts from it and continues to equal the single process.
+    step_dir = tmp_path / "multi" / "checkpoints" / "3"
+    assert (step_dir / "state" / "ocdbt.process_0").is_dir() and (step_dir / "state" / "ocdbt.process_1").is_dir()
+    cont = two_processes(tmp_path / "cont", "--config.train.steps=6",
+                         f"--config.checkpoint.restore={tmp_path / 'multi' / 'checkpoints'}")
+    assert all("resuming from checkpoint step 3 of 6" in out for out in cont), cont[0][-3000:]
+    assert_same_metrics(rows(tmp_path / "cont" / "metrics.csv"), single)
+    # One process reads it whole (every block checked against its sha256): the tables of the 4-device layout.
+    arrays = checkpoint.read_arrays(checkpoint.open_checkpoint(tmp_path / "multi" / "checkpoints"))
+    assert int(arrays["step"]) == 3 and any(k.endswith("/column") for k in arrays if k.startswith("tables/"))
+    # A corrupt block (process 1's data files, bytes flipped) is an error naming the step.
+    for data in sorted((step_dir / "state" / "ocdbt.process_1" / "d").iterdir()):
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="checkpoint step 3: .*corrupt"):
+        checkpoint.read_arrays(checkpoint.open_checkpoint(tmp_path / "multi" / "checkpoints"))
 
 
 def test_partial_multihost_flags_are_config_errors(monkeypatch):
@@ -82,3 +112,4 @@ def test_partial_multihost_flags_are_config_errors(monkeypatch):
     monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
     with pytest.raises(ConfigError, match="got --num_processes without --coordinator_address, --process_id"):
         multihost.initialize()
+
