@@ -45,12 +45,15 @@ converts the tables and optimizer rows through the single-device layout (`restor
 the trainer from recjax/sharding) and the next save starts a new baseline.
 
 Multi-process runs: a baseline's tables are global arrays (device copies) that Orbax writes by blocks, each process
-its own; meta marks them "blocks" and the `digests` item holds each block's sha256 (u8[R, 32 C], placed like the
-array), checked by whoever reads the block. Row deltas are not written there yet (policy "full" only).
+its own; a delta's ids / rows / optimizer rows are global arrays too, every row block's marked rows padded to the
+largest count of any block (ids -1). meta marks them "blocks" and the `digests` item holds each block's sha256
+(u8[R, 32 C], placed like the array), checked by whoever reads the block. Orbax's save call then runs on the loop's
+thread: it synchronises the processes, in the same order as the steps' collectives.
 """
 
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -118,6 +121,12 @@ def _row_sharding(table: jax.Array):
     if isinstance(sharding, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[:1]))
     return sharding
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _zeros(rows: int, sharding) -> jax.Array:
+    """bool[rows] of zeros made where `sharding` puts them (each process its blocks)."""
+    return jax.lax.with_sharding_constraint(jnp.zeros(rows, jnp.bool_), sharding)
 
 
 def _encode(key: str) -> str:
@@ -366,9 +375,9 @@ class _Store:
             self._metas[step] = meta
         return self._metas[step]
 
-    def item(self, step: int, item: str, meta: dict | None = None, like: Mapping | None = None):
+    def item(self, step: int, item: str, meta: dict | None = None, placed: Mapping | None = None):
         """One item of a step, its arrays checked against the sha256, dtype and shape recorded in `meta`. Arrays a
-        multi-process run saved by blocks are read where `like` ({path: array}) places them -- each process its
+        multi-process run saved by blocks are read where `placed` ({path: sharding}) puts them -- each process its
         blocks --, else whole, as numpy, and each block is checked against the step's `digests` item."""
         import orbax.checkpoint as ocp
 
@@ -382,7 +391,7 @@ class _Store:
         blocks = sorted(k[len(item) + 1:] for k, v in expected.items() if v[2] == BLOCKS)
         marked = {k: v[2] for k, v in expected.items() if v[2] in (BLOCKS, DIGESTS)}
         restore = (_meta_handler_types()[1]() if item == "meta" else
-                   ocp.args.StandardRestore(_target(expected, item, like or {})) if marked else
+                   ocp.args.StandardRestore(_target(expected, item, placed or {})) if marked else
                    ocp.args.StandardRestore())
         try:
             value = getattr(self.manager.restore(step, args=ocp.args.Composite(**{item: restore})), item)
@@ -403,13 +412,12 @@ class _Store:
                                       f"corrupt. {todo}")
         if blocks:
             arrays = _flat(value)
-            digest_like = {p: jax.ShapeDtypeStruct(meta["arrays"][f"digests/{p}"][1], np.uint8,
-                                                   sharding=_digest_sharding(arrays[p].sharding))
-                           for p in blocks if _on_mesh(arrays[p])}
-            digests = _flat(self.item(step, "digests", meta, digest_like))
+            digests = _flat(self.item(step, "digests", meta, {f"{item}/{p}": _digest_sharding(arrays[p].sharding)
+                                                              for p in blocks if _on_mesh(arrays[p])}))
             for p in blocks:
                 try:
-                    _check_blocks(arrays[p], digests[p], f"checkpoint step {step}: array {item}/{p} in {where}")
+                    _check_blocks(arrays[p], digests[f"{item}/{p}"],
+                                  f"checkpoint step {step}: array {item}/{p} in {where}")
                 except CheckpointError as error:
                     raise CheckpointError(f"{error}; the checkpoint is corrupt. {todo}") from None
         return value
@@ -419,13 +427,13 @@ def _on_mesh(array) -> bool:
     return isinstance(array, jax.Array) and len(array.sharding.device_set) > 1
 
 
-def _target(expected: Mapping[str, list], item: str, like: Mapping) -> dict:
+def _target(expected: Mapping[str, list], item: str, placed: Mapping) -> dict:
     """The restore target of an item from its arrays in meta ({item/path: [dtype, shape, ...]}): an abstract array
-    placed like `like[path]` where given (each process reads its blocks), else numpy (the whole array)."""
+    with the sharding `placed[path]` where given (each process reads its blocks), else numpy (the whole array)."""
     targets = {}
     for key, (dtype, shape, _) in expected.items():
         path = key[len(item) + 1:]
-        targets[path] = (jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=like[path].sharding) if path in like
+        targets[path] = (jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=placed[path]) if path in placed
                          else np.empty(shape, dtype))
     return _unflat(targets)
 
@@ -455,25 +463,155 @@ def _check_chain(point: ResumePoint) -> None:
                                   "workdir")
 
 
-def _chain_tables(point: ResumePoint, top: dict) -> tuple[dict, dict]:
+def _chain_tables(point: ResumePoint, top: dict, placed: Mapping | None = None) -> tuple[dict, dict]:
     """Tables and sparse-optimizer state of `point`: its baseline's, then each delta of its chain in order (rows
-    replaced by id; quantized rows dequantized)."""
+    replaced by id; quantized rows dequantized; ids -1 pad a multi-process run's blocks). With `placed` (a
+    multi-process restore: {"tables/<g>": sharding, ...} of this run's state) every process reads the blocks its
+    devices hold and applies each delta there; else everything is read whole, as numpy."""
     store, chain = point.store, point.meta["chain"]
-    base = top if chain[0] == point.step else store.item(chain[0], "state", store.meta(chain[0]))
-    tables = {g: np.array(t) for g, t in _decode(base["tables"]).items()}
-    sparse_opt = {g: {k: np.array(v) for k, v in s.items()} for g, s in _decode(base.get("sparse_opt", {})).items()}
+    base = top if chain[0] == point.step else store.item(chain[0], "state", store.meta(chain[0]), placed)
+    if placed:
+        tables = _decode(base["tables"])
+        sparse_opt = {g: dict(o) for g, o in _decode(base.get("sparse_opt", {})).items()}
+    else:
+        tables = {g: np.array(t) for g, t in _decode(base["tables"]).items()}
+        sparse_opt = {g: {k: np.array(v) for k, v in o.items()} for g, o in _decode(base.get("sparse_opt", {})).items()}
     for s in chain[1:]:
         delta_meta = store.meta(s)
-        rows = _decode(store.item(s, "rows", delta_meta)) if delta_meta["groups"] else {}
+        bits = delta_meta["quantize_bits"]
+        where = _delta_shardings(tables, sparse_opt) if placed else None
+        rows = _decode(store.item(s, "rows", delta_meta, where)) if delta_meta["groups"] else {}
         for g, part in rows.items():
+            if placed:
+                tables[g] = _apply_blocks(tables[g], part["ids"], _block_values(part, bits, tables[g]))
+                for k, v in part.get("opt", {}).items():
+                    sparse_opt[g][k] = _apply_blocks(sparse_opt[g][k], part["ids"],
+                                                     {b.device: np.asarray(b.data) for b in v.addressable_shards})
+                continue
             ids = np.asarray(part["ids"])
-            if "codes" in part:
-                tables[g][ids] = quantize.dequantize_rows(part, delta_meta["quantize_bits"], tables[g].shape[1])
-            else:
-                tables[g][ids] = part["rows"]
+            valid = ids >= 0
+            values = _dequantize(part, bits, tables[g].shape[1]) if "codes" in part else np.asarray(part["rows"])
+            tables[g][ids[valid]] = values[valid]
             for k, v in part.get("opt", {}).items():
-                sparse_opt[g][k][ids] = v
+                sparse_opt[g][k][ids[valid]] = np.asarray(v)[valid]
     return tables, sparse_opt
+
+
+def _dequantize(part: Mapping, bits: int, dim: int) -> np.ndarray:
+    """A delta's quantized rows f32[n, dim]; a column-split table's blocks were quantized each on its own (offset
+    and scale f32[n, C] for C column blocks)."""
+    offset, scale, codes = (np.asarray(part[k]) for k in ("offset", "scale", "codes"))
+    if offset.ndim == 1:
+        return quantize.dequantize_rows(part, bits, dim)
+    c_blocks, width = offset.shape[1], codes.shape[1] // offset.shape[1]
+    return np.concatenate([quantize.dequantize_rows({"codes": codes[:, c * width:(c + 1) * width],
+                                                     "offset": offset[:, c], "scale": scale[:, c]}, bits,
+                                                    dim // c_blocks) for c in range(c_blocks)], axis=1)
+
+
+# ------------------------------------------------------------------------- multi-process deltas, by blocks
+def _delta_shardings(tables: Mapping, sparse_opt: Mapping) -> dict:
+    """Where each array of a multi-process delta goes ({path in the rows item: sharding}): ids split like the table's
+    rows, rows / codes like the table, offset / scale like its (row, column) blocks, optimizer rows like theirs."""
+    out = {}
+    for g, t in tables.items():
+        spec = (*tuple(t.sharding.spec), None)
+        key = _encode(g)
+        out[f"{key}/ids"] = jax.sharding.NamedSharding(t.sharding.mesh, jax.sharding.PartitionSpec(spec[0]))
+        out[f"{key}/rows"] = out[f"{key}/codes"] = t.sharding
+        out[f"{key}/offset"] = out[f"{key}/scale"] = _digest_sharding(t.sharding)
+        out.update({f"{key}/opt/{k}": v.sharding for k, v in sparse_opt[g].items()})
+    return out
+
+
+def _dirty_blocks(dirty: jax.Array) -> dict[int, np.ndarray]:
+    """{row block r: the marked rows of block r (global row ids)} for the blocks this process holds."""
+    height = dirty.sharding.shard_shape(dirty.shape)[0]
+    out = {}
+    for shard in dirty.addressable_shards:
+        r = (shard.index[0].start or 0) // height
+        if r not in out:
+            out[r] = (np.flatnonzero(np.asarray(shard.data)) + r * height).astype(np.int32)
+    return out
+
+
+def _gathered_blocks(array: jax.Array, marked: Mapping[int, np.ndarray], cap: int) -> dict[tuple[int, int], np.ndarray]:
+    """{(r, c): the marked rows of block (r, c), zero-padded to `cap` rows} for the blocks this process holds,
+    gathered on the device holding each."""
+    block = array.sharding.shard_shape(array.shape)
+    out = {}
+    for shard in array.addressable_shards:
+        key = _block_of(shard.index, block)
+        if key not in out:
+            ids = marked[key[0]] - key[0] * block[0]
+            values = np.zeros((cap, *block[1:]), array.dtype)
+            values[:len(ids)] = _gather_block(shard.data, ids) if len(ids) else 0
+            out[key] = values
+    return out
+
+
+def _assemble(shape: tuple[int, ...], sharding, blocks: Mapping[tuple[int, int], np.ndarray]) -> jax.Array:
+    """A global array whose block (r, c) is `blocks[(r, c)]` (each process gives the blocks its devices hold)."""
+    block = sharding.shard_shape(shape)
+    return jax.make_array_from_callback(shape, sharding, lambda index: blocks[_block_of(index, block)])
+
+
+def _delta_blocks(dirty: jax.Array, table: jax.Array, opt: Mapping[str, jax.Array], cap: int, bits: int) -> dict:
+    """One group's part of a multi-process delta: every row block's marked rows padded to `cap` (the most any block
+    has), as global arrays placed like the table, so each process writes its blocks: "ids" i32[R cap] (global row
+    ids, -1 = padding), "rows" [R cap, d] or quantized per (row, column) block "codes" / "offset" / "scale", and
+    "opt"."""
+    marked = _dirty_blocks(dirty)
+    blocks = dirty.shape[0] // dirty.sharding.shard_shape(dirty.shape)[0]
+
+    def padded(r: int) -> np.ndarray:
+        ids = np.full(cap, -1, np.int32)
+        ids[:len(marked[r])] = marked[r]
+        return ids
+
+    part = {"ids": jax.make_array_from_callback((blocks * cap,), dirty.sharding,
+                                                lambda index: padded((index[0].start or 0) // cap))}
+    rows = _gathered_blocks(table, marked, cap)
+    if bits:
+        quantized = {key: quantize.quantize_rows(v, bits) for key, v in rows.items()}
+        width = next(iter(quantized.values()))["codes"].shape[1]
+        columns = table.shape[1] // table.sharding.shard_shape(table.shape)[1]
+        part["codes"] = _assemble((blocks * cap, columns * width), table.sharding,
+                                  {k: q["codes"] for k, q in quantized.items()})
+        for name in ("offset", "scale"):
+            part[name] = _assemble((blocks * cap, columns), _digest_sharding(table.sharding),
+                                   {k: q[name][:, None] for k, q in quantized.items()})
+    else:
+        part["rows"] = _assemble((blocks * cap, *table.shape[1:]), table.sharding, rows)
+    if opt:
+        part["opt"] = {k: _assemble((blocks * cap, *v.shape[1:]), v.sharding, _gathered_blocks(v, marked, cap))
+                       for k, v in opt.items()}
+    return part
+
+
+def _block_values(part: Mapping, bits: int, table: jax.Array) -> dict:
+    """{device: the delta's rows for the table block on that device} (dequantized on the host)."""
+    if "rows" in part:
+        return {b.device: np.asarray(b.data) for b in part["rows"].addressable_shards}
+    width = table.sharding.shard_shape(table.shape)[1]
+    offset = {b.device: np.asarray(b.data)[:, 0] for b in part["offset"].addressable_shards}
+    scale = {b.device: np.asarray(b.data)[:, 0] for b in part["scale"].addressable_shards}
+    return {b.device: quantize.dequantize_rows({"codes": np.asarray(b.data), "offset": offset[b.device],
+                                                "scale": scale[b.device]}, bits, width)
+            for b in part["codes"].addressable_shards}
+
+
+def _apply_blocks(array: jax.Array, ids: jax.Array, values: Mapping) -> jax.Array:
+    """`array` with the rows `ids` (global row ids placed like its rows, -1 = padding) set to `values` ({device:
+    the rows for that device's block}), each block updated on its device."""
+    marked = {b.device: np.asarray(b.data) for b in ids.addressable_shards}
+    out = []
+    for shard in array.addressable_shards:
+        ids_here = marked[shard.device]
+        valid = ids_here >= 0
+        local = jax.device_put(ids_here[valid] - (shard.index[0].start or 0), shard.device)
+        out.append(shard.data.at[local].set(jax.device_put(values[shard.device][valid], shard.device)))
+    return jax.make_array_from_single_device_arrays(array.shape, array.sharding, out)
 
 
 def read_arrays(point: ResumePoint) -> dict[str, np.ndarray]:
@@ -506,21 +644,17 @@ def restore_state(point: ResumePoint, like, relayout=None):
     _check_chain(point)
     # Saved by blocks (a multi-process run) and restored by processes: each reads the blocks its devices hold.
     distributed = jax.process_count() > 1 and _by_blocks(meta)
-    like_arrays = {}
+    placed = {}
     if distributed:
-        like_arrays = {f"tables/{_encode(g)}": t for g, t in like.tables.items()}
-        like_arrays.update({f"sparse_opt/{_encode(g)}/{k}": v for g, o in like.sparse_opt_state.items()
-                            for k, v in o.items()})
-    top = store.item(step, "state", meta, like_arrays)
+        placed = {f"tables/{_encode(g)}": t.sharding for g, t in like.tables.items()}
+        placed.update({f"sparse_opt/{_encode(g)}/{k}": v.sharding for g, o in like.sparse_opt_state.items()
+                       for k, v in o.items()})
+    top = store.item(step, "state", meta, placed)
     for i, (path, leaf) in enumerate(zip(paths, like_leaves, strict=True)):
         saved = _dense_values(top, meta)[i]
         if tuple(np.shape(saved)) != tuple(leaf.shape):
             raise CheckpointError(other_model.format(f"{path} has shape {np.shape(saved)}, not {tuple(leaf.shape)}"))
-    if distributed:  # a baseline (multi-process runs write no deltas), in this run's layout (Checkpointer.restore)
-        tables = _decode(top["tables"])
-        sparse_opt = {g: dict(o) for g, o in _decode(top.get("sparse_opt", {})).items()}
-    else:
-        tables, sparse_opt = _chain_tables(point, top)
+    tables, sparse_opt = _chain_tables(point, top, placed)
     if relayout is not None and not distributed:
         tables = relayout(tables, meta.get("layout"))
         fields = sorted({k for opt in sparse_opt.values() for k in opt})
@@ -605,9 +739,6 @@ class Checkpointer:
         self.bits = int(ck.quantize_bits)
         self.restore_from = ck.restore
         self.async_save = bool(ck.async_save)
-        if jax.process_count() > 1 and self.policy != "full":
-            raise ConfigError("checkpoint.policy", f"{self.policy!r} writes row deltas, which multi-process runs do "
-                                                   f"not support yet ({jax.process_count()} processes); use 'full'")
         self.store = _Store(self.directory, async_save=self.async_save)
         self.last_save_time = time.monotonic()
         self.last_saved_step: int | None = None
@@ -657,12 +788,15 @@ class Checkpointer:
         state = self.track(restore_state(point, like, self.relayout))
         self._baseline_shapes = _table_shapes(state)  # the chain restored reads tables of these shapes
         meta = point.meta
-        if point.own and meta.get("layout") == self.layout:  # another layout: the next save is a new baseline
+        # Another layout (or number of processes, which changes how deltas are written): a new baseline next.
+        if point.own and meta.get("layout") == self.layout and meta.get("processes", 1) == jax.process_count():
             self.last_saved_step = point.step
             if meta["policy"] == self.policy and self.policy != "full":
                 self._chain = list(meta["chain"])
                 self._baseline_bytes, self._chain_bytes = int(meta["baseline_bytes"]), int(meta["chain_bytes"])
-                if self.policy == "one_shot" and meta["groups"]:
+                if self.policy == "one_shot" and meta["groups"] and _by_blocks(meta):
+                    self._chain = None  # multi-process: a new baseline rather than re-marking the delta's rows
+                elif self.policy == "one_shot" and meta["groups"]:
                     # One-shot deltas are cumulative since the baseline: the restored delta's rows stay dirty.
                     rows = _decode(point.store.item(point.step, "rows", meta))
                     state = state.replace(dirty_rows={
@@ -675,8 +809,7 @@ class Checkpointer:
         """`state` with a zero dirty-row bitmap per group when the policy writes deltas (none for "full")."""
         if self.policy == "full":
             return state.replace(dirty_rows={})
-        return state.replace(dirty_rows={g: jax.device_put(jnp.zeros(t.shape[0], jnp.bool_), _row_sharding(t))
-                                         for g, t in state.tables.items()})
+        return state.replace(dirty_rows={g: _zeros(t.shape[0], _row_sharding(t)) for g, t in state.tables.items()})
 
     def due(self, step: int) -> bool:
         """Whether the interval (steps or minutes) asks for a save after `step`."""
@@ -739,7 +872,8 @@ class Checkpointer:
                 self._chain, self._chain_bytes = [self._chain[0], step], delta_bytes
             else:
                 self._chain, self._chain_bytes = [*self._chain, step], self._chain_bytes + delta_bytes
-        global_arrays = {p: a for p, a in _flat(item_state).items() if _is_global(a)}
+        # Arrays spread over processes (multi-process runs) are checked by blocks: their digests, by item and path.
+        global_arrays = {p: a for p, a in _flat({"state": item_state, "rows": rows_item}).items() if _is_global(a)}
         arrays = _Checksums({"state": item_state, "rows": rows_item},
                             {f"digests/{p}": ["uint8", _digest_shape(a), DIGESTS] for p, a in global_arrays.items()})
         meta = {
@@ -749,6 +883,7 @@ class Checkpointer:
             "baseline_bytes": self._baseline_bytes, "chain_bytes": self._chain_bytes,
             "dense_paths": paths, "dense_shapes": [[str(leaf.dtype), list(leaf.shape)] for leaf in leaves],
             "rng_impl": str(jax.random.key_impl(state.dropout_rng)), "layout": self.layout,
+            "processes": jax.process_count(),
             "arrays": arrays, "loop": loop, "config": self.config_dict, "finished": finished,
         }
         args = {"state": ocp.args.StandardSave(item_state), "meta": _meta_handler_types()[0](meta)}
@@ -756,13 +891,17 @@ class Checkpointer:
             args["rows"] = ocp.args.StandardSave(rows_item)
 
         def issue():
-            if global_arrays:  # each process hashes the blocks it holds (on this worker thread, not the loop's)
+            if global_arrays:  # each process hashes the blocks it holds
                 digests = {p: _block_digests(a) for p, a in global_arrays.items()}
                 args["digests"] = ocp.args.StandardSave(_unflat(digests))
             self.store.manager.save(step, args=ocp.args.Composite(**args), force=True)
 
-        if self.async_save:  # Orbax's own save call (threads, an event loop) costs ~50 ms: off the loop too
+        # Orbax's own save call (threads, an event loop) costs ~50 ms: off the loop too -- but not with several
+        # processes, where it synchronises them with collectives that must come in the same order as the steps'.
+        if self.async_save and not distributed:
             self._saving = self._saver.submit(issue)
+        elif self.async_save:
+            issue()
         else:
             issue()
             self.store.manager.wait_until_finished()
@@ -780,7 +919,22 @@ class Checkpointer:
         if self.policy == "full" or not self._chain or _table_shapes(state) != self._baseline_shapes:
             return "full", {}, 0
         rows_item = {}
-        for g, dirty in state.dirty_rows.items():
+        if jax.process_count() > 1:  # by blocks: each process gathers and writes its devices' rows
+            from jax.experimental import multihost_utils
+
+            groups = sorted(state.dirty_rows)
+            counts = np.array([max(map(len, _dirty_blocks(state.dirty_rows[g]).values()), default=0)
+                               for g in groups], np.int64)
+            caps = np.asarray(multihost_utils.process_allgather(counts)).reshape(-1, len(groups)).max(axis=0)
+            for g, cap in zip(groups, caps, strict=True):
+                if cap:  # Orbax cannot store empty arrays; a group without touched rows is left out
+                    rows_item[_encode(g)] = _delta_blocks(state.dirty_rows[g], state.tables[g],
+                                                          state.sparse_opt_state[g], int(cap), self.bits)
+            groups = ()
+        else:
+            groups = sorted(state.dirty_rows)
+        for g in groups:
+            dirty = state.dirty_rows[g]
             ids = np.flatnonzero(np.asarray(dirty)).astype(np.int32)
             if not len(ids):
                 continue  # Orbax cannot store empty arrays; a group without touched rows is left out

@@ -5,12 +5,14 @@ Their checkpoint (each process writing its own blocks) restores into another 2-p
 the single process, and reads in one process. Partial multi-host flags are errors."""
 
 import csv
+import hashlib
 import json
 import os
 import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from recjax import checkpoint
@@ -49,6 +51,19 @@ def rows(path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+SAVE_EVERY_STEP = ("--config.checkpoint.every_steps=1", "--config.checkpoint.keep=10")
+
+
+def arrays_at(workdir, step: int) -> dict:
+    return checkpoint.read_arrays(checkpoint.open_checkpoint(workdir / "checkpoints", step))
+
+
+def assert_close_arrays(a: dict, b: dict, atol: float) -> None:
+    assert sorted(a) == sorted(b)
+    for key in a:
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=atol, err_msg=key)
+
+
 def two_processes(workdir, *flags) -> list[str]:
     port = free_port()
     hosts = [launch(workdir, "--cpu_devices=2", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
@@ -65,8 +80,9 @@ def assert_same_metrics(multi: list[dict], single: list[dict]) -> None:
 
 
 def test_two_processes_equal_one_process_with_four_devices(tmp_path):
-    outputs = two_processes(tmp_path / "multi")
-    finish(launch(tmp_path / "single", "--cpu_devices=4", "--config.train.steps=6"))
+    # Checkpoints after every step: multi writes consecutive row deltas (by blocks), single full ones.
+    outputs = two_processes(tmp_path / "multi", *SAVE_EVERY_STEP, "--config.checkpoint.policy=consecutive")
+    finish(launch(tmp_path / "single", "--cpu_devices=4", "--config.train.steps=6", *SAVE_EVERY_STEP))
     assert '"auc"' in outputs[0] and '"auc"' not in outputs[1]  # only process 0 prints the headline
     for i, out in enumerate(outputs):  # disjoint halves of every batch
         assert f"data: process {i} of 2 reads rows [{16 * i}, {16 * i + 16}) of every batch of 32" in out, out[-3000:]
@@ -80,24 +96,46 @@ def test_two_processes_equal_one_process_with_four_devices(tmp_path):
     assert summary["validation"]["eval_examples"] == summary["test"]["eval_examples"] == 72
 
 
-    # Its final checkpoint: each process wrote the blocks its devices hold (Orbax's per-process OCDBT stores), with
-    # their sha256s; another 2-process run starts from it and continues to equal the single process.
-    step_dir = tmp_path / "multi" / "checkpoints" / "3"
+    # Its checkpoints: each process wrote the blocks its devices hold (Orbax's per-process OCDBT stores) with their
+    # sha256s, a baseline at step 1 and row deltas at 2 and 3; one process reads the chain whole (every block checked)
+    # and finds the single process's state. Another 2-process run restores the chain (each process its blocks),
+    # continues to equal the single process, and writes 8-bit deltas.
+    kinds = [checkpoint.open_checkpoint(tmp_path / "multi" / "checkpoints", s).meta["kind"] for s in (1, 2, 3)]
+    assert kinds == ["full", "delta", "delta"]
+    step_dir = tmp_path / "multi" / "checkpoints" / "1"
     assert (step_dir / "state" / "ocdbt.process_0").is_dir() and (step_dir / "state" / "ocdbt.process_1").is_dir()
-    cont = two_processes(tmp_path / "cont", "--config.train.steps=6",
+    assert (tmp_path / "multi" / "checkpoints" / "3" / "rows" / "ocdbt.process_1").is_dir()
+    multi_arrays = arrays_at(tmp_path / "multi", 3)
+    assert any(k.endswith("/column") for k in multi_arrays if k.startswith("tables/"))
+    assert_close_arrays(multi_arrays, arrays_at(tmp_path / "single", 3), atol=1e-6)
+    cont = two_processes(tmp_path / "cont", "--config.train.steps=6", *SAVE_EVERY_STEP,
+                         "--config.checkpoint.policy=consecutive", "--config.checkpoint.quantize_bits=8",
                          f"--config.checkpoint.restore={tmp_path / 'multi' / 'checkpoints'}")
     assert all("resuming from checkpoint step 3 of 6" in out for out in cont), cont[0][-3000:]
     assert_same_metrics(rows(tmp_path / "cont" / "metrics.csv"), single)
-    # One process reads it whole (every block checked against its sha256): the tables of the 4-device layout.
-    arrays = checkpoint.read_arrays(checkpoint.open_checkpoint(tmp_path / "multi" / "checkpoints"))
-    assert int(arrays["step"]) == 3 and any(k.endswith("/column") for k in arrays if k.startswith("tables/"))
-    # A corrupt block (process 1's data files, bytes flipped) is an error naming the step.
-    for data in sorted((step_dir / "state" / "ocdbt.process_1" / "d").iterdir()):
+    assert checkpoint.open_checkpoint(tmp_path / "cont" / "checkpoints").meta["quantize_bits"] == 8
+    # 8-bit rows: within a step of their row's range / 255 (the optimizer rows are f32).
+    assert_close_arrays(arrays_at(tmp_path / "cont", 6), arrays_at(tmp_path / "single", 6), atol=2e-3)
+    # A corrupt delta (a byte flipped in each of its data files) is an error naming the step (unreadable, or a block
+    # that does not match its sha256: test_block_digests_name_a_changed_block).
+    for data in sorted((tmp_path / "multi" / "checkpoints" / "3" / "rows").glob("**/d/*")):
         raw = bytearray(data.read_bytes())
         raw[len(raw) // 2] ^= 0xFF
         data.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match="checkpoint step 3: .*corrupt"):
         checkpoint.read_arrays(checkpoint.open_checkpoint(tmp_path / "multi" / "checkpoints"))
+
+
+def test_block_digests_name_a_changed_block():
+    """A host array read whole is checked block by block against u8[R, 32 C] (R x C blocks)."""
+    table = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+    digests = np.stack([np.concatenate([np.frombuffer(hashlib.sha256(
+        np.ascontiguousarray(table[r * 2:(r + 1) * 2, c * 3:(c + 1) * 3]).tobytes()).digest(), np.uint8)
+        for c in range(2)]) for r in range(4)])
+    checkpoint._check_blocks(table, digests, "t")
+    table[5, 4] += 1
+    with pytest.raises(CheckpointError, match="t: a block does not match its sha256"):
+        checkpoint._check_blocks(table, digests, "t")
 
 
 def test_partial_multihost_flags_are_config_errors(monkeypatch):
