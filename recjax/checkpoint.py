@@ -47,8 +47,9 @@ the trainer from recjax/sharding) and the next save starts a new baseline.
 Multi-process runs: a baseline's tables are global arrays (device copies) that Orbax writes by blocks, each process
 its own; a delta's ids / rows / optimizer rows are global arrays too, every row block's marked rows padded to the
 largest count of any block (ids -1). meta marks them "blocks" and the `digests` item holds each block's sha256
-(u8[R, 32 C], placed like the array), checked by whoever reads the block. Orbax's save call then runs on the loop's
-thread: it synchronises the processes, in the same order as the steps' collectives.
+(u8[R, 32 C], placed like the array), checked by whoever reads the block. Saves are synchronous there: Orbax
+synchronises the processes with device collectives, which must come in the same order as the steps' (from its
+background thread they crossed them and both processes waited forever).
 """
 
 import concurrent.futures
@@ -739,6 +740,11 @@ class Checkpointer:
         self.bits = int(ck.quantize_bits)
         self.restore_from = ck.restore
         self.async_save = bool(ck.async_save)
+        if jax.process_count() > 1:
+            # Orbax synchronises processes with device collectives, from its background thread during an async save:
+            # they can cross the train step's collectives in another order on another process, and both wait forever
+            # (seen with 2 processes under load). Synchronous saves keep every collective on the loop's thread.
+            self.async_save = False
         self.store = _Store(self.directory, async_save=self.async_save)
         self.last_save_time = time.monotonic()
         self.last_saved_step: int | None = None
@@ -854,9 +860,7 @@ class Checkpointer:
             # A synchronous save is finished before the next step: it writes the arrays themselves.
             arrays = {("tables", g): t for g, t in state.tables.items()}
             arrays.update({("sparse_opt", g, k): v for g, o in state.sparse_opt_state.items() for k, v in o.items()})
-            if distributed:  # device copies: each process's blocks stay on its devices, Orbax writes them
-                arrays = {key: jnp.copy(a) for key, a in arrays.items()}
-            else:
+            if not distributed:  # several processes: the global arrays themselves (saved synchronously, __init__)
                 arrays = (self._host_copies(arrays) if self.async_save
                           else {key: np.asarray(a) for key, a in arrays.items()})
             item_state["tables"] = {_encode(key[1]): a for key, a in arrays.items() if key[0] == "tables"}
@@ -896,13 +900,9 @@ class Checkpointer:
                 args["digests"] = ocp.args.StandardSave(_unflat(digests))
             self.store.manager.save(step, args=ocp.args.Composite(**args), force=True)
 
-        # Orbax's own save call (threads, an event loop) costs ~50 ms: off the loop too -- but not with several
-        # processes, where it synchronises them with collectives that must come in the same order as the steps'.
-        if self.async_save and not distributed:
+        if self.async_save:  # Orbax's own save call (threads, an event loop) costs ~50 ms: off the loop too
             self._saving = self._saver.submit(issue)
-        elif self.async_save:
-            issue()
-        else:
+        else:  # and always with several processes (above)
             issue()
             self.store.manager.wait_until_finished()
         self.store.remember(step, meta)

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -36,12 +37,27 @@ def free_port() -> int:
 def launch(workdir, *flags) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")} | {
         "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()}
-    return subprocess.Popen([sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *ARGS, *flags],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Output to a file, not a pipe: a pipe read only after the other process finished fills up (Orbax logs every
+    # save), blocks its writer, and the other process waits for it at the next barrier forever.
+    log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed by finish)
+    process = subprocess.Popen([sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *ARGS, *flags],
+                               env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    process.log = log
+    return process
 
 
 def finish(process: subprocess.Popen) -> str:
-    out, _ = process.communicate(timeout=600)
+    try:
+        process.wait(timeout=300)  # ~10 s each when idle
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        process.kill()  # a hung process (e.g. waiting on the other) must not outlive the test
+        process.wait()
+        timed_out = True
+    process.log.seek(0)
+    out = process.log.read()
+    process.log.close()
+    assert not timed_out, f"timed out after 300 s:\n{out[-4000:]}"
     assert process.returncode == 0, out[-4000:]
     return out
 
@@ -68,7 +84,12 @@ def two_processes(workdir, *flags) -> list[str]:
     port = free_port()
     hosts = [launch(workdir, "--cpu_devices=2", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
                     f"--process_id={i}", *flags) for i in (0, 1)]
-    return [finish(p) for p in hosts]
+    try:
+        return [finish(p) for p in hosts]
+    finally:
+        for p in hosts:
+            if p.poll() is None:
+                p.kill()
 
 
 def assert_same_metrics(multi: list[dict], single: list[dict]) -> None:
