@@ -82,6 +82,7 @@ def build(shape: dict, args, plan: str, seed: int = 0):
     config.sharding.plan = plan
     config.sharding.exchange_dtype = args.exchange_dtype
     config.sharding.capacity_factor = args.capacity_factor
+    config.sharding.capacity_sigmas = args.capacity_sigmas
     spec = DatasetSpec(num_dense=13, features=tuple(FeatureSpec(f"C{i + 1}", v, shape["bag"])
                                                    for i, v in enumerate(sizes)))
     task = build_task(config, spec)
@@ -174,7 +175,8 @@ def measure(name: str, shape: dict, args) -> None:
             "compile_s": compile_s,
             "collectives": ops,
             "exchange_bytes": exchange, "minimum_exchange_bytes": minimum, "exchange_ratio": exchange / minimum,
-            "capacity_factor": args.capacity_factor, "fallback_exchange_bytes": fallback,
+            "capacity_factor": args.capacity_factor, "capacity_sigmas": args.capacity_sigmas,
+            "fallback_exchange_bytes": fallback,
             "overflow_steps": sum(o > 0 for o in overflows), "timed_steps": len(overflows),
             "peak_device_bytes": int(peak),
             "table_bytes_max": max(per_device), "table_bytes_share": total_rows / sharded.mesh.size,
@@ -196,7 +198,8 @@ def main(argv=None) -> None:
     parser.add_argument("--devices", type=int, default=8, help="CPU devices (jax_num_cpu_devices)")
     parser.add_argument("--mesh", default="data=4,model=2", help="config.mesh.shape")
     parser.add_argument("--exchange_dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--capacity_factor", type=float, default=1.25, help="config.sharding.capacity_factor")
+    parser.add_argument("--capacity_factor", type=float, default=1.0, help="config.sharding.capacity_factor")
+    parser.add_argument("--capacity_sigmas", type=float, default=7.0, help="config.sharding.capacity_sigmas")
     parser.add_argument("--vocab_cap", type=int, default=1_000_000, help="kaggle_b2048: rows per table at most")
     parser.add_argument("--reference_rows", type=int, default=100_000, help="reference_random: rows per table")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per contender (medians reported)")

@@ -263,7 +263,7 @@ def check_sharding(config: Mapping) -> None:
         parse_mesh_shape(_get(config, "mesh.shape"))
     if "sharding" in config:
         known_keys(config, "sharding", {"plan", "tables", "row_axes", "row_split", "exchange_dtype",
-                                        "device_memory_bytes", "capacity_factor"})
+                                        "device_memory_bytes", "capacity_factor", "capacity_sigmas"})
         choice(config, "sharding.plan", PLANS)
         check_text("sharding.tables", _get(config, "sharding.tables"))
         choice(config, "sharding.row_axes", ROW_AXES)
@@ -275,6 +275,8 @@ def check_sharding(config: Mapping) -> None:
             if 0 < factor < 1:
                 raise ConfigError("sharding.capacity_factor", f"must be 0 (always the worst case) or >= 1, got "
                                                               f"{factor}")
+        if "capacity_sigmas" in _get(config, "sharding"):
+            number(config, "sharding.capacity_sigmas", at_least=0.0)
 
 
 def check_data(config: Mapping) -> None:

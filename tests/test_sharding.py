@@ -97,7 +97,8 @@ def test_every_sharding_type_ran(runs):
 
 
 def test_expected_and_worst_case_buckets_both_ran(runs):
-    """sharding.capacity_factor (default 1.25): steps whose ids fit the expected buckets and steps that overflowed
+    """sharding.capacity_factor 1.25 (sigmas 0, tests/sharding_cases.py): steps whose ids fit the expected buckets and
+    steps that overflowed
     them into the worst-case branch both happened in the cases above, which equal the single-device run."""
     small_steps = overflow_steps = 0
     for case in EXACT:

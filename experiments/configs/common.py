@@ -57,9 +57,11 @@ def sharding_config() -> ml_collections.ConfigDict:
     sharding.row_split = "range"  # rows to parts by contiguous "range" or id "mod" the part count
     sharding.exchange_dtype = "float32"  # rows and row gradients between devices: float32, bfloat16 or float16
     sharding.device_memory_bytes = 0  # per-device budget for tables + optimizer state; 0 = the device's own
-    # all_to_all buckets of row-/table-wise tables: this x the ids a device is expected to send an owner; a step with
-    # more takes worst-case buckets (exact either way); 0 = always the worst case
-    sharding.capacity_factor = 1.25
+    # all_to_all buckets of row-/table-wise tables: factor x E + sigmas x sqrt(E) ids, E = the ids a device is
+    # expected to send an owner (sqrt(E) ~ the spread of that count); a step with more takes worst-case buckets
+    # (exact either way); capacity_factor 0 = always the worst case
+    sharding.capacity_factor = 1.0
+    sharding.capacity_sigmas = 7.0
     return sharding
 
 

@@ -18,6 +18,7 @@ from recjax.sharding.exchange import ShardedEmbedding, build_storages, group_lay
 from recjax.sharding.mesh import make_mesh, mesh_shape
 from recjax.sharding.plan import (
     CAPACITY_FACTOR,
+    CAPACITY_SIGMAS,
     ShardingPlan,
     TableInfo,
     TablePlacement,
@@ -77,7 +78,8 @@ def setup(config: ml_collections.ConfigDict, task) -> ShardedEmbedding | None:
                      row_axes=sharding.get("row_axes", "all"), row_split=sharding.get("row_split", "range"),
                      device_memory_bytes=device_memory_bytes(int(sharding.get("device_memory_bytes", 0))))
     return ShardedEmbedding(task.collection, plan, mesh, sharding.get("exchange_dtype", "float32"),
-                            float(sharding.get("capacity_factor", CAPACITY_FACTOR)))
+                            float(sharding.get("capacity_factor", CAPACITY_FACTOR)),
+                            float(sharding.get("capacity_sigmas", CAPACITY_SIGMAS)))
 
 
 # --------------------------------------------------------------------------------------- checkpoint layouts

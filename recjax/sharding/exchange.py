@@ -14,14 +14,15 @@ holds its local block; a step (per device, on its slice of the batch):
 
   forward (`fetch`): `collection.route` gives the local distinct stacked rows u i32[N] of a group. For a
     sharded/model storage each member row maps to (owner, local row) by static integer math on its table's split;
-    ids are bucketed by owner into i32[parts, C1] (C1 = `capacity_factor` x the ids a device is expected to send
-    an owner; padding = the local sentinel L), all_to_all'd to the owners, who gather f32[parts, C1, d] (cast to
-    `exchange_dtype`) and all_to_all them back; each distinct row is read from its bucket slot. If any device has
-    more than C1 ids for an owner (a psum'ed flag), every device takes the worst-case branch of a `lax.cond`
-    instead: C = the most an owner can receive from one device (per table it holds, the fewer of the local slots
-    and its rows there), so no id is ever dropped. ragged_all_to_all would need no C1, but XLA:CPU cannot run it.
-    Column storages all_gather the ids, every device gathers its column slice of all of them and one all_to_all
-    returns each requester its rows' slices (concatenated on the dim). Replicated storages read locally.
+    ids are bucketed by owner into i32[parts, C1] (C1 = `capacity_factor` x E + `capacity_sigmas` x sqrt(E), E the
+    ids a device is expected to send an owner; padding = the local sentinel L), all_to_all'd to the owners, who
+    gather f32[parts, C1, d] (cast to `exchange_dtype`) and all_to_all them back; each distinct row is read from its
+    bucket slot. If any device has more than C1 ids for an owner (a psum'ed flag), every device takes the
+    worst-case branch of a `lax.cond` instead: C = the most an owner can receive from one device (per table it
+    holds, the fewer of the local slots and its rows there), so no id is ever dropped. ragged_all_to_all would
+    need no C1, but XLA:CPU cannot run it. Column storages all_gather the ids, every device gathers its column
+    slice of all of them and one all_to_all returns each requester its rows' slices (concatenated on the dim).
+    Replicated storages read locally.
   backward (`update`): d loss / d rows (f32[N, d], cast to `exchange_dtype`) goes back through the same buckets
     (the reverse all_to_all; for column storages split by columns); the owner all_gathers what it received over
     the axes its storage is replicated along (so every copy applies the same update), deduplicates the received
@@ -97,15 +98,17 @@ class Storage:
         per_owner = np.minimum(self.part_rows, local_batch * self.table_bags[None, :]).sum(axis=1)
         return max(1, int(per_owner.max()))
 
-    def expected_capacity(self, local_batch: int, factor: float) -> int:
-        """C1 <= C: `factor` x the most distinct rows one device is expected to ask one owner for, ids spread evenly
-        over each table's rows (per table its slots x the owner's fraction of the table, at most the rows it holds).
-        Buckets of C1 carry a step unless some device has more for some owner; then every device takes the worst
-        case C instead (`fetch`), so no id is ever dropped."""
+    def expected_capacity(self, local_batch: int, factor: float, sigmas: float = 0.0) -> int:
+        """C1 <= C: `factor` x E + `sigmas` x sqrt(E), E = the most distinct rows one device is expected to ask one
+        owner for, ids spread evenly over each table's rows (per table its slots x the owner's fraction of the
+        table, at most the rows it holds); a count of ids falling on an owner has a standard deviation of about
+        sqrt(E), so the margin is in standard deviations (relatively small for large buckets). Buckets of C1 carry a
+        step unless some device has more for some owner; then every device takes the worst case C instead
+        (`fetch`), so no id is ever dropped."""
         rows = np.maximum(self.part_rows.sum(axis=0), 1)
         slots = local_batch * self.table_bags[None, :]
-        expected = np.minimum(self.part_rows, slots * self.part_rows / rows[None, :]).sum(axis=1)
-        return max(1, min(self.capacity(local_batch), math.ceil(factor * float(expected.max()))))
+        expected = float(np.minimum(self.part_rows, slots * self.part_rows / rows[None, :]).sum(axis=1).max())
+        return max(1, min(self.capacity(local_batch), math.ceil(factor * expected + sigmas * math.sqrt(expected))))
 
     def compact_size(self, local_batch: int, n: int) -> int:
         """S: the most distinct rows of a replicated / column storage's tables among a device's n distinct rows
@@ -260,12 +263,13 @@ class ShardedEmbedding:
     `jax.shard_map` over every mesh axis) and host-side `shard` / `unshard` of the single-device layout."""
 
     def __init__(self, collection: EmbeddingCollection, plan: ShardingPlan, mesh: jax.sharding.Mesh,
-                 exchange_dtype: str = "float32", capacity_factor: float = 0.0):
+                 exchange_dtype: str = "float32", capacity_factor: float = 0.0, capacity_sigmas: float = 0.0):
         self.collection = collection
         self.plan = plan
         self.mesh = mesh
         self.exchange_dtype = jnp.dtype(exchange_dtype)
         self.capacity_factor = float(capacity_factor)  # 0: buckets always of the worst case C
+        self.capacity_sigmas = float(capacity_sigmas)
         self.storages = build_storages(collection, plan)
 
     # ------------------------------------------------------------------------------------------- device side
@@ -353,11 +357,12 @@ class ShardedEmbedding:
         return sum((f.astype(jnp.int32) for f in flags), jnp.zeros((), jnp.int32))
 
     def capacities(self, s: Storage, local_batch: int) -> tuple[int, int]:
-        """(C, C1): the worst-case bucket size and the expected one (`sharding.capacity_factor`; C1 = C when 0)."""
+        """(C, C1): the worst-case bucket size and the expected one (`sharding.capacity_factor` and
+        `capacity_sigmas`; C1 = C when the factor is 0)."""
         capacity = s.capacity(local_batch)
         if not self.capacity_factor:
             return capacity, capacity
-        return capacity, s.expected_capacity(local_batch, self.capacity_factor)
+        return capacity, s.expected_capacity(local_batch, self.capacity_factor, self.capacity_sigmas)
 
     def _overflow(self, member: jax.Array, pos: jax.Array, small: int, capacity: int) -> jax.Array | None:
         """bool[]: does any device have more than `small` rows for one owner this step (psum'ed, so every device

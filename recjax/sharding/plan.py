@@ -32,7 +32,8 @@ table's rows, access skew is ignored):
     applied: q * (4 + 4 d / n * (3 + s)).
 The planner minimises the largest per-device sum (the slowest device sets the step time) subject to memory, then
 evens each storage's blocks to within BLOCK_BALANCE of the mean (`balance_blocks`). The exchange term charges the
-worst-case buckets C; a step's buckets are usually `sharding.capacity_factor` x the expected ids (exchange.py).
+worst-case buckets C; a step's buckets are usually the expected ids E plus `sharding.capacity_sigmas` x sqrt(E)
+(exchange.py).
 """
 
 import dataclasses
@@ -49,7 +50,8 @@ ROW_SPLITS = ("range", "mod")
 EXCHANGE_DTYPES = ("float32", "bfloat16", "float16")
 # Row-wise / table-wise all_to_all buckets hold this many times the ids a device is expected to send an owner; a step
 # where some device has more takes the worst-case buckets instead (exact either way; recjax/sharding/exchange.py).
-CAPACITY_FACTOR = 1.25
+CAPACITY_FACTOR = 1.0
+CAPACITY_SIGMAS = 7.0
 # auto: tables whose rows + optimizer state are at most this many bytes are replicated (lookups stay local).
 REPLICATE_BYTES = 64 * 1024
 # auto: every device's block of a storage (tables of one dim) holds at most this x the mean rows per device; a storage
