@@ -55,7 +55,6 @@ background thread they crossed them and both processes waited forever).
 import concurrent.futures
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import pathlib
@@ -68,6 +67,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from recjax import checkpoint_blocks as blocks
 from recjax import quantize
 from recjax.config_check import _get, boolean, check_number, choice, integer, known_keys
 from recjax.errors import CheckpointError, ConfigError
@@ -146,16 +146,11 @@ def mark_dirty_rows(dirty: Mapping[str, jax.Array], touched: Mapping[str, jax.Ar
     return {g: d.at[touched[g]].set(True, mode="drop") for g, d in dirty.items()}
 
 
-@jax.jit
-def _take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
-    return jnp.take(table, ids, axis=0, mode="fill", fill_value=0)
-
-
 def _gather_rows(array: jax.Array, ids: np.ndarray) -> np.ndarray:
     """array[ids] on the host, gathered on the device(s) holding the rows (a sharded array: each block gathers its
     own rows, on its device); ids padded to a power of two so few shapes compile."""
     if len(array.sharding.device_set) == 1:
-        return _gather_block(array, ids)
+        return blocks.gather_block(array, ids)
     out = np.zeros((len(ids), *array.shape[1:]), array.dtype)
     for shard in array.addressable_shards:
         if shard.replica_id:
@@ -164,24 +159,13 @@ def _gather_rows(array: jax.Array, ids: np.ndarray) -> np.ndarray:
         start, stop, _ = rows.indices(array.shape[0])
         mine = np.flatnonzero((ids >= start) & (ids < stop))
         if len(mine):
-            out[(mine, *rest)] = _gather_block(shard.data, ids[mine] - start)
+            out[(mine, *rest)] = blocks.gather_block(shard.data, ids[mine] - start)
     return out
 
 
-def _gather_block(array: jax.Array, ids: np.ndarray) -> np.ndarray:
-    n = len(ids)
-    padded = np.full(1 << max(n - 1, 0).bit_length(), array.shape[0], np.int32)
-    padded[:n] = ids
-    return np.asarray(_take_rows(array, jax.device_put(padded, array.sharding)))[:n]
-
-
 # --------------------------------------------------------------------------------------------- helpers
-def _digest(array) -> bytes:
-    return hashlib.sha256(np.ascontiguousarray(array).view(np.uint8).reshape(-1)).digest()
-
-
 def _sha256(array: np.ndarray) -> str:
-    return _digest(array).hex()
+    return blocks.digest(array).hex()
 
 
 def _flat(tree: Mapping, prefix: str = "") -> dict[str, np.ndarray]:
@@ -196,76 +180,16 @@ def _flat(tree: Mapping, prefix: str = "") -> dict[str, np.ndarray]:
 
 def _describe_arrays(item: str, tree: Mapping) -> dict[str, list]:
     """{item/path: [dtype, shape, sha256]} for every array of an item; an array spread over processes has
-    "blocks" instead of a sha256: its blocks' sha256s are the `digests` item (`_block_digests`)."""
-    return {f"{item}/{p}": [str(a.dtype), list(a.shape), BLOCKS] if _is_global(a) else
+    "blocks" instead of a sha256: its blocks' sha256s are the `digests` item (`blocks.block_digests`)."""
+    return {f"{item}/{p}": [str(a.dtype), list(a.shape), BLOCKS] if blocks.is_global(a) else
             [str(np.asarray(a).dtype), list(np.shape(a)), _sha256(np.asarray(a))] for p, a in _flat(tree).items()}
-
-
-def _is_global(array) -> bool:
-    """An array some of whose blocks live in other processes."""
-    return isinstance(array, jax.Array) and not array.is_fully_addressable
 
 
 def _local(array) -> np.ndarray:
     """The host value of an array every process holds whole (a replicated multi-process array: its local copy)."""
-    if _is_global(array):
+    if blocks.is_global(array):
         return np.array(array.addressable_data(0))
     return np.array(array)
-
-
-def _block_grid(shape: tuple[int, ...], block: tuple[int, ...]) -> tuple[int, int]:
-    """(R, C): the row and column blocks of an array of `shape` split into blocks of `block`."""
-    return shape[0] // max(block[0], 1), (shape[1] // max(block[1], 1) if len(shape) > 1 else 1)
-
-
-def _block_of(index: tuple, block: tuple[int, ...]) -> tuple[int, int]:
-    """(r, c) of the block at a shard's `index`."""
-    r = (index[0].start or 0) // max(block[0], 1)
-    c = (index[1].start or 0) // max(block[1], 1) if len(block) > 1 else 0
-    return r, c
-
-
-def _block_digests(array: jax.Array) -> jax.Array:
-    """u8[R, C * 32]: the sha256 of each (row block r, column block c) of a mesh array, placed like the array (the
-    device holding block (r, c) holds row r, columns [32 c, 32 c + 32)), so each process hashes and Orbax writes
-    only the blocks it holds."""
-    sharding = array.sharding
-    block = sharding.shard_shape(array.shape)
-    local = {}
-    for shard in array.addressable_shards:
-        key = _block_of(shard.index, block)
-        if key not in local:
-            local[key] = np.frombuffer(_digest(shard.data), np.uint8)
-    return jax.make_array_from_callback(tuple(_digest_shape(array)), _digest_sharding(sharding),
-                                        lambda index: local[(index[0].start or 0, (index[1].start or 0) // 32)][None])
-
-
-def _digest_shape(array: jax.Array) -> list[int]:
-    rows, cols = _block_grid(array.shape, array.sharding.shard_shape(array.shape))
-    return [rows, 32 * cols]
-
-
-def _digest_sharding(sharding):
-    """Where the digests of an array placed by `sharding` go: their rows and columns split like its rows and
-    columns."""
-    spec = (*tuple(sharding.spec), None, None)
-    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(spec[0], spec[1]))
-
-
-def _check_blocks(array, digests, where: str) -> None:
-    """Compare each block of `array` this process holds (or all of a host array) with its recorded sha256."""
-    if _on_mesh(array):
-        expected = {d.device: np.asarray(d.data) for d in digests.addressable_shards}
-        found = [(shard.data, expected[shard.device].reshape(-1)) for shard in array.addressable_shards]
-    else:
-        host, table = np.asarray(array), np.asarray(digests)
-        rows, cols = table.shape[0], table.shape[1] // 32
-        h, w = host.shape[0] // rows, (host.shape[1] // cols if host.ndim > 1 else 0)
-        found = [(host[r * h:(r + 1) * h, c * w:(c + 1) * w] if host.ndim > 1 else host[r * h:(r + 1) * h],
-                  table[r, 32 * c:32 * c + 32]) for r in range(rows) for c in range(cols)]
-    for data, digest in found:
-        if _digest(data) != bytes(digest):
-            raise CheckpointError(f"{where}: a block does not match its sha256 in the digests item")
 
 
 class _Checksums:
@@ -389,7 +313,7 @@ class _Store:
             raise CheckpointError(f"checkpoint step {step}: {where} is missing; the checkpoint is incomplete or was "
                                   f"deleted. {todo}")
         expected = {k: v for k, v in (meta or {}).get("arrays", {}).items() if k.startswith(f"{item}/")}
-        blocks = sorted(k[len(item) + 1:] for k, v in expected.items() if v[2] == BLOCKS)
+        blocked = sorted(k[len(item) + 1:] for k, v in expected.items() if v[2] == BLOCKS)
         marked = {k: v[2] for k, v in expected.items() if v[2] in (BLOCKS, DIGESTS)}
         restore = (_meta_handler_types()[1]() if item == "meta" else
                    ocp.args.StandardRestore(_target(expected, item, placed or {})) if marked else
@@ -411,21 +335,18 @@ class _Store:
                                                                "does not match the sha256 / dtype / shape in its meta")
                 raise CheckpointError(f"checkpoint step {step}: array {path} in {where} {what}; the checkpoint is "
                                       f"corrupt. {todo}")
-        if blocks:
+        if blocked:
             arrays = _flat(value)
-            digests = _flat(self.item(step, "digests", meta, {f"{item}/{p}": _digest_sharding(arrays[p].sharding)
-                                                              for p in blocks if _on_mesh(arrays[p])}))
-            for p in blocks:
+            placed_digests = {f"{item}/{p}": blocks.digest_sharding(arrays[p].sharding)
+                              for p in blocked if blocks.on_mesh(arrays[p])}
+            digests = _flat(self.item(step, "digests", meta, placed_digests))
+            for p in blocked:
                 try:
-                    _check_blocks(arrays[p], digests[f"{item}/{p}"],
+                    blocks.check_blocks(arrays[p], digests[f"{item}/{p}"],
                                   f"checkpoint step {step}: array {item}/{p} in {where}")
                 except CheckpointError as error:
                     raise CheckpointError(f"{error}; the checkpoint is corrupt. {todo}") from None
         return value
-
-
-def _on_mesh(array) -> bool:
-    return isinstance(array, jax.Array) and len(array.sharding.device_set) > 1
 
 
 def _target(expected: Mapping[str, list], item: str, placed: Mapping) -> dict:
@@ -484,9 +405,9 @@ def _chain_tables(point: ResumePoint, top: dict, placed: Mapping | None = None) 
         rows = _decode(store.item(s, "rows", delta_meta, where)) if delta_meta["groups"] else {}
         for g, part in rows.items():
             if placed:
-                tables[g] = _apply_blocks(tables[g], part["ids"], _block_values(part, bits, tables[g]))
+                tables[g] = blocks.apply_blocks(tables[g], part["ids"], blocks.block_values(part, bits, tables[g]))
                 for k, v in part.get("opt", {}).items():
-                    sparse_opt[g][k] = _apply_blocks(sparse_opt[g][k], part["ids"],
+                    sparse_opt[g][k] = blocks.apply_blocks(sparse_opt[g][k], part["ids"],
                                                      {b.device: np.asarray(b.data) for b in v.addressable_shards})
                 continue
             ids = np.asarray(part["ids"])
@@ -520,99 +441,9 @@ def _delta_shardings(tables: Mapping, sparse_opt: Mapping) -> dict:
         key = _encode(g)
         out[f"{key}/ids"] = jax.sharding.NamedSharding(t.sharding.mesh, jax.sharding.PartitionSpec(spec[0]))
         out[f"{key}/rows"] = out[f"{key}/codes"] = t.sharding
-        out[f"{key}/offset"] = out[f"{key}/scale"] = _digest_sharding(t.sharding)
+        out[f"{key}/offset"] = out[f"{key}/scale"] = blocks.digest_sharding(t.sharding)
         out.update({f"{key}/opt/{k}": v.sharding for k, v in sparse_opt[g].items()})
     return out
-
-
-def _dirty_blocks(dirty: jax.Array) -> dict[int, np.ndarray]:
-    """{row block r: the marked rows of block r (global row ids)} for the blocks this process holds."""
-    height = dirty.sharding.shard_shape(dirty.shape)[0]
-    out = {}
-    for shard in dirty.addressable_shards:
-        r = (shard.index[0].start or 0) // height
-        if r not in out:
-            out[r] = (np.flatnonzero(np.asarray(shard.data)) + r * height).astype(np.int32)
-    return out
-
-
-def _gathered_blocks(array: jax.Array, marked: Mapping[int, np.ndarray], cap: int) -> dict[tuple[int, int], np.ndarray]:
-    """{(r, c): the marked rows of block (r, c), zero-padded to `cap` rows} for the blocks this process holds,
-    gathered on the device holding each."""
-    block = array.sharding.shard_shape(array.shape)
-    out = {}
-    for shard in array.addressable_shards:
-        key = _block_of(shard.index, block)
-        if key not in out:
-            ids = marked[key[0]] - key[0] * block[0]
-            values = np.zeros((cap, *block[1:]), array.dtype)
-            values[:len(ids)] = _gather_block(shard.data, ids) if len(ids) else 0
-            out[key] = values
-    return out
-
-
-def _assemble(shape: tuple[int, ...], sharding, blocks: Mapping[tuple[int, int], np.ndarray]) -> jax.Array:
-    """A global array whose block (r, c) is `blocks[(r, c)]` (each process gives the blocks its devices hold)."""
-    block = sharding.shard_shape(shape)
-    return jax.make_array_from_callback(shape, sharding, lambda index: blocks[_block_of(index, block)])
-
-
-def _delta_blocks(dirty: jax.Array, table: jax.Array, opt: Mapping[str, jax.Array], cap: int, bits: int) -> dict:
-    """One group's part of a multi-process delta: every row block's marked rows padded to `cap` (the most any block
-    has), as global arrays placed like the table, so each process writes its blocks: "ids" i32[R cap] (global row
-    ids, -1 = padding), "rows" [R cap, d] or quantized per (row, column) block "codes" / "offset" / "scale", and
-    "opt"."""
-    marked = _dirty_blocks(dirty)
-    blocks = dirty.shape[0] // dirty.sharding.shard_shape(dirty.shape)[0]
-
-    def padded(r: int) -> np.ndarray:
-        ids = np.full(cap, -1, np.int32)
-        ids[:len(marked[r])] = marked[r]
-        return ids
-
-    part = {"ids": jax.make_array_from_callback((blocks * cap,), dirty.sharding,
-                                                lambda index: padded((index[0].start or 0) // cap))}
-    rows = _gathered_blocks(table, marked, cap)
-    if bits:
-        quantized = {key: quantize.quantize_rows(v, bits) for key, v in rows.items()}
-        width = next(iter(quantized.values()))["codes"].shape[1]
-        columns = table.shape[1] // table.sharding.shard_shape(table.shape)[1]
-        part["codes"] = _assemble((blocks * cap, columns * width), table.sharding,
-                                  {k: q["codes"] for k, q in quantized.items()})
-        for name in ("offset", "scale"):
-            part[name] = _assemble((blocks * cap, columns), _digest_sharding(table.sharding),
-                                   {k: q[name][:, None] for k, q in quantized.items()})
-    else:
-        part["rows"] = _assemble((blocks * cap, *table.shape[1:]), table.sharding, rows)
-    if opt:
-        part["opt"] = {k: _assemble((blocks * cap, *v.shape[1:]), v.sharding, _gathered_blocks(v, marked, cap))
-                       for k, v in opt.items()}
-    return part
-
-
-def _block_values(part: Mapping, bits: int, table: jax.Array) -> dict:
-    """{device: the delta's rows for the table block on that device} (dequantized on the host)."""
-    if "rows" in part:
-        return {b.device: np.asarray(b.data) for b in part["rows"].addressable_shards}
-    width = table.sharding.shard_shape(table.shape)[1]
-    offset = {b.device: np.asarray(b.data)[:, 0] for b in part["offset"].addressable_shards}
-    scale = {b.device: np.asarray(b.data)[:, 0] for b in part["scale"].addressable_shards}
-    return {b.device: quantize.dequantize_rows({"codes": np.asarray(b.data), "offset": offset[b.device],
-                                                "scale": scale[b.device]}, bits, width)
-            for b in part["codes"].addressable_shards}
-
-
-def _apply_blocks(array: jax.Array, ids: jax.Array, values: Mapping) -> jax.Array:
-    """`array` with the rows `ids` (global row ids placed like its rows, -1 = padding) set to `values` ({device:
-    the rows for that device's block}), each block updated on its device."""
-    marked = {b.device: np.asarray(b.data) for b in ids.addressable_shards}
-    out = []
-    for shard in array.addressable_shards:
-        ids_here = marked[shard.device]
-        valid = ids_here >= 0
-        local = jax.device_put(ids_here[valid] - (shard.index[0].start or 0), shard.device)
-        out.append(shard.data.at[local].set(jax.device_put(values[shard.device][valid], shard.device)))
-    return jax.make_array_from_single_device_arrays(array.shape, array.sharding, out)
 
 
 def read_arrays(point: ResumePoint) -> dict[str, np.ndarray]:
@@ -877,9 +708,11 @@ class Checkpointer:
             else:
                 self._chain, self._chain_bytes = [*self._chain, step], self._chain_bytes + delta_bytes
         # Arrays spread over processes (multi-process runs) are checked by blocks: their digests, by item and path.
-        global_arrays = {p: a for p, a in _flat({"state": item_state, "rows": rows_item}).items() if _is_global(a)}
+        global_arrays = {p: a for p, a in _flat({"state": item_state, "rows": rows_item}).items()
+                         if blocks.is_global(a)}
         arrays = _Checksums({"state": item_state, "rows": rows_item},
-                            {f"digests/{p}": ["uint8", _digest_shape(a), DIGESTS] for p, a in global_arrays.items()})
+                            {f"digests/{p}": ["uint8", blocks.digest_shape(a), DIGESTS]
+                             for p, a in global_arrays.items()})
         meta = {
             "format": FORMAT_VERSION, "step": step, "kind": kind, "policy": self.policy, "chain": self._chain,
             "quantize_bits": self.bits if kind == "delta" else 0, "groups": sorted(_decode(rows_item)),
@@ -896,7 +729,7 @@ class Checkpointer:
 
         def issue():
             if global_arrays:  # each process hashes the blocks it holds
-                digests = {p: _block_digests(a) for p, a in global_arrays.items()}
+                digests = {p: blocks.block_digests(a) for p, a in global_arrays.items()}
                 args["digests"] = ocp.args.StandardSave(_unflat(digests))
             self.store.manager.save(step, args=ocp.args.Composite(**args), force=True)
 
@@ -923,12 +756,12 @@ class Checkpointer:
             from jax.experimental import multihost_utils
 
             groups = sorted(state.dirty_rows)
-            counts = np.array([max(map(len, _dirty_blocks(state.dirty_rows[g]).values()), default=0)
+            counts = np.array([max(map(len, blocks.dirty_blocks(state.dirty_rows[g]).values()), default=0)
                                for g in groups], np.int64)
             caps = np.asarray(multihost_utils.process_allgather(counts)).reshape(-1, len(groups)).max(axis=0)
             for g, cap in zip(groups, caps, strict=True):
                 if cap:  # Orbax cannot store empty arrays; a group without touched rows is left out
-                    rows_item[_encode(g)] = _delta_blocks(state.dirty_rows[g], state.tables[g],
+                    rows_item[_encode(g)] = blocks.delta_blocks(state.dirty_rows[g], state.tables[g],
                                                           state.sparse_opt_state[g], int(cap), self.bits)
             groups = ()
         else:
@@ -960,9 +793,9 @@ class Checkpointer:
             if buffer is None or buffer.shape != array.shape or buffer.dtype != array.dtype:
                 buffer = self._host[key] = np.empty(array.shape, array.dtype)
             # A mesh array: each device's block is copied into its place (a replicated block once).
-            blocks = ([(shard.index, np.asarray(shard.data)) for shard in array.addressable_shards
+            parts = ([(shard.index, np.asarray(shard.data)) for shard in array.addressable_shards
                        if not shard.replica_id] if isinstance(array, jax.Array) else [((), np.asarray(array))])
-            for index, source in blocks:
+            for index, source in parts:
                 target = buffer[index]
                 if source.ndim == 0 or len(source) < 2:
                     np.copyto(target, source)
