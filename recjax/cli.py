@@ -130,10 +130,22 @@ def run(main: Callable[[list[str]], None]) -> None:
 
     def guarded(argv: list[str]) -> None:
         use_cpu_if_no_accelerator()
+        quiet_libraries()
         with user_errors():
             main(argv)
 
     app.run(guarded, flags_parser=parse)
+
+
+def quiet_libraries() -> None:
+    """Warnings and errors only from the libraries' absl logging unless `--verbosity` is given: absl.app shows INFO,
+    and Orbax logs ~25 INFO lines per checkpoint save (jax.distributed a few per start), which drowned the run's own
+    console lines."""
+    from absl import flags
+    from absl import logging as absl_logging
+
+    if "verbosity" in flags.FLAGS and not flags.FLAGS["verbosity"].present:
+        absl_logging.set_verbosity(absl_logging.WARNING)
 
 
 @contextlib.contextmanager
