@@ -8,14 +8,15 @@ after its step-20 save and resumed, one-shot deltas) and OUT_DIR/from_single (da
 single-device run's step-20 checkpoint).
 """
 
+import contextlib
 import pathlib
 import sys
 
 import jax
+import pytest
 
-from recjax import checkpoint
 from recjax.train import train_and_evaluate
-from tests.test_checkpoint import tiny
+from tests.test_checkpoint import crash_after_save, tiny
 
 STEP = 20  # the interruption, and the checkpoint another layout starts from
 
@@ -35,21 +36,9 @@ def main(out: pathlib.Path, single: pathlib.Path) -> None:
     assert jax.device_count() == 8, jax.device_count()
     train_and_evaluate(mesh_config("data=4,model=2"), out / "reference")
 
-    save = checkpoint.Checkpointer.save
-
-    def dying(self, step, state, loop, finished=False):
-        state = save(self, step, state, loop, finished)
-        if step == STEP:
-            raise KeyboardInterrupt(f"killed after the save of step {step}")
-        return state
-
-    checkpoint.Checkpointer.save = dying
-    try:
+    with pytest.MonkeyPatch.context() as patch, contextlib.suppress(KeyboardInterrupt):
+        crash_after_save(patch, STEP)
         train_and_evaluate(mesh_config("data=4,model=2", policy="one_shot"), out / "resumed")
-    except KeyboardInterrupt:
-        pass
-    finally:
-        checkpoint.Checkpointer.save = save
     train_and_evaluate(mesh_config("data=4,model=2", policy="one_shot"), out / "resumed")
 
     train_and_evaluate(mesh_config("data=2,model=4", restore=str(single / "checkpoints" / str(STEP))),
