@@ -2,11 +2,12 @@
 (Luo et al. 2024, "Fine-grained Embedding Dimension Optimization During Training for Recommender Systems").
 
 Each logical row of a V x D table is K chunks of C = D / K columns (`chunks`). The chunks live in one physical
-table, the pool f32[capacity, C]; the indirection aux["index"] i32[V, K] maps (row, chunk) to a pool slot or -1
-(pruned: the chunk reads zeros and gets no update) -- see compression/chunk_pool.py, whose pure prune / grow /
-compact functions this method uses. Rows keep a prefix of their chunks, so the model always sees one D-wide vector
-with a zero tail. `route` reads the pool once per chunk position (`read_tables` = (0,) * K) and the combine
-concatenates the K pooled chunks, which is linear, so bags pool before combining.
+table, the pool f32[capacity, C], packed: row r's live chunks sit at slots offsets[r] .. offsets[r+1] - 1 of
+aux["offsets"] i32[V + 1] (4 bytes per row whatever K; a chunk past a row's count is pruned: it reads zeros and gets
+no update) -- see compression/chunk_pool.py, whose pure `resize` / `compact` functions this method uses, and why it
+packs instead of keeping FIITED's per-(row, chunk) slot table. Rows keep a prefix of their chunks, so the model
+always sees one D-wide vector with a zero tail. `route` reads the pool once per chunk position (`read_tables` = (0,) *
+K) and the combine concatenates the K pooled chunks, which is linear, so bags pool before combining.
 
 Chunk utility (`utility="gradient"`, FIITED's): every train step, for each row the batch touches and each of its
 chunks, u <- gamma^(t - t_last) u + ||g||, where g is the gradient this step gives that chunk's D / K columns -- the
@@ -15,15 +16,16 @@ that gradient (the model sees its zeros), so its utility keeps growing while it 
 The decay is applied lazily (t_last per row), so a step costs O(rows touched) (`update_aux`).
 
 Adjustment (every `interval` steps, `adjust`): the memory budget goes linearly from all chunks to a share `keep` of
-them over the first `ramp` of the run's steps; a row's chunk k scores min(u[0..k]) (so the kept chunks are prefixes);
-the best `budget(t) V K` chunks are kept (ties: lower row, then lower chunk first), trailing chunks below the cut are
-pruned (their slots go back to the free stack, zeroed with their optimizer state) and chunks above it are grown
-from the free stack (values `grow_init`: zeros, so the model's function does not jump). The selection is one sort
-of the V K scores, on device, inside the same jitted function as the prune and grow. When the pool holds more than
-(1 + `compact_slack`) times the budget's chunks, the trainer compacts it to exactly the budget
-(`chunk_pool.compact`: a new, smaller array and a re-compile of the steps; recjax/dynamic.py), and at the end of the
-ramp to exactly the final budget, so the allocated bytes follow the budget down in a few geometric steps (slack 1:
-at most twice the budget; 4 compactions for a ramp to 10 %, each a re-compile of the steps).
+them over the first `ramp` of the run's steps; a row's chunk k scores min(u[0..k]) (so the kept chunks are
+prefixes); the best `budget(t) V K` chunks are kept (ties: lower row, then lower chunk first), trailing chunks below
+the cut are pruned and chunks above it are grown (values `grow_init`: zeros, so the model's function does not jump;
+their optimizer state starts fresh), and the pool is laid out again for the new counts (`chunk_pool.resize`: kept
+chunks move with their optimizer state, freed slots are zeroed). The selection is one sort of the V K scores, on
+device, inside the same jitted function as the re-layout. When the pool holds more than (1 + `compact_slack`) times
+the budget's chunks, the trainer compacts it to exactly the budget (`chunk_pool.compact`: a new, smaller array and a
+re-compile of the steps; recjax/dynamic.py), and at the end of the ramp to exactly the final budget, so the
+allocated bytes follow the budget down in a few geometric steps (slack 1: at most twice the budget; 4 compactions
+for a ramp to 10 %, each a re-compile of the steps).
 
 Position discount (`position_discount` p, default 0 = FIITED's plain utility; our addition): chunk k's score is
 divided by (k + 1)^p before the prefix minimum. A row's chunks see gradients of the same scale, so with p = 0 the
@@ -39,10 +41,9 @@ Baselines FIITED compares with:
                  L2 norm at the adjustment; a pruned row reads zeros and does not come back);
   `uniform_dim`  every row D' = round(keep D) wide with a zero tail (a plain V x D' table, no indirection).
 
-Bytes: the pool rows (and their optimizer state) are the physical table; the indirection i32[V, K] and the free
-stack i32[capacity] count as model bytes (`aux_bytes`), the utility f32[V, K] and t_last i32[V] as training-only
-bytes. The indirection alone is 4 K / (4 D) = K / D of the full table (1/4 for D = 16, K = 4), so budgets below
-that cannot shrink the model's bytes much further: the run reports what is really allocated.
+Bytes: the pool rows (and their optimizer state) are the physical table; the offsets i32[V + 1] count as model
+bytes (`aux_bytes`: 1 / D of the full table's 4 D bytes per row), the utility f32[V, K] and t_last i32[V] as
+training-only bytes (like optimizer state: at K = D the utility is as large as the full table while training).
 """
 
 import math
@@ -70,7 +71,7 @@ class ConcatChunks(nn.Module):
 
 
 class FiitedEmbedding(EmbeddingMethod):
-    """A chunk pool f32[capacity, D / K] read through the indirection aux["index"] i32[V, K]."""
+    """A packed chunk pool f32[capacity, D / K] read through the row offsets aux["offsets"] i32[V + 1]."""
 
     DEFAULTS: ClassVar[dict] = {
         "chunks": 4,  # K: chunks per row (D must be divisible by K)
@@ -121,27 +122,25 @@ class FiitedEmbedding(EmbeddingMethod):
     def read_tables(self) -> tuple[int, ...]:
         return (0,) * self.chunks
 
-    def route(self, ids: jax.Array, index: jax.Array, **_) -> tuple[jax.Array, ...]:
-        slots = index[ids]  # [..., K], -1 = pruned
+    def route(self, ids: jax.Array, offsets: jax.Array, **_) -> tuple[jax.Array, ...]:
+        slots = chunk_pool.slots(offsets, ids, self.chunks)  # [..., K], -1 = pruned
         return tuple(slots[..., k] for k in range(self.chunks))
 
     def combine_module(self, name: str) -> nn.Module:
         return ConcatChunks(name=name)
 
     def init_aux(self) -> dict[str, jax.Array]:
-        """The indirection with the pool's slots dealt chunk-major (chunk 0 of every row, then chunk 1, ...) while
-        they last -- all of them at the default capacity V K --, the free stack, zero utility."""
+        """The packed offsets with the pool's slots dealt chunk-major (chunk 0 of every row, then chunk 1, ...)
+        while they last -- all of them at the default capacity V K --, and zero utility."""
         v, k = self.spec.vocab_size, self.chunks
-        order = np.arange(v * k).reshape(k, v).T  # (row, chunk) -> chunk-major position
-        index = np.where(order < self.capacity, order, -1).astype(np.int32)
-        return {"index": jnp.asarray(index), "free": jnp.full((self.capacity,), -1, jnp.int32),
-                "num_free": jnp.zeros((), jnp.int32), "utility": jnp.zeros((v, k), jnp.float32),
+        counts = np.clip((self.capacity - np.arange(v) + v - 1) // v, 0, k)  # #{c : c V + r < capacity}
+        return {"offsets": jnp.asarray(chunk_pool.offsets_of(counts)), "utility": jnp.zeros((v, k), jnp.float32),
                 "last": jnp.zeros((v,), jnp.int32)}
 
     def aux_bytes(self) -> tuple[int, int]:
-        """(model bytes: the indirection and the free stack, training-only bytes: utility and t_last)."""
+        """(model bytes: the offsets, training-only bytes: utility and t_last)."""
         v, k = self.spec.vocab_size, self.chunks
-        return 4 * (v * k + self.capacity + 1), 4 * (v * k + v)
+        return 4 * (v + 1), 4 * (v * k + v)
 
     # -------------------------------------------------------------------------------------- the budget
     def budget_at(self, step: int, total_steps: int) -> float:
@@ -191,26 +190,24 @@ class FiitedEmbedding(EmbeddingMethod):
             age = (step - aux["last"]).astype(jnp.float32)
             u = aux["utility"] * (self.decay ** age)[:, None]
         else:  # magnitude: the chunk's L2 norm now (pruned chunks read zeros)
-            slots = jnp.where(pool.index >= 0, pool.index, pool.capacity)
-            u = jnp.linalg.norm(pool.pool.at[slots].get(mode="fill", fill_value=0.0), axis=-1)
+            u = jnp.linalg.norm(chunk_pool.read(pool, jnp.arange(self.spec.vocab_size)).reshape(
+                -1, self.chunks, self.chunk_dim), axis=-1)
         u = u / (jnp.arange(1, self.chunks + 1, dtype=jnp.float32) ** self.position_discount)
         return jax.lax.cummin(u, axis=1)
 
     def adjust(self, pool: chunk_pool.ChunkPool, aux: dict[str, jax.Array], step: jax.Array, keep: jax.Array,
-               rng: jax.Array) -> tuple[chunk_pool.ChunkPool, dict[str, jax.Array]]:
-        """Keep the best `keep` chunks (i32[], <= the pool's capacity): prune the rest, grow the missing ones."""
+               rng: jax.Array) -> tuple[chunk_pool.ChunkPool, dict[str, jax.Array], jax.Array]:
+        """Keep the best `keep` chunks (i32[], <= the pool's capacity) and lay the pool out again: (pool, aux,
+        bool[capacity] the slots holding a newly grown chunk)."""
         v, k = self.spec.vocab_size, self.chunks
         order = jnp.argsort(-self.scores(pool, aux, step).reshape(-1), stable=True)
         kept = jnp.zeros(v * k, jnp.bool_).at[order].set(jnp.arange(v * k) < keep).reshape(v, k)
-        counts = jnp.sum(kept, axis=1, dtype=jnp.int32)
-        rows = jnp.arange(v, dtype=jnp.int32)
-        pool = chunk_pool.prune(pool, rows, counts)
-        values = None
+        fill = None
         if self.grow_init == "uniform":
             scale = dlrm_init_scale(v)
-            values = jax.random.uniform(rng, (v, k, self.chunk_dim), jnp.float32, -scale, scale)
-        pool = chunk_pool.grow(pool, rows, counts, values)
-        return pool, {**aux, "index": pool.index, "free": pool.free, "num_free": pool.num_free}
+            fill = jax.random.uniform(rng, pool.pool.shape, jnp.float32, -scale, scale)
+        pool, fresh = chunk_pool.resize(pool, jnp.sum(kept, axis=1, dtype=jnp.int32), fill)
+        return pool, {**aux, "offsets": pool.offsets}, fresh
 
 
 class RowPruneEmbedding(FiitedEmbedding):

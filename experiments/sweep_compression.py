@@ -22,8 +22,8 @@ where one per-table ratio r' for all compressed tables is found by bisection on 
   md       the plan's budget mode (compression/plan.py) with budget = full params / ratio;
   fiited, row_prune, uniform_dim   `keep` = the share of each compressed table's values kept, so that the kept
            values plus the full tables come to full params / ratio: the budget FIITED (Luo et al. 2024) states,
-           on the values; FIITED's indirection i32[V, K] and free stack come on top, and the achieved ratio counts
-           them (at ratio 10 with K = 4, D = 16 the run holds 10 % of the values + 25 % for the indirection).
+           on the values; FIITED's row offsets i32[V + 1] come on top, and the achieved ratio counts them (1 / D
+           of a full table: at ratio 10 with D = 16 the run holds 10 % of the values + 6.25 % for the offsets).
 "full" is the baseline and runs once per seed, at ratio 1. A ratio a method cannot reach (QR needs at least
 2 sqrt(n) rows, MD at least dim 1 per table, tables kept full cost what they cost) is run at the method's
 maximum compression (TT: rank 1). Every CSV and the plot report the *achieved* ratio: the run summary's
@@ -250,8 +250,8 @@ def embedding_section(method: str, spec: DatasetSpec, dim: int, target_ratio: fl
     if method in KEEP_METHODS:
         # The budget is on the embedding *values*, as FIITED states it ("prune 90 % of the embeddings"): every
         # compressed table keeps the same share of its values, so that they plus the full tables come to the
-        # target. FIITED's indirection (K / D of a full table) and free stack are not in that budget; the run's
-        # achieved ratio counts them.
+        # target. FIITED's row offsets (1 / D of a full table) are not in that budget; the run's achieved ratio
+        # counts them.
         values = sum(n for _, n in compressed) * dim
         if values:
             section.options.keep = min(1.0, max(budget - fixed, 1.0) / values)

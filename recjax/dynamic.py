@@ -2,21 +2,22 @@
 compression/fiited.py): adjustments between steps, compaction, and the memory they really hold over time.
 
 Every `interval` steps of a dynamic table (and at the step its budget ramp ends), `DynamicTables.adjust` runs the
-method's `adjust` -- select the kept chunks, prune, grow -- in one jitted function per table, on device: the pool,
-its optimizer state and the indirection are device arrays, the selection is one sort of the table's V K chunk
-scores, and copying them to the host and back every interval would cost more than the sort. It keeps every shape,
-so the train step does not re-compile.
+method's `adjust` -- select the kept chunks, lay the pool out again for the new per-row counts -- in one jitted
+function per table, on device: the pool, its optimizer state and the offsets are device arrays, the selection is one
+sort of the table's V K chunk scores, and copying them to the host and back every interval would cost more than the
+sort. It keeps every shape, so the train step does not re-compile.
 
 When a pool holds more than (1 + compact_slack) times its current budget of chunks, `adjust` also *compacts* it
-(`chunk_pool.compact`, on the host's view of the indirection): the table's `capacity` option becomes the budget,
-the collection is rebuilt from the new table specs, every stacked group is laid out again (the compacted pool's
-live chunks move to slots 0..live-1 with their optimizer state; the other tables keep their rows) and the caller
+(`chunk_pool.compact`, on the host): the table's `capacity` option becomes the budget, the collection is rebuilt
+from the new table specs, every stacked group is laid out again (the pool's live chunks, packed at slots 0..live-1,
+keep their slots and optimizer state; the free tail is cut; the other tables keep their rows) and the caller
 re-compiles its steps. Budgets only fall, so with a slack s a ramp from 1 to b compacts about log(1/b) / log(1 + s)
 times, plus once at the ramp's end to the exact budget (4 times for b = 10 % and the default s = 1).
 
-Checkpoints: the routing arrays are saved whole with every checkpoint; the adjustments mark the slots they free and
-grant as dirty rows (so deltas carry them); a compaction changes the tables' shapes, so the next save is a new
-baseline; `loop_state` keeps the capacities, which a resume re-sizes the task to before restoring.
+Checkpoints: the routing arrays are saved whole with every checkpoint; an adjustment marks every slot whose values
+or state it changed as a dirty row (so deltas carry them: during the ramp a re-layout moves most slots, so a delta
+is nearly a full save; after the ramp nothing moves); a compaction changes the tables' shapes, so the next save is a
+new baseline; `loop_state` keeps the capacities, which a resume re-sizes the task to before restoring.
 
 `history` records, at the start and after every adjustment, the embedding bytes really allocated -- every
 physical table (pools at their current capacity), their optimizer state, and the methods' aux arrays
@@ -67,7 +68,7 @@ class DynamicTables:
     # ------------------------------------------------------------------------------------------ memory
     def record(self, collection: EmbeddingCollection, optimizer, state, step: int) -> dict:
         accounting = collection.accounting(optimizer)
-        chunks = {f: np.asarray(jnp.sum(state.aux[f]["index"] >= 0, axis=1)) for f in self.features}
+        chunks = {f: np.asarray(chunk_pool.live_chunks(state.aux[f]["offsets"])) for f in self.features}
         entry = {"step": step, "embedding_bytes": accounting["bytes"],
                  "embedding_optimizer_bytes": accounting["optimizer_bytes"],
                  "allocated_bytes": accounting["bytes"] + accounting["optimizer_bytes"],
@@ -128,22 +129,22 @@ class DynamicTables:
             def run(tables, opt, aux, dirty, step, keep, rng):
                 tables, opt, aux, dirty = dict(tables), {g: dict(o) for g, o in opt.items()}, dict(aux), dict(dirty)
                 for f, group, offset, cap in placed:
-                    pool = chunk_pool.ChunkPool(
-                        pool=jax.lax.dynamic_slice_in_dim(tables[group], offset, cap), index=aux[f]["index"],
-                        free=aux[f]["free"], num_free=aux[f]["num_free"],
-                        state={k: jax.lax.dynamic_slice_in_dim(s, offset, cap) for k, s in opt[group].items()})
-                    before = aux[f]["index"]
-                    pool, aux[f] = methods[f].adjust(pool, aux[f], step, keep[f], jax.random.fold_in(rng, offset))
-                    # A grown chunk's optimizer state starts where a new table's does (the pool zeroed it).
-                    grown = jnp.where((before < 0) & (pool.index >= 0), pool.index, cap).reshape(-1)
-                    pool = pool.replace(state={k: s.at[grown].set(initial[k], mode="drop") if initial[k] else s
-                                               for k, s in pool.state.items()})
-                    if group in dirty:  # incremental checkpoints: the slots freed and granted changed too
-                        changed = before != pool.index
-                        slots = jnp.concatenate([jnp.where(changed & (before >= 0), before, cap).reshape(-1),
-                                                 jnp.where(changed & (pool.index >= 0), pool.index, cap).reshape(-1)])
-                        rows = jnp.where(slots < cap, offset + slots, dirty[group].shape[0])
-                        dirty[group] = dirty[group].at[rows].set(True, mode="drop")
+                    before = chunk_pool.ChunkPool(
+                        pool=jax.lax.dynamic_slice_in_dim(tables[group], offset, cap), offsets=aux[f]["offsets"],
+                        state={k: jax.lax.dynamic_slice_in_dim(s, offset, cap) for k, s in opt[group].items()},
+                        chunks=methods[f].chunks)
+                    pool, aux[f], fresh = methods[f].adjust(before, aux[f], step, keep[f],
+                                                            jax.random.fold_in(rng, offset))
+                    # A grown chunk's optimizer state starts where a new table's does (the re-layout zeroed it).
+                    pool = pool.replace(state={k: jnp.where(fresh.reshape(-1, *[1] * (s.ndim - 1)), initial[k], s)
+                                               if initial[k] else s for k, s in pool.state.items()})
+                    if group in dirty:  # incremental checkpoints: every slot whose contents the re-layout changed
+                        changed = jnp.any((pool.pool != before.pool).reshape(cap, -1), axis=1)
+                        for k, s in pool.state.items():
+                            changed |= jnp.any((s != before.state[k]).reshape(cap, -1), axis=1)
+                        dirty[group] = jax.lax.dynamic_update_slice_in_dim(
+                            dirty[group], jax.lax.dynamic_slice_in_dim(dirty[group], offset, cap) | changed,
+                            offset, 0)
                     tables[group] = jax.lax.dynamic_update_slice_in_dim(tables[group], pool.pool, offset, 0)
                     opt[group] = {k: jax.lax.dynamic_update_slice_in_dim(s, pool.state[k], offset, 0)
                                   for k, s in opt[group].items()}
@@ -168,13 +169,10 @@ class DynamicTables:
         moved, aux = {}, dict(state.aux)
         for f, cap in capacities.items():
             group, offset, rows = self._pool_at(old, f)
-            pool = chunk_pool.compact(chunk_pool.ChunkPool(
-                pool=host_tables[group][offset:offset + rows], index=np.asarray(state.aux[f]["index"]),
-                free=np.asarray(state.aux[f]["free"]), num_free=np.asarray(state.aux[f]["num_free"]),
-                state={k: s[offset:offset + rows] for k, s in host_opt[group].items()}), cap)
-            moved[f] = pool
-            aux[f] = {**state.aux[f], "index": jnp.asarray(pool.index), "free": jnp.asarray(pool.free),
-                      "num_free": jnp.asarray(pool.num_free)}
+            moved[f] = chunk_pool.compact(chunk_pool.ChunkPool(
+                pool=host_tables[group][offset:offset + rows], offsets=np.asarray(state.aux[f]["offsets"]),
+                state={k: s[offset:offset + rows] for k, s in host_opt[group].items()},
+                chunks=self._method(old, f).chunks), cap)
         old_at = {(p.feature, p.table_index): p for p in old.physical_tables()}
 
         def layout(group: str, array_of, moved_of) -> jax.Array:

@@ -12,6 +12,7 @@ import pytest
 from conftest import random_batch
 from test_train import tiny_config
 
+from compression import chunk_pool
 from compression.base import TableSpec
 from compression.fiited import FiitedEmbedding, UniformDimEmbedding
 from recjax.dynamic import DynamicTables
@@ -38,9 +39,27 @@ def logical_rows(task, state, feature: str) -> np.ndarray:
     """f32[V, D] of a fiited feature, read from the pool through the indirection (numpy oracle of `route`)."""
     (p,) = [q for q in task.collection.physical_tables() if q.feature == feature]
     pool = np.asarray(state.tables[p.group])[p.offset:p.offset + p.table.rows]
-    index = np.asarray(state.aux[feature]["index"])
-    rows = np.where(index[..., None] >= 0, pool[np.maximum(index, 0)], 0.0)
-    return rows.reshape(index.shape[0], -1)
+    offsets = np.asarray(state.aux[feature]["offsets"])
+    k = task.collection.methods[feature].chunks
+    counts = np.diff(offsets)
+    slots = np.where(np.arange(k)[None, :] < counts[:, None], offsets[:-1, None] + np.arange(k), -1)
+    rows = np.where(slots[..., None] >= 0, pool[np.maximum(slots, 0)], 0.0)
+    return rows.reshape(slots.shape[0], -1)
+
+
+def with_counts(task, state, feature: str, counts: np.ndarray):
+    """`state` with the pool of `feature` laid out for per-row chunk `counts` (chunk_pool.resize, state moved)."""
+    (p,) = [q for q in task.collection.physical_tables() if q.feature == feature]
+    rows = slice(p.offset, p.offset + p.table.rows)
+    pool = chunk_pool.ChunkPool(pool=state.tables[p.group][rows], offsets=state.aux[feature]["offsets"],
+                                state={k: s[rows] for k, s in state.sparse_opt_state[p.group].items()},
+                                chunks=task.collection.methods[feature].chunks)
+    pool, _ = chunk_pool.resize(pool, jnp.asarray(counts, jnp.int32))
+    tables = {**state.tables, p.group: state.tables[p.group].at[rows].set(pool.pool)}
+    opt = {**state.sparse_opt_state, p.group: {k: s.at[rows].set(pool.state[k])
+                                               for k, s in state.sparse_opt_state[p.group].items()}}
+    aux = {**state.aux, feature: {**state.aux[feature], "offsets": pool.offsets}}
+    return state.replace(tables=tables, sparse_opt_state=opt, aux=aux)
 
 
 def test_rows_read_their_live_prefix_and_pruned_chunks_get_no_update():
@@ -49,14 +68,8 @@ def test_rows_read_their_live_prefix_and_pruned_chunks_get_no_update():
     state = init_state(task, jax.random.key(0), batch)
     # Prune row 2 of "a" to one chunk and every row of "b" to two.
     method = task.collection.methods["a"]
-    aux = dict(state.aux)
-    index = np.asarray(aux["a"]["index"]).copy()
-    index[2, 1:] = -1
-    aux["a"] = {**aux["a"], "index": jnp.asarray(index)}
-    index_b = np.asarray(aux["b"]["index"]).copy()
-    index_b[:, 2:] = -1
-    aux["b"] = {**aux["b"], "index": jnp.asarray(index_b)}
-    state = state.replace(aux=aux)
+    state = with_counts(task, state, "a", np.where(np.arange(13) == 2, 1, 4))
+    state = with_counts(task, state, "b", np.full(9, 2))
     before_a, before_b = logical_rows(task, state, "a"), logical_rows(task, state, "b")
     c = method.chunk_dim
     assert np.all(before_a[2, c:] == 0) and np.all(before_b[:, 2 * c:] == 0)
@@ -68,11 +81,11 @@ def test_rows_read_their_live_prefix_and_pruned_chunks_get_no_update():
     assert np.all(after_a[2, c:] == 0) and np.all(after_b[:, 2 * c:] == 0)  # still zero: no update
     touched = np.unique(np.asarray(batch.ids["a"]))
     assert not np.allclose(after_a[touched, :c], before_a[touched, :c])  # live chunks did train
-    # Pool slots nobody references were not written either.
-    live = set(index_b[index_b >= 0].tolist())
-    dead = [s for s in range(p.table.rows) if s not in live]
-    np.testing.assert_array_equal(np.asarray(new.tables[p.group])[p.offset + np.array(dead)],
-                                  old_group[p.offset + np.array(dead)])
+    # Free pool slots (past the live 9 x 2) were not written either: they stay zero.
+    dead = p.offset + np.arange(18, p.table.rows)
+    assert len(dead) == 9 * 2
+    np.testing.assert_array_equal(np.asarray(new.tables[p.group])[dead], old_group[dead])
+    assert np.all(old_group[dead] == 0)
 
 
 def test_utility_is_the_decayed_sum_of_per_row_chunk_gradient_norms():
@@ -124,7 +137,7 @@ def test_adjust_keeps_the_best_chunks_and_compaction_preserves_the_model():
     keep = method.budget_chunks(method.budget_at(2, 8))  # 1 -> 0.3 over 4 steps: 0.65 at step 2
     assert keep == int(np.ceil(0.65 * 13 * 4))
     task2, state2, recompiled = dynamic.adjust(task, state, 2)
-    counts = (np.asarray(state2.aux["a"]["index"]) >= 0).sum(1)
+    counts = np.diff(np.asarray(state2.aux["a"]["offsets"]))
     assert counts.sum() == keep
     # The kept chunks are the best by prefix score: every kept chunk scores >= every dropped one.
     kept = np.arange(4)[None, :] < counts[:, None]
@@ -148,7 +161,7 @@ def test_adjust_keeps_the_best_chunks_and_compaction_preserves_the_model():
     accounting = task2.collection.accounting(task2.sparse_optimizer)["tables"]["a"]
     (p,) = [q for q in task2.collection.physical_tables() if q.feature == "a"]
     aux = state2.aux["a"]
-    model_bytes = p.table.rows * p.table.dim * 4 + sum(aux[k].nbytes for k in ("index", "free", "num_free"))
+    model_bytes = p.table.rows * p.table.dim * 4 + aux["offsets"].nbytes
     opt_bytes = task2.sparse_optimizer.state_bytes(p.table.rows, p.table.dim) + aux["utility"].nbytes \
         + aux["last"].nbytes
     assert accounting["bytes"] == model_bytes and accounting["optimizer_bytes"] == opt_bytes
@@ -239,21 +252,21 @@ def test_a_fiited_run_reaches_its_budget_and_resumes_bit_identical_across_compac
     assert kinds[9] == "delta"
 
 
-def test_adjustments_mark_the_slots_they_free_as_dirty_rows():
-    """Incremental checkpoints must carry what an adjustment changed: freed slots (zeroed) and granted ones."""
+def test_adjustments_mark_the_slots_they_change_as_dirty_rows():
+    """Incremental checkpoints must carry what an adjustment changed: every pool slot whose values or optimizer
+    state the re-layout changed (moved, freed and zeroed, or grown), and nothing else."""
     task = fiited_task(keep=0.5, interval=1, ramp=1.0)
     state = init_state(task, jax.random.key(0), jax.device_put(random_batch(SPEC, 16, seed=0)))
+    state = make_train_step(task)(state, jax.device_put(random_batch(SPEC, 16, seed=1)))[0]  # state != 0
     state = state.replace(dirty_rows={g: jnp.zeros(t.shape[0], jnp.bool_) for g, t in state.tables.items()})
-    before = {f: np.asarray(state.aux[f]["index"]) for f in ("a", "b")}
+    before = ({g: np.asarray(t) for g, t in state.tables.items()},
+              {g: {k: np.asarray(s) for k, s in o.items()} for g, o in state.sparse_opt_state.items()})
     dynamic = DynamicTables.create(task.collection, 8, seed=0)
     task2, state2, recompiled = dynamic.adjust(task, state, 1)
     assert not recompiled  # 15/16 of the chunks: no compaction, the bitmaps carry on
-    want = {}
-    for f in ("a", "b"):
-        (p,) = [q for q in task.collection.physical_tables() if q.feature == f]
-        after = np.asarray(state2.aux[f]["index"])
-        freed = before[f][(before[f] >= 0) & (after < 0)]
-        assert len(freed) > 0
-        want.setdefault(p.group, set()).update((p.offset + freed).tolist())
-    for g, rows in want.items():
-        assert set(np.flatnonzero(np.asarray(state2.dirty_rows[g])).tolist()) == rows
+    for g in state2.tables:
+        changed = np.any((np.asarray(state2.tables[g]) != before[0][g]).reshape(before[0][g].shape[0], -1), axis=1)
+        for k, s in state2.sparse_opt_state[g].items():
+            changed |= np.any((np.asarray(s) != before[1][g][k]).reshape(s.shape[0], -1), axis=1)
+        np.testing.assert_array_equal(np.asarray(state2.dirty_rows[g]), changed)
+    assert sum(int(np.asarray(d).sum()) for d in state2.dirty_rows.values()) > 0
