@@ -12,6 +12,10 @@ table* at K = D, the 1-column chunks that come within 0.006 AUC of the full mode
 (where 4-column chunks lose 0.02; compression/fiited.py). The offsets cost 4 bytes per row for any K, and a free
 stack (4 bytes per slot: as much again as 1-column chunks) is not needed, because a packed pool has no holes.
 
+FIITED keeps the offsets packed (`pack_offsets`: an i32 base per block of B rows and a byte per row for its
+offset from the base, B = 255 // K + 1), 1.25 bytes per row at K = 16 -- 2 % of a 16-dim f32 row, which matters
+at the budgets FIITED is for: at 10 % of ML-100K's bytes, 4-byte offsets alone would take 6 % of the 10 %.
+
 The price is that changing a row's chunk count moves every later row, so chunks are re-assigned for all rows at
 once: `resize` lays the whole pool out again from the new per-row counts -- one gather of the pool and its state,
 O(capacity + V), the same order as the adjustment's sort of the V K chunk scores that decides the counts (FIITED
@@ -62,6 +66,28 @@ def offsets_of(counts) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.asarray(counts, np.int64))]).astype(np.int32)
 
 
+def block_rows(chunks: int) -> int:
+    """Rows per block of `pack_offsets`: the most B with (B - 1) K <= 255, so a row's offset from its block's first
+    row fits a byte (16 for K = 16, 64 for K = 4, 256 for K = 1)."""
+    return 255 // chunks + 1
+
+
+def pack_offsets(offsets: jax.Array, chunks: int) -> tuple[jax.Array, jax.Array]:
+    """Offsets i32[V + 1] -> (base i32[ceil((V + 1) / B)]: the offset of each block's first row, rel u8[V + 1]: each
+    row's offset minus its block's base), B = block_rows(K): 1 + 4 / B bytes per row instead of 4."""
+    b, n = block_rows(chunks), offsets.shape[0]
+    base = offsets[::b]
+    return base, (offsets - jnp.repeat(base, b)[:n]).astype(jnp.uint8)
+
+
+def unpack_offsets(base: jax.Array, rel: jax.Array, chunks: int, rows: jax.Array | None = None) -> jax.Array:
+    """The offsets i32 of `rows` (i32[...]; default all V + 1) from `pack_offsets`' (base, rel)."""
+    b = block_rows(chunks)
+    if rows is None:
+        return jnp.repeat(base, b)[:rel.shape[0]] + rel.astype(jnp.int32)
+    return base[rows // b] + rel[rows].astype(jnp.int32)
+
+
 def create(values: jax.Array, chunks: int, capacity: int | None = None, live_chunks: jax.Array | int | None = None,
            state: Mapping[str, tuple[int, ...]] | None = None) -> ChunkPool:
     """A pool holding the first `live_chunks[r]` chunks (default all K) of each row of `values` f32[V, D].
@@ -86,17 +112,16 @@ def create(values: jax.Array, chunks: int, capacity: int | None = None, live_chu
                      state={k: jnp.zeros((capacity, *shape), jnp.float32) for k, shape in (state or {}).items()})
 
 
-def slots(offsets: jax.Array, ids: jax.Array, chunks: int) -> jax.Array:
-    """i32[..., K]: the pool slot of each chunk of rows `ids` i32[...], -1 where the chunk is pruned."""
-    start = offsets[ids]
-    count = offsets[ids + 1] - start
-    k = jnp.arange(chunks, dtype=offsets.dtype)
-    return jnp.where(k < count[..., None], start[..., None] + k, -1)
+def slots(start: jax.Array, end: jax.Array, chunks: int) -> jax.Array:
+    """i32[..., K]: the pool slot of each chunk of rows whose offsets are `start` and `end` (i32[...]: offsets[r],
+    offsets[r + 1]), -1 where the chunk is pruned."""
+    k = jnp.arange(chunks, dtype=jnp.int32)
+    return jnp.where(k < (end - start)[..., None], start[..., None] + k, -1)
 
 
 def read(p: ChunkPool, ids: jax.Array) -> jax.Array:
     """Rows f32[..., K * C] of `ids` i32[...]; pruned chunks read zeros."""
-    s = slots(p.offsets, ids, p.chunks)
+    s = slots(p.offsets[ids], p.offsets[ids + 1], p.chunks)
     rows = jnp.take(p.pool, jnp.where(s >= 0, s, p.capacity), axis=0, mode="fill", fill_value=0)
     return rows.reshape(*ids.shape, -1)
 

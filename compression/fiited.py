@@ -2,12 +2,13 @@
 (Luo et al. 2024, "Fine-grained Embedding Dimension Optimization During Training for Recommender Systems").
 
 Each logical row of a V x D table is K chunks of C = D / K columns (`chunks`). The chunks live in one physical
-table, the pool f32[capacity, C], packed: row r's live chunks sit at slots offsets[r] .. offsets[r+1] - 1 of
-aux["offsets"] i32[V + 1] (4 bytes per row whatever K; a chunk past a row's count is pruned: it reads zeros and gets
-no update) -- see compression/chunk_pool.py, whose pure `resize` / `compact` functions this method uses, and why it
-packs instead of keeping FIITED's per-(row, chunk) slot table. Rows keep a prefix of their chunks, so the model
-always sees one D-wide vector with a zero tail. `route` reads the pool once per chunk position (`read_tables` = (0,) *
-K) and the combine concatenates the K pooled chunks, which is linear, so bags pool before combining.
+table, the pool f32[capacity, C], packed: row r's live chunks sit at slots offsets[r] .. offsets[r+1] - 1 (the
+offsets i32[V + 1] are kept packed in aux["offsets_base"] / aux["offsets_rel"]: 1 + 4 / B bytes per row, B = 255 //
+K + 1 rows; a chunk past a row's count is pruned: it reads zeros and gets no update) -- see
+compression/chunk_pool.py, whose pure `resize` / `compact` functions this method uses, and why it packs instead of
+keeping FIITED's per-(row, chunk) slot table. Rows keep a prefix of their chunks, so the model always sees one
+D-wide vector with a zero tail. `route` reads the pool once per chunk position (`read_tables`: (0,) * K) and the
+combine concatenates the K pooled chunks, which is linear, so bags pool before combining.
 
 Chunk utility (`utility="gradient"`, FIITED's): every train step, for each row the batch touches and each of its
 chunks, u <- gamma^(t - t_last) u + ||g||, where g is the gradient this step gives that chunk's D / K columns -- the
@@ -41,9 +42,10 @@ Baselines FIITED compares with:
                  L2 norm at the adjustment; a pruned row reads zeros and does not come back);
   `uniform_dim`  every row D' = round(keep D) wide with a zero tail (a plain V x D' table, no indirection).
 
-Bytes: the pool rows (and their optimizer state) are the physical table; the offsets i32[V + 1] count as model
-bytes (`aux_bytes`: 1 / D of the full table's 4 D bytes per row), the utility f32[V, K] and t_last i32[V] as
-training-only bytes (like optimizer state: at K = D the utility is as large as the full table while training).
+Bytes: the pool rows (and their optimizer state) are the physical table; the packed offsets count as model bytes
+(`aux_bytes`: 1.25 bytes per row at K = 16, i.e. 2 % of a full 16-dim table), the utility f32[V, K] and t_last
+i32[V] as training-only bytes (like optimizer state: at K = D the utility is as large as the full table while
+training).
 """
 
 import math
@@ -71,7 +73,7 @@ class ConcatChunks(nn.Module):
 
 
 class FiitedEmbedding(EmbeddingMethod):
-    """A packed chunk pool f32[capacity, D / K] read through the row offsets aux["offsets"] i32[V + 1]."""
+    """A packed chunk pool f32[capacity, D / K] read through the row offsets (aux: offsets_base, offsets_rel)."""
 
     DEFAULTS: ClassVar[dict] = {
         "chunks": 4,  # K: chunks per row (D must be divisible by K)
@@ -122,9 +124,18 @@ class FiitedEmbedding(EmbeddingMethod):
     def read_tables(self) -> tuple[int, ...]:
         return (0,) * self.chunks
 
-    def route(self, ids: jax.Array, offsets: jax.Array, **_) -> tuple[jax.Array, ...]:
-        slots = chunk_pool.slots(offsets, ids, self.chunks)  # [..., K], -1 = pruned
+    def route(self, ids: jax.Array, offsets_base: jax.Array, offsets_rel: jax.Array, **_) -> tuple[jax.Array, ...]:
+        start, end = (chunk_pool.unpack_offsets(offsets_base, offsets_rel, self.chunks, r) for r in (ids, ids + 1))
+        slots = chunk_pool.slots(start, end, self.chunks)  # [..., K], -1 = pruned
         return tuple(slots[..., k] for k in range(self.chunks))
+
+    def offsets(self, aux: dict[str, jax.Array]) -> jax.Array:
+        """i32[V + 1]: the pool's row offsets, unpacked from aux."""
+        return chunk_pool.unpack_offsets(aux["offsets_base"], aux["offsets_rel"], self.chunks)
+
+    def with_offsets(self, aux: dict[str, jax.Array], offsets: jax.Array) -> dict[str, jax.Array]:
+        base, rel = chunk_pool.pack_offsets(jnp.asarray(offsets), self.chunks)
+        return {**aux, "offsets_base": base, "offsets_rel": rel}
 
     def combine_module(self, name: str) -> nn.Module:
         return ConcatChunks(name=name)
@@ -134,13 +145,13 @@ class FiitedEmbedding(EmbeddingMethod):
         while they last -- all of them at the default capacity V K --, and zero utility."""
         v, k = self.spec.vocab_size, self.chunks
         counts = np.clip((self.capacity - np.arange(v) + v - 1) // v, 0, k)  # #{c : c V + r < capacity}
-        return {"offsets": jnp.asarray(chunk_pool.offsets_of(counts)), "utility": jnp.zeros((v, k), jnp.float32),
-                "last": jnp.zeros((v,), jnp.int32)}
+        return self.with_offsets({"utility": jnp.zeros((v, k), jnp.float32), "last": jnp.zeros((v,), jnp.int32)},
+                                 chunk_pool.offsets_of(counts))
 
     def aux_bytes(self) -> tuple[int, int]:
-        """(model bytes: the offsets, training-only bytes: utility and t_last)."""
+        """(model bytes: the packed offsets, training-only bytes: utility and t_last)."""
         v, k = self.spec.vocab_size, self.chunks
-        return 4 * (v + 1), 4 * (v * k + v)
+        return 4 * -(-(v + 1) // chunk_pool.block_rows(k)) + (v + 1), 4 * (v * k + v)
 
     # -------------------------------------------------------------------------------------- the budget
     def budget_at(self, step: int, total_steps: int) -> float:
@@ -207,7 +218,7 @@ class FiitedEmbedding(EmbeddingMethod):
             scale = dlrm_init_scale(v)
             fill = jax.random.uniform(rng, pool.pool.shape, jnp.float32, -scale, scale)
         pool, fresh = chunk_pool.resize(pool, jnp.sum(kept, axis=1, dtype=jnp.int32), fill)
-        return pool, {**aux, "offsets": pool.offsets}, fresh
+        return pool, self.with_offsets(aux, pool.offsets), fresh
 
 
 class RowPruneEmbedding(FiitedEmbedding):

@@ -68,7 +68,8 @@ class DynamicTables:
     # ------------------------------------------------------------------------------------------ memory
     def record(self, collection: EmbeddingCollection, optimizer, state, step: int) -> dict:
         accounting = collection.accounting(optimizer)
-        chunks = {f: np.asarray(chunk_pool.live_chunks(state.aux[f]["offsets"])) for f in self.features}
+        chunks = {f: np.asarray(chunk_pool.live_chunks(self._method(collection, f).offsets(state.aux[f])))
+                  for f in self.features}
         entry = {"step": step, "embedding_bytes": accounting["bytes"],
                  "embedding_optimizer_bytes": accounting["optimizer_bytes"],
                  "allocated_bytes": accounting["bytes"] + accounting["optimizer_bytes"],
@@ -130,7 +131,8 @@ class DynamicTables:
                 tables, opt, aux, dirty = dict(tables), {g: dict(o) for g, o in opt.items()}, dict(aux), dict(dirty)
                 for f, group, offset, cap in placed:
                     before = chunk_pool.ChunkPool(
-                        pool=jax.lax.dynamic_slice_in_dim(tables[group], offset, cap), offsets=aux[f]["offsets"],
+                        pool=jax.lax.dynamic_slice_in_dim(tables[group], offset, cap),
+                        offsets=methods[f].offsets(aux[f]),
                         state={k: jax.lax.dynamic_slice_in_dim(s, offset, cap) for k, s in opt[group].items()},
                         chunks=methods[f].chunks)
                     pool, aux[f], fresh = methods[f].adjust(before, aux[f], step, keep[f],
@@ -170,7 +172,8 @@ class DynamicTables:
         for f, cap in capacities.items():
             group, offset, rows = self._pool_at(old, f)
             moved[f] = chunk_pool.compact(chunk_pool.ChunkPool(
-                pool=host_tables[group][offset:offset + rows], offsets=np.asarray(state.aux[f]["offsets"]),
+                pool=host_tables[group][offset:offset + rows],
+                offsets=np.asarray(self._method(old, f).offsets(state.aux[f])),
                 state={k: s[offset:offset + rows] for k, s in host_opt[group].items()},
                 chunks=self._method(old, f).chunks), cap)
         old_at = {(p.feature, p.table_index): p for p in old.physical_tables()}

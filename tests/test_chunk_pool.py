@@ -24,7 +24,7 @@ def check_invariants(p: cp.ChunkPool) -> None:
 def check_values(p: cp.ChunkPool, model: dict[int, list[np.ndarray]], model_state: dict[int, list[float]]) -> None:
     """Every row reads its live chunks' values then zeros; each live chunk's state is the model's."""
     got = np.asarray(cp.read(p, jnp.arange(V)))
-    slots, acc = np.asarray(cp.slots(p.offsets, jnp.arange(V), K)), np.asarray(p.state["acc"])
+    slots, acc = np.asarray(cp.slots(p.offsets[:-1], p.offsets[1:], K)), np.asarray(p.state["acc"])
     for r in range(V):
         expected = np.zeros(K * C, np.float32)
         for k, chunk in enumerate(model[r]):
@@ -46,7 +46,7 @@ def test_random_resize_compact_sequences_keep_the_pool_consistent(seed):
     live = int(counts.sum())
     p = p.replace(state={"acc": jnp.asarray(np.where(np.arange(p.capacity) < live, np.arange(p.capacity) + 1.0, 0.0),
                                             jnp.float32)})
-    slots = np.asarray(cp.slots(p.offsets, jnp.arange(V), K))
+    slots = np.asarray(cp.slots(p.offsets[:-1], p.offsets[1:], K))
     model_state = {r: [float(slots[r, k] + 1) for k in range(counts[r])] for r in range(V)}
     check_invariants(p)
     check_values(p, model, model_state)
@@ -59,7 +59,7 @@ def test_random_resize_compact_sequences_keep_the_pool_consistent(seed):
             fill = rng.normal(size=(p.capacity, C)).astype(np.float32)
             available = p.capacity
             p, fresh = resize(p, jnp.asarray(want, jnp.int32), jnp.asarray(fill))
-            slots = np.asarray(cp.slots(p.offsets, jnp.arange(V), K))
+            slots = np.asarray(cp.slots(p.offsets[:-1], p.offsets[1:], K))
             want_fresh = np.zeros(p.capacity, bool)
             for r in range(V):  # served in row order while slots last
                 c = min(int(want[r]), available)
@@ -98,9 +98,24 @@ def test_pruning_then_compacting_really_shrinks_the_pool():
         cp.compact(p, V - 1)
 
 
-def test_the_indirection_costs_four_bytes_per_row_whatever_the_chunk_count():
+def test_the_offsets_cost_four_bytes_per_row_whatever_the_chunk_count():
     """The reason for the packed layout: 1-column chunks (K = D) with an i32 per (row, chunk) would cost more
-    bytes than the table itself; the offsets stay at 4 (V + 1)."""
+    bytes than the table itself; the offsets stay at 4 (V + 1) (FIITED packs them further: pack_offsets)."""
     for k in (1, 4, 16):
         p = cp.create(np.zeros((100, 16), np.float32), k, live_chunks=0, capacity=10)
         assert p.offsets.nbytes == 4 * 101 and p.pool.nbytes == 4 * 10 * (16 // k)
+
+
+@pytest.mark.parametrize("chunks", [1, 4, 16, 255, 256])
+def test_packed_offsets_round_trip(chunks):
+    rng = np.random.default_rng(chunks)
+    for v in (1, 15, 16, 17, 1000):
+        offsets = jnp.asarray(cp.offsets_of(rng.integers(0, chunks + 1, v)))
+        base, rel = cp.pack_offsets(offsets, chunks)
+        assert rel.dtype == jnp.uint8 and base.shape == (-(-(v + 1) // cp.block_rows(chunks)),)
+        np.testing.assert_array_equal(cp.unpack_offsets(base, rel, chunks), offsets)
+        rows = jnp.asarray(rng.integers(0, v + 1, 50))
+        np.testing.assert_array_equal(cp.unpack_offsets(base, rel, chunks, rows), offsets[rows])
+    # Every row at the full K: the largest offsets from a block's base.
+    offsets = jnp.asarray(cp.offsets_of(np.full(600, chunks)))
+    np.testing.assert_array_equal(cp.unpack_offsets(*cp.pack_offsets(offsets, chunks), chunks), offsets)

@@ -39,8 +39,8 @@ def logical_rows(task, state, feature: str) -> np.ndarray:
     """f32[V, D] of a fiited feature, read from the pool through the indirection (numpy oracle of `route`)."""
     (p,) = [q for q in task.collection.physical_tables() if q.feature == feature]
     pool = np.asarray(state.tables[p.group])[p.offset:p.offset + p.table.rows]
-    offsets = np.asarray(state.aux[feature]["offsets"])
-    k = task.collection.methods[feature].chunks
+    method = task.collection.methods[feature]
+    offsets, k = np.asarray(method.offsets(state.aux[feature])), method.chunks
     counts = np.diff(offsets)
     slots = np.where(np.arange(k)[None, :] < counts[:, None], offsets[:-1, None] + np.arange(k), -1)
     rows = np.where(slots[..., None] >= 0, pool[np.maximum(slots, 0)], 0.0)
@@ -51,14 +51,15 @@ def with_counts(task, state, feature: str, counts: np.ndarray):
     """`state` with the pool of `feature` laid out for per-row chunk `counts` (chunk_pool.resize, state moved)."""
     (p,) = [q for q in task.collection.physical_tables() if q.feature == feature]
     rows = slice(p.offset, p.offset + p.table.rows)
-    pool = chunk_pool.ChunkPool(pool=state.tables[p.group][rows], offsets=state.aux[feature]["offsets"],
+    method = task.collection.methods[feature]
+    pool = chunk_pool.ChunkPool(pool=state.tables[p.group][rows], offsets=method.offsets(state.aux[feature]),
                                 state={k: s[rows] for k, s in state.sparse_opt_state[p.group].items()},
-                                chunks=task.collection.methods[feature].chunks)
+                                chunks=method.chunks)
     pool, _ = chunk_pool.resize(pool, jnp.asarray(counts, jnp.int32))
     tables = {**state.tables, p.group: state.tables[p.group].at[rows].set(pool.pool)}
     opt = {**state.sparse_opt_state, p.group: {k: s.at[rows].set(pool.state[k])
                                                for k, s in state.sparse_opt_state[p.group].items()}}
-    aux = {**state.aux, feature: {**state.aux[feature], "offsets": pool.offsets}}
+    aux = {**state.aux, feature: method.with_offsets(state.aux[feature], pool.offsets)}
     return state.replace(tables=tables, sparse_opt_state=opt, aux=aux)
 
 
@@ -137,7 +138,7 @@ def test_adjust_keeps_the_best_chunks_and_compaction_preserves_the_model():
     keep = method.budget_chunks(method.budget_at(2, 8))  # 1 -> 0.3 over 4 steps: 0.65 at step 2
     assert keep == int(np.ceil(0.65 * 13 * 4))
     task2, state2, recompiled = dynamic.adjust(task, state, 2)
-    counts = np.diff(np.asarray(state2.aux["a"]["offsets"]))
+    counts = np.diff(np.asarray(method.offsets(state2.aux["a"])))
     assert counts.sum() == keep
     # The kept chunks are the best by prefix score: every kept chunk scores >= every dropped one.
     kept = np.arange(4)[None, :] < counts[:, None]
@@ -161,7 +162,7 @@ def test_adjust_keeps_the_best_chunks_and_compaction_preserves_the_model():
     accounting = task2.collection.accounting(task2.sparse_optimizer)["tables"]["a"]
     (p,) = [q for q in task2.collection.physical_tables() if q.feature == "a"]
     aux = state2.aux["a"]
-    model_bytes = p.table.rows * p.table.dim * 4 + aux["offsets"].nbytes
+    model_bytes = p.table.rows * p.table.dim * 4 + aux["offsets_base"].nbytes + aux["offsets_rel"].nbytes
     opt_bytes = task2.sparse_optimizer.state_bytes(p.table.rows, p.table.dim) + aux["utility"].nbytes \
         + aux["last"].nbytes
     assert accounting["bytes"] == model_bytes and accounting["optimizer_bytes"] == opt_bytes
