@@ -240,7 +240,7 @@ def test_keep_methods_keep_the_share_of_values_that_meets_the_budget(method):
     values = (50_000 + 20_000 + 3_000) * DIM
     fixed = (150 + 40) * DIM  # under the threshold: full
     # FIITED's packed row offsets (an i32 base per block of 255 // K + 1 rows, a byte per row) come off the budget.
-    block = {"fiited": 64, "row_prune": 256}.get(method)  # K = 4 and K = 1
+    block = {"fiited": 255 // math.gcd(16, DIM) + 1, "row_prune": 256}.get(method)  # K = gcd(16, D) and K = 1
     aux = sum(4 * -(-(n + 1) // block) + n + 1 for n in (50_000, 20_000, 3_000)) / 4 if block else 0
     assert section.options.keep == pytest.approx(((values + fixed) / 10 - fixed - aux) / values)
     # At ratio 1 the offsets still need their bytes: FIITED keeps a little under every value.
