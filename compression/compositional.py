@@ -20,11 +20,16 @@ before combining; mult is not (sum_l q_l * r_l != (sum_l q_l) * (sum_l r_l)), so
 after (`pools_before_combine = False`). The facebookresearch/dlrm reference (tricks/qr_embedding_bag.py) pools
 each table first and multiplies the pooled bags, which is only the same for one-hot features.
 
+Every method here takes `options.row_decay` (default 0): the multiple of optimizer.sparse.weight_decay its tables'
+rows take. Their rows are factors shared by many ids, and a row L2 on them collapses the embeddings (see
+compression/base.py FACTOR_ROW_DECAY for the measurement); Shi et al. train without weight decay.
+
 Integer arithmetic is exact for every int32 id: floor division and remainder on int32 (the reference computes
 the quotient as `(input / m).long()` through float32, which is wrong above 2^24 -- e.g. with m = 3, id
 16777223 gets quotient 5592408 instead of 5592407 and shares both rows with id 16777226).
 """
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -33,7 +38,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from compression.base import EmbeddingMethod, PhysicalTable, TableSpec, dlrm_init_scale, method_options
+from compression.base import (
+    FACTOR_ROW_DECAY,
+    EmbeddingMethod,
+    PhysicalTable,
+    TableSpec,
+    dlrm_init_scale,
+    method_options,
+    row_decay_option,
+)
 
 OPS = ("concat", "add", "mult")
 TRANSFORM_BY = ("remainder", "quotient")
@@ -77,8 +90,9 @@ class CompositionalEmbedding(EmbeddingMethod):
 
     def __init__(self, spec: TableSpec):
         super().__init__(spec)
-        self.options = method_options(spec, {"op": "mult", **self.extra_options})
+        self.options = method_options(spec, {"op": "mult", "row_decay": FACTOR_ROW_DECAY, **self.extra_options})
         self.op = self.options["op"]
+        self.row_decay = row_decay_option(spec, self.options["row_decay"])
         if self.op not in OPS:
             raise ValueError(f"table '{spec.name}': unknown compositional op '{self.op}'; use one of {OPS}")
         self.parts: tuple[Partition, ...] = tuple(self.partitions())
@@ -102,7 +116,7 @@ class CompositionalEmbedding(EmbeddingMethod):
 
     def physical_tables(self) -> tuple[PhysicalTable, ...]:
         scale = self.init_scale()
-        return tuple(PhysicalTable(f"{self.spec.name}/{part}", rows, d, scale)
+        return tuple(PhysicalTable(f"{self.spec.name}/{part}", rows, d, scale, decay_scale=self.row_decay)
                      for (part, rows, _), d in zip(self.parts, self.dims(), strict=True))
 
     def route(self, ids: jax.Array) -> tuple[jax.Array, ...]:
@@ -140,7 +154,7 @@ class QuotientRemainder(CompositionalEmbedding):
         if self.options["init"] == "bounded":
             return super().physical_tables()
         low = dlrm_init_scale(self.spec.vocab_size)  # U(low, 1) = (1 + low) / 2 + U(-(1 - low) / 2, (1 - low) / 2)
-        return tuple(PhysicalTable(t.name, t.rows, t.dim, (1.0 - low) / 2, init_center=(1.0 + low) / 2)
+        return tuple(dataclasses.replace(t, init_scale=(1.0 - low) / 2, init_center=(1.0 + low) / 2)
                      for t in super().physical_tables())
 
     def partitions(self) -> Sequence[Partition]:
@@ -242,7 +256,9 @@ class PathQuotientRemainder(EmbeddingMethod):
 
     def __init__(self, spec: TableSpec):
         super().__init__(spec)
-        opts = method_options(spec, {"collisions": 0, "hidden": 0, "transform_by": "remainder"})
+        opts = method_options(spec, {"collisions": 0, "hidden": 0, "transform_by": "remainder",
+                                     "row_decay": FACTOR_ROW_DECAY})
+        self.row_decay = row_decay_option(spec, opts["row_decay"])
         self.collisions = _positive_int(spec, "collisions", opts["collisions"])
         self.hidden = _positive_int(spec, "hidden", opts["hidden"], minimum=0)
         self.transform_by = opts["transform_by"]
@@ -263,8 +279,10 @@ class PathQuotientRemainder(EmbeddingMethod):
         # Transforms: Var = 1/D keeps |M e| ~ |e| for the linear map; Glorot's bound sqrt(6 / (D + h)) for the MLP.
         d, h = spec.dim, self.hidden
         path_scale = math.sqrt(3.0 / d) if h == 0 else math.sqrt(6.0 / (d + h))
-        return (PhysicalTable(f"{spec.name}/{part}", table_rows, d, dlrm_init_scale(spec.vocab_size)),
-                PhysicalTable(f"{spec.name}/path", path_rows, self.transform_width, path_scale))
+        return (PhysicalTable(f"{spec.name}/{part}", table_rows, d, dlrm_init_scale(spec.vocab_size),
+                              decay_scale=self.row_decay),
+                PhysicalTable(f"{spec.name}/path", path_rows, self.transform_width, path_scale,
+                              decay_scale=self.row_decay))
 
     def route(self, ids: jax.Array) -> tuple[jax.Array, ...]:
         ids = ids.astype(jnp.int32)

@@ -25,6 +25,8 @@ Methods and their options (each method rejects keys it does not take):
     mixed_radix  radices | partitions, op
     crt          moduli, op
     qr_path      collisions, hidden, transform_by ("remainder" | "quotient")
+                 (the qr family and tt also take row_decay (0): the multiple of optimizer.sparse.weight_decay
+                 their factor rows take, compression/base.py FACTOR_ROW_DECAY)
     md           alpha (0.3), budget (0: base-dim mode), round_pow2, dim (fixes this table's dim)
     md_blocks    alpha, blocks, round_pow2 (counts come from `id_counts`)
     tt           cores (3), rank (8) | ranks, vocab_factors, dim_factors (TT-Rec, compression/tt.py)
@@ -65,7 +67,7 @@ OPTION_TYPES: dict[str, type] = {
     "budget": int, "round_pow2": bool, "dim": int, "blocks": tuple, "cores": int, "rank": int, "ranks": tuple,
     "vocab_factors": tuple, "dim_factors": tuple, "init": str, "chunks": int, "keep": float, "capacity": int,
     "utility": str, "decay": float, "interval": int, "ramp": float, "compact_slack": float, "grow_init": str,
-    "position_discount": float,
+    "position_discount": float, "row_decay": float,
 }
 
 

@@ -31,6 +31,8 @@ Options (`method_options`, so a misspelt key names the table):
   ranks          the k - 1 inner ranks explicitly (r_0 = r_k = 1 always); exclusive with a non-default rank.
   vocab_factors  n_1..n_k explicitly (product >= vocab_size); default: near-equal factors (below).
   dim_factors    d_1..d_k explicitly (product == dim, each >= 1); default: D's prime factors spread evenly.
+  row_decay      the multiple of optimizer.sparse.weight_decay the core slices take (default 0: see
+                 compression/base.py FACTOR_ROW_DECAY -- an L2 on every factor of a product collapses it).
 Default factor choice: the vocabulary factors are ceil(V^(1/k)) each, then lowered one at a time (the inner cores
 first) while the product stays >= V, so n_1 ... n_k - V is small (e.g. V = 10,000,000, k = 3 -> (216, 215, 216):
 10,031,040 row tuples); D's prime factors are dealt largest first onto the currently smallest factor. In both, the
@@ -58,7 +60,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from compression.base import EmbeddingMethod, PhysicalTable, TableSpec, method_options
+from compression.base import (
+    FACTOR_ROW_DECAY,
+    EmbeddingMethod,
+    PhysicalTable,
+    TableSpec,
+    method_options,
+    row_decay_option,
+)
 from compression.compositional import integer_root_ceil
 
 DEFAULT_CORES = 3
@@ -140,7 +149,8 @@ class TTEmbedding(EmbeddingMethod):
     def __init__(self, spec: TableSpec):
         super().__init__(spec)
         opts = method_options(spec, {"cores": DEFAULT_CORES, "rank": DEFAULT_RANK, "ranks": (),
-                                     "vocab_factors": (), "dim_factors": ()})
+                                     "vocab_factors": (), "dim_factors": (), "row_decay": FACTOR_ROW_DECAY})
+        self.row_decay = row_decay_option(spec, opts["row_decay"])
         k = opts["cores"]
         if isinstance(k, bool) or not isinstance(k, int) or k < 2:
             raise ValueError(f"table '{spec.name}': tt option cores must be an integer >= 2, got {k!r}")
@@ -193,7 +203,7 @@ class TTEmbedding(EmbeddingMethod):
 
     def physical_tables(self) -> tuple[PhysicalTable, ...]:
         s = self.init_scale()
-        return tuple(PhysicalTable(f"{self.spec.name}/core{j}", n_j, r0 * d_j * r1, s)
+        return tuple(PhysicalTable(f"{self.spec.name}/core{j}", n_j, r0 * d_j * r1, s, decay_scale=self.row_decay)
                      for j, (r0, n_j, d_j, r1) in enumerate(self.core_shapes()))
 
     def route(self, ids: jax.Array) -> tuple[jax.Array, ...]:

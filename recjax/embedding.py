@@ -7,11 +7,11 @@ A batch flows through it in four steps (see WORKSPACE.md):
     emb    = EmbeddingGlue(collection)(rows, routes) # Flax: pool + combine per method -> f32[B, F, D]
     tables, state = collection.sparse_update(...)   # d loss / d rows, scattered into the distinct rows only
 
-Physical tables of equal dim are stacked into one array f32[sum(rows), dim] per *group* (FBGEMM TBE style),
-each table at a static row offset, so one gather and one scatter serve many features. Within a group all the
-batch's row ids are deduplicated once: `rows` holds each distinct row, bags index into it through `slots`, and
-the gradient with respect to `rows` is the exact sum over duplicate ids. Padded bag slots route to the
-group's row count, a sentinel that gathers zeros and is dropped by the scatter.
+Physical tables of equal dim (and equal `decay_scale`) are stacked into one array f32[sum(rows), dim] per *group*
+(FBGEMM TBE style), each table at a static row offset, so one gather and one scatter serve many features. Within
+a group all the batch's row ids are deduplicated once: `rows` holds each distinct row, bags index into it through
+`slots`, and the gradient with respect to `rows` is the exact sum over duplicate ids. Padded bag slots route to
+the group's row count, a sentinel that gathers zeros and is dropped by the scatter.
 
 Without dedup (`dedup=False`: the sparse optimizer sums over duplicates, i.e. plain SGD, or a forward-only
 step), the route skips the sort, `gather` pools straight from the tables (what it returns is then the pooled
@@ -76,8 +76,9 @@ def resolve_dedup(mode: str, kernel: str, optimizer: SparseOptimizer, multi_hot:
     return mode == "always" or not (optimizer.sums_duplicates and xla and multi_hot)
 
 
-def group_name(dim: int) -> str:
-    return f"dim{dim}"
+def group_name(table: PhysicalTable) -> str:
+    """"dim16"; tables whose rows take a scaled weight decay stack apart ("dim16_decay0"), so a group has one."""
+    return f"dim{table.dim}" if table.decay_scale == 1 else f"dim{table.dim}_decay{table.decay_scale:g}"
 
 
 class EmbeddingCollection:
@@ -110,15 +111,17 @@ class EmbeddingCollection:
         self.placements: dict[str, tuple[Placement, ...]] = {}
         self.group_rows: dict[str, int] = {}
         self.group_dims: dict[str, int] = {}
+        self.group_decay: dict[str, float] = {}  # each group's `decay_scale`
         for feature in spec.feature_names:
             tables, offsets = self.methods[feature].physical_tables(), []
             for table in tables:
-                group = group_name(table.dim)
+                group = group_name(table)
                 offsets.append(self.group_rows.get(group, 0))
                 self.group_rows[group] = offsets[-1] + table.rows
                 self.group_dims[group] = table.dim
+                self.group_decay[group] = table.decay_scale
             self.placements[feature] = tuple(
-                Placement(feature, i, tables[t], group_name(tables[t].dim), offsets[t], t)
+                Placement(feature, i, tables[t], group_name(tables[t]), offsets[t], t)
                 for i, t in enumerate(self.methods[feature].read_tables()))
         for group, rows in self.group_rows.items():
             if rows >= np.iinfo(np.int32).max:
@@ -326,9 +329,15 @@ class EmbeddingCollection:
         new_tables, new_state = dict(tables), dict(state)
         for group, unique in routes["unique"].items():
             new_tables[group], new_state[group] = sparse_apply(
-                optimizer, tables[group], state[group], unique, rows[group], row_grads[group], lr, step,
-                kernel=self.kernel)
+                self.group_optimizer(optimizer, group), tables[group], state[group], unique, rows[group],
+                row_grads[group], lr, step, kernel=self.kernel)
         return new_tables, new_state
+
+    def group_optimizer(self, optimizer: SparseOptimizer, group: str) -> SparseOptimizer:
+        """`optimizer` with the weight decay the group's rows take (`PhysicalTable.decay_scale`)."""
+        scale = self.group_decay[group]
+        return optimizer if scale == 1 else dataclasses.replace(optimizer,
+                                                                weight_decay=optimizer.weight_decay * scale)
 
     def _scatter_update(self, optimizer: SparseOptimizer, tables: dict[str, jax.Array], state: dict,
                         features: Mapping, grads: Mapping, lr: jax.Array, step: jax.Array) -> tuple[dict, dict]:

@@ -129,6 +129,34 @@ def test_sparse_update_equals_dense_gradient_oracle(optimizer):
         assert np.all(np.asarray(state["dim4"]["accumulator"])[~touched] == 0)
 
 
+@pytest.mark.parametrize("row_decay", [None, 0.5])
+def test_factor_tables_stack_apart_and_take_their_row_decay(row_decay):
+    """QR's factor rows take `row_decay` x the optimizer's weight decay (default 0); a full table's rows all of it.
+    With a zero loss gradient SGD's update is pure decay: w <- w (1 - lr wd scale) on every touched row."""
+    spec = DatasetSpec(num_dense=1, features=(FeatureSpec("a", 30), FeatureSpec("b", 40)))
+    options = {"collisions": 4} if row_decay is None else {"collisions": 4, "row_decay": row_decay}
+    collection = EmbeddingCollection(spec, [TableSpec("a", 30, 4), TableSpec("b", 40, 4, "qr", options)])
+    factor_group = "dim4_decay0" if row_decay is None else "dim4_decay0.5"
+    assert collection.group_rows == {"dim4": 30, factor_group: 10 + 4}
+    tables = collection.init_tables(jax.random.key(0))
+    optimizer = SGD(0.1, weight_decay=0.2)
+    batch = random_batch(spec, 16, seed=1)
+    routes = collection.route(batch.ids, batch.lengths)
+    rows = collection.gather(tables, routes)
+    zero = jax.tree.map(jnp.zeros_like, rows)
+    updated, _ = collection.sparse_update(optimizer, tables, collection.init_optimizer(optimizer), routes, rows, zero,
+                                          jnp.float32(0.1), jnp.int32(1))
+    for group, scale in (("dim4", 1.0), (factor_group, row_decay or 0.0)):
+        touched = np.unique(np.asarray(routes["unique"][group]))
+        touched = touched[touched < collection.group_rows[group]]
+        before, after = np.asarray(tables[group]), np.asarray(updated[group])
+        np.testing.assert_allclose(after[touched], before[touched] * (1 - 0.1 * 0.2 * scale), rtol=1e-6)
+        untouched = np.setdiff1d(np.arange(len(before)), touched)
+        np.testing.assert_array_equal(after[untouched], before[untouched])
+    with pytest.raises(ValueError, match="option row_decay must be a number >= 0"):
+        EmbeddingCollection(spec, [TableSpec("a", 30, 4), TableSpec("b", 40, 4, "tt", {"row_decay": -1})])
+
+
 def test_unknown_method_and_missing_table(small_spec):
     with pytest.raises(ValueError, match="unknown embedding method 'qrr'"):
         EmbeddingCollection(small_spec, [TableSpec(f.name, f.vocab_size, 4, "qrr") for f in small_spec.features])

@@ -346,7 +346,8 @@ class ShardedEmbedding:
                 grads.astype(jnp.float32))
             current = jnp.take(table, distinct, axis=0, mode="fill", fill_value=0)
             new_tables[s.name], new_state[s.name] = sparse_apply(
-                optimizer, table, state[s.name], distinct, current, summed, lr, step, kernel=self.collection.kernel)
+                self.collection.group_optimizer(optimizer, s.group), table, state[s.name], distinct, current, summed,
+                lr, step, kernel=self.collection.kernel)
             touched[s.name] = distinct
         return new_tables, new_state, touched
 
