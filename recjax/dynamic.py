@@ -14,6 +14,9 @@ keep their slots and optimizer state; the free tail is cut; the other tables kee
 re-compiles its steps. Budgets only fall, so with a slack s a ramp from 1 to b compacts about log(1/b) / log(1 + s)
 times, plus once at the ramp's end to the exact budget (4 times for b = 10 % and the default s = 1).
 
+On a mesh the trainer gathers the state to the single-device layout for an adjustment and lays it out again after
+(recjax/train.py `_adjust_on_mesh`); the routing arrays are replicated there (recjax/sharding/step.py).
+
 Checkpoints: the routing arrays are saved whole with every checkpoint; an adjustment marks every slot whose values
 or state it changed as a dirty row (so deltas carry them: during the ramp a re-layout moves most slots, so a delta
 is nearly a full save; after the ramp nothing moves); a compaction changes the tables' shapes, so the next save is a

@@ -145,6 +145,12 @@ class EmbeddingCollection:
                 first.setdefault((p.feature, p.table_index), p)
         return list(first.values())
 
+    def slots_per_example(self, table: Placement) -> int:
+        """How many row ids one example reads from `table`: its feature's bag size times the reads of the table
+        (FIITED reads its pool once per chunk position)."""
+        reads = sum(1 for q in self.placements[table.feature] if q.table_index == table.table_index)
+        return reads * self.spec.features[self.spec.feature_names.index(table.feature)].bag_size
+
     def init_aux(self) -> dict[str, dict[str, jax.Array]]:
         """{feature: the method's `init_aux` arrays} for the features that have any."""
         return {f: self.methods[f].init_aux() for f in self.aux_features}

@@ -424,17 +424,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     budget = resolve_budget(config.train, dataset)
     print(f"train: {budget.describe()}", flush=True)
     task = build_task(config, dataset.spec, dataset, budget.steps)
+    dynamic = DynamicTables.create(task.collection, budget.steps, int(config.seed))
+    if resume and dynamic is not None:  # the pools were compacted: restore into the checkpoint's capacities
+        task = dynamic.resume(task, resume.meta["loop"]["dynamic"])
     sharded = sharding.setup(config, task)  # None on one device: the single-device engine below, untouched
     validate = lambda b, where: validate_batch(b, task.spec, any_id=task.collection.any_id_features,
                                                where=where)
     if checkpointer is not None:  # where the tables' rows are, and how to restore a checkpoint saved elsewhere
         checkpointer.layout = sharding.layout(sharded)
         checkpointer.relayout = sharding.relayout(task.collection, sharded)
-    dynamic = DynamicTables.create(task.collection, budget.steps, int(config.seed))
-    if dynamic is not None and sharded is not None:
-        raise ConfigError("embedding.method", f"tables {list(dynamic.features)} change shape during training "
-                                              "(fiited / row_prune), which runs on one device only; set mesh.shape "
-                                              "to one device or use another method")
     put = jax.device_put if sharded is None else sharded.put_batch
     # Step i's batch is a pure function of (seed, i), so a resumed run restarts the stream at its step.
     start = resume.step if resume else 0
@@ -455,6 +453,28 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
             checkpointer.close()  # waits for a save in flight
 
 
+def _adjust_on_mesh(config, dynamic: DynamicTables, task: Task, sharded: sharding.ShardedEmbedding, state, step: int,
+                    checkpointer: Checkpointer | None):
+    """`DynamicTables.adjust` for a mesh run: (task, sharded, state, recompile?). The adjustment works on the
+    single-device layout, so the state is gathered to it and laid out again after (every process computes the same
+    adjustment); a compaction changes the tables' shapes, so the plan is made anew for them. Checkpoint deltas: the
+    re-layout moves rows on every device, so an adjustment marks every row dirty (a compaction starts a baseline)."""
+    local = sharding.unshard_state(sharded, state.replace(dirty_rows={}))
+    device = lambda tree: jax.tree.map(jnp.asarray, tree)  # noqa: E731
+    local = local.replace(tables=device(local.tables), sparse_opt_state=device(local.sparse_opt_state),
+                          aux=device(local.aux))
+    task, local, compacted = dynamic.adjust(task, local, step)
+    if compacted:
+        sharded = sharding.setup(config, task)
+        if checkpointer is not None:
+            checkpointer.layout = sharding.layout(sharded)
+            checkpointer.relayout = sharding.relayout(task.collection, sharded)
+        new = sharding.shard_state(sharded, local)
+        return task, sharded, (checkpointer.track(new) if checkpointer else new), True
+    dirty = {k: jnp.ones_like(d) for k, d in state.dirty_rows.items()}
+    return task, sharded, sharding.shard_state(sharded, local).replace(dirty_rows=dirty), False
+
+
 def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, dataset, task: Task, budget: Budget,
                 batches: DevicePrefetcher, sharded: sharding.ShardedEmbedding | None = None,
                 checkpointer: Checkpointer | None = None, resume: ResumePoint | None = None,
@@ -468,7 +488,9 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
     share = {} if rows is None else {"rows": rows}
     eval_host = pad_batch(next(dataset.eval_batches(batch_size, "validation", **share)),
                           batch_size if rows is None else rows.stop - rows.start)
-    make_train, make_predict, put = make_train_step, make_predict_step, jax.device_put
+    make_train = lambda task, state: make_train_step(task)  # noqa: E731
+    make_predict = lambda task, state: make_predict_step(task)  # noqa: E731
+    put = jax.device_put
     loop = {}  # the loop's own state (selection, history, times), restored with a checkpoint
 
     def restore_or_track(like):
@@ -489,12 +511,11 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
         print(sharding.format_plan(sharded.plan), flush=True)
         sharding.save_plan(sharded.plan, workdir)
         state = init_state(task, jax.random.key(config.seed), eval_host)
-        state, sharded_train, sharded_predict, put = sharding.prepare(task, sharded, state, _forward,
-                                                                      restore_or_track)
-        make_train, make_predict = lambda _: sharded_train, lambda _: sharded_predict
+        state, _, _, put = sharding.prepare(task, sharded, state, _forward, restore_or_track)
+        # `sharded` read when called: a FIITED compaction on a mesh re-plans it (`_adjust_on_mesh`).
+        make_train = lambda task, state: sharding.make_train_step(task, sharded, state, _forward)  # noqa: E731
+        make_predict = lambda task, state: sharding.make_predict_step(task, sharded, state, _forward)  # noqa: E731
     elif resume:
-        if dynamic is not None:  # the pools were compacted: restore into the checkpoint's capacities
-            task = dynamic.resume(task, resume.meta["loop"]["dynamic"])
         state = restore_or_track(jax.eval_shape(lambda batch: init_state(task, jax.random.key(config.seed), batch),
                                                 first))
     else:
@@ -505,7 +526,8 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
     eval_example = put(eval_host)
 
     def compile_steps(task, state):
-        return make_predict(task).lower(state, eval_example).compile(), make_train(task).lower(state, first).compile()
+        return (make_predict(task, state).lower(state, eval_example).compile(),
+                make_train(task, state).lower(state, first).compile())
 
     predict_step, train_step = compile_steps(task, state)
     compile_time = time.perf_counter() - t0
@@ -582,7 +604,11 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
         window_examples += batch_size
         if dynamic is not None and dynamic.due(task.collection, step):
             compiling = dynamic.timings["adjust_compile_s"] + dynamic.timings["recompile_s"]
-            task, state, recompile = dynamic.adjust(task, state, step)
+            if sharded is None:
+                task, state, recompile = dynamic.adjust(task, state, step)
+            else:
+                task, sharded, state, recompile = _adjust_on_mesh(config, dynamic, task, sharded, state, step,
+                                                                  checkpointer)
             if recompile:  # a pool was compacted: new shapes
                 t0 = time.perf_counter()
                 predict_step, train_step = compile_steps(task, state)

@@ -38,6 +38,9 @@ CASES = {
     # A mix of methods (hashing, QR, mixed-dim blocks, full), dense Adam.
     "dlrm-methods-mixed-4x2": ("dlrm", "hashing", "data=4,model=2", "row", "C4=column,C2=table:2",
                                {"optimizer.dense.name": "adam", "optimizer.dense.learning_rate": 0.01}),
+    # FIITED: replicated routing arrays updated from the global batch; its pool row-wise and on one device.
+    "dlrm-fiited-mixed-4x2": ("dlrm", "fiited", "data=4,model=2", "table", "C2/pool=row,C3/pool=table:1,C4=column",
+                              {"optimizer.sparse.name": "adagrad"}),
     "wukong-qr-mixed-8x1": ("wukong", "qr", "data=8", "table", "C1=row,C2=column,C5=replicated", {}),
     "wukong-md-auto-2x4": ("wukong", "md", "data=2,model=4", "auto", "", {}),
     # Reduced-precision exchange: close to the f32 oracle, not equal (tests/test_sharding.py checks both).
@@ -57,6 +60,9 @@ def case_config(model: str, method: str, mesh: str, plan: str, overrides: str, e
         config.embedding.options.collisions = 4
     if method == "md":
         config.embedding.options.alpha = 0.5
+    if method == "fiited":
+        config.embedding.options.chunks = 4
+        config.embedding.options.threshold = 100  # C2, C3 and C5 (300, 1000 and 120 ids)
     if method == "hashing":  # a mix of methods: hashing, QR, mixed-dim blocks and a full table
         config.embedding.options.buckets = 64
         config.embedding.id_counts = "dataset"
@@ -117,6 +123,10 @@ def run_case(name: str, out: pathlib.Path) -> None:
         for field, value in state.sparse_opt_state[group].items():
             result[f"ref_opt/{group}/{field}"] = np.asarray(value)
             result[f"opt/{group}/{field}"] = back.sparse_opt_state[group][field]
+    for feature, arrays in state.aux.items():  # FIITED's routing arrays
+        for key, value in arrays.items():
+            result[f"ref_aux/{feature}/{key}"] = np.asarray(value)
+            result[f"aux/{feature}/{key}"] = back.aux[feature][key]
     ref_dense = jax.tree_util.tree_leaves_with_path(state.dense_params)
     dense = jax.tree_util.tree_leaves(back.dense_params)
     for (path, ref), value in zip(ref_dense, dense, strict=True):

@@ -3,6 +3,7 @@ chunk prefix with a zero tail, pruned chunks get no update, chunk utility equals
 norms, an adjustment keeps the best chunks and preserves the kept values, compaction preserves the model exactly,
 and the accounting equals the arrays really allocated. The pool's own invariants: tests/test_chunk_pool.py."""
 
+import json
 import math
 
 import jax
@@ -252,6 +253,46 @@ def test_a_fiited_run_reaches_its_budget_and_resumes_bit_identical_across_compac
              for s in (3, 6, 9)}
     assert kinds[3] == "full" and kinds[6] == "full"  # the pools were compacted at step 6: a new baseline
     assert kinds[9] == "delta"
+
+
+def test_fiited_on_a_mesh_follows_the_single_device_run_and_resumes_bit_identical(tmp_path):
+    """On a data=4,model=2 mesh (pools row-wise, table-wise and replicated): the routing arrays are updated from the
+    global batch on every device, so the adjustments choose what one device chooses -- the same memory history, live
+    chunks and indirection -- and the tables match the single-device run's up to f32 summation order. A mesh run
+    killed after the compaction's save and resumed ends bit-identical to the uninterrupted one."""
+    from test_checkpoint import assert_same_arrays, final_arrays
+    from test_sharding import run_devices
+
+    from recjax import checkpoint, sharding
+    from recjax.data import make_dataset
+    from recjax.train import train_and_evaluate
+    from tests.fiited_mesh_runs import fiited_config
+
+    single = train_and_evaluate(fiited_config(), tmp_path / "single")
+    run_devices(tmp_path, [], script="fiited_mesh_runs.py")
+    mesh = json.loads((tmp_path / "reference" / "summary.json").read_text())
+    timing = ("adjust_s", "adjust_compile_s", "compact_s", "recompile_s")
+    a, b = dict(single["dynamic_tables"]), dict(mesh["dynamic_tables"])
+    assert a["compactions"] == b["compactions"] == 1
+    assert {k: v for k, v in a.items() if k not in timing} == {k: v for k, v in b.items() if k not in timing}
+    ours, theirs = final_arrays(tmp_path / "single"), final_arrays(tmp_path / "reference")
+    offsets = [k for k in ours if k.startswith("aux/") and "offsets" in k]
+    assert offsets and all(np.array_equal(ours[k], theirs[k]) for k in offsets)
+    # The mesh checkpoint's tables, laid out as one device's (the compacted capacities): the same values.
+    point = checkpoint.open_checkpoint(tmp_path / "reference" / "checkpoints")
+    config = fiited_config()
+    task = DynamicTables.with_capacities(build_task(config, make_dataset(config.data, seed=config.seed).spec),
+                                         point.meta["loop"]["dynamic"]["capacities"])
+    tables = sharding.relayout(task.collection, None)(
+        {k[len("tables/"):]: v for k, v in theirs.items() if k.startswith("tables/")}, point.meta["layout"])
+    assert sorted(tables) == sorted(k[len("tables/"):] for k in ours if k.startswith("tables/"))
+    for group, rows in tables.items():
+        np.testing.assert_allclose(rows, ours[f"tables/{group}"], rtol=1e-4, atol=1e-5, err_msg=group)
+    np.testing.assert_allclose(theirs["aux/C5/utility"], ours["aux/C5/utility"], rtol=1e-4, atol=1e-6)
+    assert abs(single["auc"] - mesh["auc"]) < 1e-5 and abs(single["logloss"] - mesh["logloss"]) < 1e-5
+    kinds = {s: checkpoint.open_checkpoint(tmp_path / "resumed" / "checkpoints", s).meta["kind"] for s in (6, 9)}
+    assert kinds == {6: "full", 9: "delta"}  # the compaction (step 6) started a new baseline on the mesh too
+    assert_same_arrays(theirs, final_arrays(tmp_path / "resumed"))
 
 
 def test_adjustments_mark_the_slots_they_change_as_dirty_rows():

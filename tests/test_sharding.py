@@ -28,11 +28,13 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 
-def run_devices(out: pathlib.Path, cases: list[str], devices: int = 8, timeout: int = 900) -> None:
+def run_devices(out: pathlib.Path, cases: list[str], devices: int = 8, timeout: int = 900,
+                script: str = "sharding_cases.py") -> None:
+    """Run tests/`script` OUT CASES... in a subprocess with `devices` CPU devices."""
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip(),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "sharding_cases.py"), str(out), *cases], env=env,
+    result = subprocess.run([sys.executable, str(REPO / "tests" / script), str(out), *cases], env=env,
                             cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-5000:]
 
@@ -55,7 +57,7 @@ def test_sharded_training_equals_single_device(runs, case):
     r = np.load(runs / f"{case}.npz")
     np.testing.assert_allclose(r["loss"], r["ref_loss"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(r["logits"], r["ref_logits"], rtol=1e-5, atol=1e-5)
-    keys = [k for k in r.files if k.startswith(("table/", "opt/", "dense/"))]
+    keys = [k for k in r.files if k.startswith(("table/", "opt/", "dense/", "aux/"))]
     assert any(k.startswith("table/") for k in keys) and any(k.startswith("dense/") for k in keys)
     # Adam divides by sqrt(v): for a gradient entry near 0 a different f32 summation order (per-device partial sums
     # here) moves the parameter by up to ~1e-5; SGD / Adagrad cases are held to 1e-6.

@@ -26,10 +26,11 @@ from recjax.sharding.plan import (
     make_plan,
     save_plan,
 )
-from recjax.sharding.step import prepare
+from recjax.sharding.step import make_predict_step, make_train_step, prepare, shard_state, unshard_state
 
-__all__ = ["ShardedEmbedding", "format_plan", "layout", "make_mesh", "mesh_shape", "prepare", "process_workdir",
-           "relayout", "save_plan", "setup", "table_infos", "to_host"]
+__all__ = ["ShardedEmbedding", "format_plan", "layout", "make_mesh", "make_predict_step", "make_train_step",
+           "mesh_shape", "prepare", "process_workdir", "relayout", "save_plan", "setup", "shard_state",
+           "table_infos", "to_host", "unshard_state"]
 
 
 def process_workdir(workdir: pathlib.Path) -> pathlib.Path:
@@ -41,12 +42,11 @@ def process_workdir(workdir: pathlib.Path) -> pathlib.Path:
 
 def table_infos(collection, optimizer) -> list[TableInfo]:
     """The planner's view of the collection's physical tables."""
-    bag = {f.name: f.bag_size for f in collection.spec.features}
     infos = []
     for p in collection.physical_tables():
         state = optimizer.state_bytes(p.table.rows, p.table.dim) // 4 // max(p.table.rows, 1) if optimizer else 0
         infos.append(TableInfo(p.table.name, p.feature, collection.table_specs[p.feature].method, p.table.rows,
-                               p.table.dim, bag[p.feature], state))
+                               p.table.dim, collection.slots_per_example(p), state))
     return infos
 
 

@@ -78,7 +78,7 @@ class Storage:
     device: np.ndarray  # i32[T, K] position along `axes` of each part
     base: np.ndarray  # i32[T, K] first local row of each part
     part_rows: np.ndarray  # i64[parts, T] rows of each table on each owner (a device asks at most this many of them)
-    table_bags: np.ndarray  # i64[T] bag size of the feature reading each table
+    table_bags: np.ndarray  # i64[T] ids one example reads from each table (bag size x reads: `slots_per_example`)
     source: np.ndarray  # i64[parts * L] (sharded / model) or i64[L]: the stacked row at each global row, -1 = pad
 
     @property
@@ -134,7 +134,6 @@ class Storage:
 def build_storages(collection: EmbeddingCollection, plan: ShardingPlan) -> dict[str, Storage]:
     mesh_shape = plan.mesh_shape
     n = plan.devices
-    bag = {f.name: f.bag_size for f in collection.spec.features}
     storages = {}
     for group in sorted(collection.group_rows):
         tables = [p for p in collection.physical_tables() if p.group == group]
@@ -159,7 +158,7 @@ def build_storages(collection: EmbeddingCollection, plan: ShardingPlan) -> dict[
             base = np.zeros((t_count, k_max), np.int32)
             used = [0] * (parts if kind in ("sharded", "model") else 1)
             part_rows_ = np.zeros((parts, t_count), np.int64)
-            table_bags = np.array([bag[p.feature] for p in tables], np.int64)
+            table_bags = np.array([collection.slots_per_example(p) for p in tables], np.int64)
             pieces: list[list[np.ndarray]] = [[] for _ in used]
             for i, entry in members:
                 p = tables[i]

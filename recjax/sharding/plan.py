@@ -68,7 +68,7 @@ class TableInfo:
     method: str
     rows: int
     dim: int
-    bag_size: int  # ids per example of the feature reading it
+    bag_size: int  # ids per example read from it (the feature's bag size x the table's reads, e.g. FIITED's K)
     state_floats: int  # optimizer state floats per row (0 sgd, 1 row-wise Adagrad, dim Adagrad, 2 dim lazy Adam)
 
     @property

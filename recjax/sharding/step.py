@@ -6,6 +6,12 @@ gradients psum'ed (the loss is the global mean: each device contributes its loca
 update on every replica -> `ShardedEmbedding.update` (gradients to the row owners, sparse_apply in place). The
 state is donated, so every table block is updated where it lives.
 
+Dynamic tables (FIITED, row pruning): their routing arrays (`state.aux`: the packed offsets and the chunk utility)
+are replicated. Every device routes its slice with them, and every device updates them from the whole global
+batch -- ids, pooling weights and d loss / d embeddings all-gathered (a few bytes per example) -- so the replicas
+stay identical and equal to what one device computes for the same batch. The adjustments between steps run on
+the single-device layout (recjax/train.py).
+
 `check_vma=False`: the sparse update's `lax.platform_dependent` traces the Pallas TPU / GPU branches too, and a
 pallas_call's outputs carry no varying-axes type; replication of the dense state holds by construction (every
 device applies the same psum'ed gradients) and is checked by the tests against the single-device run.
@@ -30,7 +36,8 @@ def state_specs(sharded: ShardedEmbedding, state):
         step=P(), dense_params=replicated(state.dense_params), dense_opt_state=replicated(state.dense_opt_state),
         tables={k: sharded.storages[k].spec for k in state.tables},
         sparse_opt_state={k: {f: sharded.storages[k].spec for f in v} for k, v in state.sparse_opt_state.items()},
-        dirty_rows={k: sharded.storages[k].row_spec for k in state.dirty_rows}, dropout_rng=P())
+        dirty_rows={k: sharded.storages[k].row_spec for k in state.dirty_rows}, dropout_rng=P(),
+        aux=replicated(state.aux))
 
 
 def batch_sharding(sharded: ShardedEmbedding) -> NamedSharding:
@@ -76,7 +83,7 @@ def shard_state(sharded: ShardedEmbedding, state):
         dense_opt_state=jax.tree.map(put, state.dense_opt_state),
         tables=sharded.shard(state.tables),
         sparse_opt_state={k: {f: opt_by_field[f][k] for f in fields} for k in sharded.storages},
-        dropout_rng=put(state.dropout_rng))
+        dropout_rng=put(state.dropout_rng), aux=jax.tree.map(put, state.aux))
 
 
 def unshard_state(sharded: ShardedEmbedding, state):
@@ -88,25 +95,31 @@ def unshard_state(sharded: ShardedEmbedding, state):
     return state.replace(
         step=host(state.step), dense_params=jax.tree.map(host, state.dense_params),
         dense_opt_state=jax.tree.map(host, state.dense_opt_state), tables=sharded.unshard(state.tables),
-        sparse_opt_state={g: {f: opt[f][g] for f in fields} for g in groups}, dropout_rng=state.dropout_rng)
+        sparse_opt_state={g: {f: opt[f][g] for f in fields} for g in groups}, dropout_rng=state.dropout_rng,
+        aux=jax.tree.map(host, state.aux))
 
 
 def make_train_step(task, sharded: ShardedEmbedding, state, forward: Callable):
     """jit(shard_map((state, batch) -> (state, {"loss", "invalid_ids"}))) with the state donated; `state` is an
     example of the sharded state (for its structure); `forward` is recjax.train._forward."""
-    n = sharded.mesh.size
+    n, collection = sharded.mesh.size, task.collection
 
     def local_step(state, batch):
-        routes = task.collection.route(batch.ids, batch.lengths, dedup=True)  # owners exchange distinct rows
+        # Owners exchange distinct rows.
+        routes = collection.route(batch.ids, batch.lengths, aux=state.aux, dedup=True)
         rows, context = sharded.fetch(state.tables, routes["unique"], batch.labels.shape[0])
         device = jax.lax.axis_index(ALL_AXES)
         dropout_rng = jax.random.fold_in(jax.random.fold_in(state.dropout_rng, state.step), device)
 
-        def loss_fn(dense_params, rows):
-            logits = forward(task, dense_params, rows, routes, batch.dense, dropout_rng)
+        def loss_fn(dense_params, rows, emb_probe):
+            logits = forward(task, dense_params, rows, routes, batch.dense, dropout_rng, emb_probe)
             return optax.sigmoid_binary_cross_entropy(logits, batch.labels).mean() / n
 
-        loss, (g_dense, g_rows) = jax.value_and_grad(loss_fn, argnums=(0, 1))(state.dense_params, rows)
+        emb_probe = None  # FIITED's chunk utility reads d loss / d embeddings (recjax/train.py)
+        if collection.wants_embedding_grads:
+            emb_probe = jnp.zeros((batch.labels.shape[0], len(task.spec.features), collection.dim), jnp.float32)
+        loss, (g_dense, g_rows, g_emb) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(
+            state.dense_params, rows, emb_probe)
         loss, g_dense = jax.lax.psum((loss, g_dense), ALL_AXES)
         updates, dense_opt_state = task.dense_tx.update(g_dense, state.dense_opt_state, state.dense_params)
         dense_params = optax.apply_updates(state.dense_params, updates)
@@ -118,7 +131,8 @@ def make_train_step(task, sharded: ShardedEmbedding, state, forward: Callable):
         # Checkpoint deltas: each device marks the rows of its block it updated (the sentinel is dropped).
         dirty = {k: d.at[touched[k]].set(True, mode="drop") for k, d in state.dirty_rows.items()}
         new_state = state.replace(step=step, dense_params=dense_params, dense_opt_state=dense_opt_state,
-                                  tables=tables, sparse_opt_state=sparse_opt_state, dirty_rows=dirty)
+                                  tables=tables, sparse_opt_state=sparse_opt_state, dirty_rows=dirty,
+                                  aux=_update_aux(collection, state.aux, batch.ids, routes, g_emb, step))
         return new_state, {"loss": loss, "invalid_ids": invalid, "bucket_overflows": sharded.overflows(context)}
 
     specs = state_specs(sharded, state)
@@ -127,11 +141,24 @@ def make_train_step(task, sharded: ShardedEmbedding, state, forward: Callable):
     return jax.jit(step, donate_argnums=(0,))
 
 
+def _update_aux(collection, aux, ids, routes, g_emb, step):
+    """The replicated routing arrays after a step, from the whole global batch (the same on every device): each
+    device's slice of the ids, pooling weights and embedding gradients, all-gathered in the batch's order."""
+    if not collection.aux_features:
+        return aux
+    everyone = lambda x: jax.lax.all_gather(x, ALL_AXES, tiled=True)  # noqa: E731
+    features = collection.aux_features
+    return collection.update_aux(
+        aux, {f: everyone(ids[f]) for f in features},
+        {"features": {f: {"weights": everyone(routes["features"][f]["weights"])} for f in features}},
+        None if g_emb is None else everyone(g_emb), step)
+
+
 def make_predict_step(task, sharded: ShardedEmbedding, state, forward: Callable):
     """jit(shard_map((state, batch) -> probabilities f32[B])), B split over every device."""
 
     def local_predict(state, batch):
-        routes = task.collection.route(batch.ids, batch.lengths, dedup=True)
+        routes = task.collection.route(batch.ids, batch.lengths, aux=state.aux, dedup=True)
         rows, _ = sharded.fetch(state.tables, routes["unique"], batch.labels.shape[0])
         return jax.nn.sigmoid(forward(task, state.dense_params, rows, routes, batch.dense))
 
