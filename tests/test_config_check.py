@@ -1,6 +1,7 @@
 """Every config mistake is a ConfigError naming its key, found before any work; the launcher prints it as one line
 and exits with status 2."""
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -200,3 +201,20 @@ def test_debug_shows_the_traceback_and_a_failed_temp_workdir_is_removed(tmp_path
                                 capture_output=True, text=True, timeout=600, cwd=REPO,
                                 env={**__import__("os").environ, "TMPDIR": str(temp)})
     assert env_result.returncode == 2 and list(temp.iterdir()) == []
+
+
+def test_tune_malloc_applies_on_glibc_unless_the_user_chose(monkeypatch):
+    """The entry points' malloc settings (recjax/cli.py tune_malloc): applied on glibc; left alone with
+    RECJAX_MALLOC=default or when the user tuned malloc through GLIBC_TUNABLES or a MALLOC_*_ variable."""
+    import platform
+
+    from recjax import cli
+
+    for key in [k for k in os.environ if k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", cli.MALLOC_ENV)]:
+        monkeypatch.delenv(key)
+    assert cli.tune_malloc() == (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc")
+    for key, value in ((cli.MALLOC_ENV, "default"), ("GLIBC_TUNABLES", "glibc.malloc.arena_max=2"),
+                       ("MALLOC_TRIM_THRESHOLD_", "1000000")):
+        with monkeypatch.context() as env:
+            env.setenv(key, value)
+            assert cli.tune_malloc() is False, key

@@ -8,9 +8,9 @@ state is donated, so every table block is updated where it lives.
 
 Dynamic tables (FIITED, row pruning): their routing arrays (`state.aux`: the packed offsets and the chunk utility)
 are replicated. Every device routes its slice with them, and every device updates them from the whole global
-batch -- ids, pooling weights and d loss / d embeddings all-gathered (a few bytes per example) -- so the replicas
-stay identical and equal to what one device computes for the same batch. The adjustments between steps run on
-the single-device layout (recjax/train.py).
+batch -- the dynamic features' ids, pooling weights and d loss / d embeddings all-gathered, (2 L + D) x 4 bytes
+per example and feature -- so the replicas stay identical and equal to what one device computes for the same
+batch. The adjustments between steps run on the single-device layout (recjax/train.py).
 
 `check_vma=False`: the sparse update's `lax.platform_dependent` traces the Pallas TPU / GPU branches too, and a
 pallas_call's outputs carry no varying-axes type; replication of the dense state holds by construction (every
@@ -148,10 +148,13 @@ def _update_aux(collection, aux, ids, routes, g_emb, step):
         return aux
     everyone = lambda x: jax.lax.all_gather(x, ALL_AXES, tiled=True)  # noqa: E731
     features = collection.aux_features
+    if g_emb is not None:  # only the dynamic features' columns cross devices
+        columns = np.array([collection.spec.feature_names.index(f) for f in features])
+        gathered = everyone(g_emb[:, columns])
+        g_emb = jnp.zeros((gathered.shape[0], *g_emb.shape[1:]), g_emb.dtype).at[:, columns].set(gathered)
     return collection.update_aux(
         aux, {f: everyone(ids[f]) for f in features},
-        {"features": {f: {"weights": everyone(routes["features"][f]["weights"])} for f in features}},
-        None if g_emb is None else everyone(g_emb), step)
+        {"features": {f: {"weights": everyone(routes["features"][f]["weights"])} for f in features}}, g_emb, step)
 
 
 def make_predict_step(task, sharded: ShardedEmbedding, state, forward: Callable):
