@@ -171,7 +171,7 @@ class DynamicTables:
         new = self.with_capacities(task, capacities).collection
         host_tables = {g: np.asarray(t) for g, t in state.tables.items()}
         host_opt = {g: {k: np.asarray(s) for k, s in o.items()} for g, o in state.sparse_opt_state.items()}
-        moved, aux = {}, dict(state.aux)
+        moved = {}
         for f, cap in capacities.items():
             group, offset, rows = self._pool_at(old, f)
             moved[f] = chunk_pool.compact(chunk_pool.ChunkPool(
@@ -200,7 +200,7 @@ class DynamicTables:
         task = dataclasses.replace(task, collection=new, glue=EmbeddingGlue(new))
         # New shapes: a checkpointed run's next save is a baseline (recjax/checkpoint.py), so the bitmaps restart.
         dirty = {g: jnp.zeros(new.group_rows[g], jnp.bool_) for g in state.dirty_rows}
-        return task, state.replace(tables=tables, sparse_opt_state=opt, aux=aux, dirty_rows=dirty)
+        return task, state.replace(tables=tables, sparse_opt_state=opt, dirty_rows=dirty)
 
     @staticmethod
     def with_capacities(task, capacities: dict[str, int]):
