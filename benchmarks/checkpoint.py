@@ -105,7 +105,8 @@ class Trainer:
 
         from recjax import sharding
         from recjax.data import make_dataset
-        from recjax.train import _forward, build_task, init_state, make_train_step
+        from recjax.step import init_state, make_train_step
+        from recjax.task import build_task
 
         self.config = config
         self.dataset = make_dataset(config.data, seed=config.seed)
@@ -115,10 +116,10 @@ class Trainer:
         self.put = jax.device_put if self.sharded is None else self.sharded.put_batch
         self.state = init_state(self.task, jax.random.key(0), jax.device_put(next(self.stream)))
         if self.sharded is not None:
-            self.state = sharding.step.shard_state(self.sharded, self.state)
+            self.state = self.sharded.place_state(self.state)
         self._steps = {}  # sharded steps by the state's bitmaps (their specs are part of the step)
         self._single = make_train_step(self.task) if self.sharded is None else None
-        self._make_sharded = lambda state: sharding.step.make_train_step(self.task, self.sharded, state, _forward)
+        self._make_sharded = lambda state: make_train_step(self.task, self.sharded, state)
         self.step = 0
 
     def step_fn(self, state, batch):
@@ -132,14 +133,14 @@ class Trainer:
     def train(self, steps: int) -> None:
         import jax
 
-        from recjax.train import MESH_STEPS_IN_FLIGHT
+        from recjax.sharding.backend import MESH_STEPS_IN_FLIGHT
 
         in_flight = []
         for _ in range(steps):
             self.state, metrics = self.step_fn(self.state, self.put(next(self.stream)))
             self.step += 1
             in_flight.append(metrics["loss"])
-            if self.sharded is not None and len(in_flight) > MESH_STEPS_IN_FLIGHT:  # see recjax/train.py
+            if self.sharded is not None and len(in_flight) > MESH_STEPS_IN_FLIGHT:  # see recjax/sharding/backend.py
                 in_flight.pop(0).block_until_ready()
         jax.block_until_ready(self.state)
 
@@ -268,7 +269,9 @@ def quality_measurement(steps: int, info: dict) -> None:
 
     from experiments.configs.dlrm_synthetic import get_config
     from recjax import checkpoint
-    from recjax.train import build_task, evaluate, init_state, make_predict_step, train_and_evaluate
+    from recjax.step import init_state, make_predict_step
+    from recjax.task import build_task
+    from recjax.train import evaluate, train_and_evaluate
 
     results = {}
     for bits in (0, 8, 4, 2):

@@ -132,7 +132,8 @@ def build(shape: dict, sparse: str, seed: int = 0, dedup: str = "auto"):
     from experiments.configs.dlrm_synthetic import get_config
     from recjax.batch import Batch, validate_batch
     from recjax.specs import DatasetSpec, FeatureSpec
-    from recjax.train import build_task, init_state
+    from recjax.step import init_state
+    from recjax.task import build_task
 
     sizes = vocab_sizes(shape)
     config = get_config("small")
@@ -176,7 +177,7 @@ def stages(shape_name: str, shape: dict, repeats: int, dedup: str = "auto") -> d
     import jax
     import optax
 
-    from recjax.train import make_train_step
+    from recjax.step import make_train_step
 
     task, state, batch = build(shape, shape["sparse"], dedup=dedup)
     collection, glue, model = task.collection, task.glue, task.model
@@ -187,9 +188,9 @@ def stages(shape_name: str, shape: dict, repeats: int, dedup: str = "auto") -> d
     routes = route(batch)
     gather = jax.jit(lambda t, r: collection.gather(t, r))
     rows = gather(state.tables, routes)
-    glue_fwd = jax.jit(lambda rows, r: glue.apply({"params": glue_params}, rows, r["features"]))
+    glue_fwd = jax.jit(lambda rows, r: glue.apply({"params": glue_params}, rows, r.features))
     emb = glue_fwd(rows, routes)
-    glue_bwd = jax.jit(lambda rows, r, g: jax.vjp(lambda x: glue.apply({"params": glue_params}, x, r["features"]),
+    glue_bwd = jax.jit(lambda rows, r, g: jax.vjp(lambda x: glue.apply({"params": glue_params}, x, r.features),
                                                    rows)[1](g)[0])
     cotangent = jax.numpy.ones_like(emb)
 
@@ -226,7 +227,7 @@ def stages(shape_name: str, shape: dict, repeats: int, dedup: str = "auto") -> d
     total = sum(record[f"{k}_ms"] for k in parts)
     record.update({f"{k}_fraction": record[f"{k}_ms"] / total for k in parts})
     record["distinct_rows"] = distinct_rows(collection, batch)
-    record["ids"] = int(sum(np.size(routes["features"][f]["weights"]) for f in routes["features"]))
+    record["ids"] = int(sum(np.size(r.weights) for r in routes.features.values()))
     return record
 
 
@@ -234,7 +235,7 @@ def distinct_rows(collection, batch) -> int:
     import jax
 
     routes = jax.jit(lambda b: collection.route(b.ids, b.lengths, dedup=True))(batch)
-    return int(sum((u < collection.group_rows[g]).sum() for g, u in routes["unique"].items()))
+    return int(sum((u < collection.group_rows[g]).sum() for g, u in routes.unique.items()))
 
 
 def embedding_stage(shape_name: str, shape: dict, contenders: tuple[tuple[str, str], ...], repeats: int,
@@ -253,7 +254,7 @@ def embedding_stage(shape_name: str, shape: dict, contenders: tuple[tuple[str, s
         def stage(tables, opt, batch, collection=collection, glue=glue, glue_params=glue_params, task=task):
             routes = collection.route(batch.ids, batch.lengths)
             rows = collection.gather(tables, routes)
-            emb, vjp = jax.vjp(lambda x: glue.apply({"params": glue_params}, x, routes["features"]), rows)
+            emb, vjp = jax.vjp(lambda x: glue.apply({"params": glue_params}, x, routes.features), rows)
             (row_grads,) = vjp(jnp.full_like(emb, 1e-3))
             return collection.sparse_update(task.sparse_optimizer, tables, opt, routes, rows, row_grads,
                                             jnp.float32(0.01), jnp.int32(1))

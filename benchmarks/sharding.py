@@ -65,7 +65,7 @@ def build(shape: dict, args, plan: str, seed: int = 0):
     from experiments.configs.dlrm_synthetic import get_config
     from recjax.data.synthetic import KAGGLE_VOCAB_SIZES
     from recjax.specs import DatasetSpec, FeatureSpec
-    from recjax.train import build_task
+    from recjax.task import build_task
 
     if shape["tables"] is None:
         sizes = [min(v, args.vocab_cap) for v in KAGGLE_VOCAB_SIZES]
@@ -100,14 +100,15 @@ def build(shape: dict, args, plan: str, seed: int = 0):
 def measure(name: str, shape: dict, args) -> None:
     import jax
 
-    from recjax import sharding, train
+    from recjax import sharding
     from recjax.sharding import hlo
     from recjax.sharding.plan import minimum_exchange_bytes
+    from recjax.step import init_state, make_train_step
 
     config, task, batch = build(shape, args, "table")
-    single_state = train.init_state(task, jax.random.key(0), jax.device_put(batch, jax.devices()[0]))
+    single_state = init_state(task, jax.random.key(0), jax.device_put(batch, jax.devices()[0]))
     single_batch = jax.device_put(batch, jax.devices()[0])
-    single_step = train.make_train_step(task).lower(single_state, single_batch).compile()
+    single_step = make_train_step(task).lower(single_state, single_batch).compile()
     host_state = jax.device_get(single_state)  # each plan starts from the same initial state
     for plan in args.plans:
         _log(f"{name} / {plan}")
@@ -117,8 +118,9 @@ def measure(name: str, shape: dict, args) -> None:
         except ValueError as error:  # e.g. a plan that does not fit: report it, go on
             print(json.dumps({"name": name, "plan": plan, "error": str(error)}), flush=True)
             continue
-        state, train_step, _, put = sharding.prepare(task, sharded, host_state, train._forward)
-        device_batch = put(batch)
+        state = sharded.place_state(host_state)
+        train_step = make_train_step(task, sharded, state)
+        device_batch = sharded.put_batch(batch)
         t0 = time.perf_counter()
         compiled = train_step.lower(state, device_batch).compile()
         compile_s = time.perf_counter() - t0

@@ -257,7 +257,8 @@ def run_single(run: Run, timed_steps: int, warmup_steps: int) -> dict[str, Any]:
     import numpy as np
 
     from recjax.specs import DatasetSpec, FeatureSpec
-    from recjax.train import build_task, init_state, make_train_step
+    from recjax.step import init_state, make_train_step
+    from recjax.task import build_task
 
     config = _config(run)
     spec = DatasetSpec(num_dense=run.num_dense, features=tuple(

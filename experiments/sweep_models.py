@@ -36,8 +36,8 @@ from absl import flags
 
 from experiments.runs import keep_or_remove_on_failure, open_workdir, train_or_resume, write_csv
 from recjax import cli
-from recjax.config_check import MODEL_NAMES
 from recjax.errors import ConfigError
+from recjax.models import MODELS
 
 RESULT_FIELDS = ("model", "seed", "setting", "kept", "selected_step", "epochs", "stopped_early", "validation_auc",
                  "validation_logloss", "auc", "logloss", "ne", "params", "examples_per_sec", "run")
@@ -71,8 +71,8 @@ def grid_settings(grid: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
 
 def run_config(base: ml_collections.ConfigDict, model: str, seed: int, setting: Mapping[str, Any]
                ) -> ml_collections.ConfigDict:
-    if model not in MODEL_NAMES:
-        raise ConfigError("--models", f"unknown model '{model}'; use some of {list(MODEL_NAMES)}")
+    if model not in MODELS:
+        raise ConfigError("--models", f"unknown model '{model}'; use some of {list(MODELS)}")
     config = copy.deepcopy(base)  # keeps the flexible (object-typed) budget fields of experiments/configs/common.py
     config.model.name = model
     config.seed = seed
@@ -176,7 +176,7 @@ def define_flags() -> None:
     """The command-line flags; defined only when run as a script."""
     cli.define_config_flag(pathlib.Path(__file__).parent / "configs" / "dlrm_movielens.py",
                            "The dataset's config (with :preset); --config.* overrides apply to every run.")
-    flags.DEFINE_list("models", ["dlrm", "fm", "lr"], f"Model families, from {list(MODEL_NAMES)}.")
+    flags.DEFINE_list("models", ["dlrm", "fm", "lr"], f"Model families, from {list(MODELS)}.")
     flags.DEFINE_list("seeds", ["0", "1", "2"], "Run seeds (config.seed: initialisation and order).")
     flags.DEFINE_multi_string("grid", [], "KEY=V1,V2,...: config values to try per (model, seed), kept by "
                               "validation; repeat for a product grid.")

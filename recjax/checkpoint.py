@@ -28,8 +28,8 @@ Policies (Eisenman et al. 2022, "Check-N-Run", Sec. 4): "full" (every checkpoint
 baseline, then cumulative deltas since it: each restore point reads 2 steps), "consecutive" (per-interval deltas;
 restore reads the whole chain) and "intermittent" (consecutive, with a new baseline once the chain's delta bytes
 exceed `baseline_fraction` of the baseline's). The dirty-row bitmap (bool[rows] per stacked group) lives in the
-TrainState and is set inside the jitted train step (`mark_dirty_rows`); a save reads it and clears it (one-shot:
-only at a baseline).
+TrainState and is set inside the jitted train step (`recjax.step.mark_dirty_rows`); a save reads it and clears
+it (one-shot: only at a baseline).
 
 Async saves: the loop waits only for host copies of the tables (the next step donates the originals), made into
 buffers kept from save to save (a table's size of host memory, held between saves); Orbax's save call runs on a
@@ -69,8 +69,8 @@ import numpy as np
 
 from recjax import checkpoint_blocks as blocks
 from recjax import quantize
-from recjax.config_check import _get, boolean, check_number, choice, integer, known_keys
 from recjax.errors import CheckpointError, ConfigError
+from recjax.validation import boolean, check_number, choice, get, integer, known_keys
 
 FORMAT_VERSION = 1
 POLICIES = ("full", "one_shot", "consecutive", "intermittent")
@@ -92,19 +92,19 @@ def check_checkpoint_config(config: Mapping) -> None:
     known_keys(config, "checkpoint", KEYS)
     boolean(config, "checkpoint.enabled")
     for key in ("dir", "restore"):
-        value = _get(config, f"checkpoint.{key}")
+        value = get(config, f"checkpoint.{key}")
         if not isinstance(value, str):
             raise ConfigError(f"checkpoint.{key}", f"must be a path (a string), got {value!r}")
     integer(config, "checkpoint.every_steps", 0)
-    check_number("checkpoint.every_minutes", _get(config, "checkpoint.every_minutes"), at_least=0)
+    check_number("checkpoint.every_minutes", get(config, "checkpoint.every_minutes"), at_least=0)
     integer(config, "checkpoint.keep", 1)
     boolean(config, "checkpoint.async_save")
     choice(config, "checkpoint.policy", POLICIES)
-    check_number("checkpoint.baseline_fraction", _get(config, "checkpoint.baseline_fraction"), above=0)
-    bits = _get(config, "checkpoint.quantize_bits")
+    check_number("checkpoint.baseline_fraction", get(config, "checkpoint.baseline_fraction"), above=0)
+    bits = get(config, "checkpoint.quantize_bits")
     if bits not in QUANTIZE_BITS or isinstance(bits, bool):
         raise ConfigError("checkpoint.quantize_bits", f"must be one of {list(QUANTIZE_BITS)} (0 = f32), got {bits!r}")
-    if bits and _get(config, "checkpoint.policy") == "full":
+    if bits and get(config, "checkpoint.policy") == "full":
         raise ConfigError("checkpoint.quantize_bits", f"{bits} quantizes the rows of deltas, but checkpoint.policy "
                                                       "'full' writes none; set checkpoint.policy to 'one_shot', "
                                                       "'consecutive' or 'intermittent' (or quantize_bits to 0)")
@@ -137,13 +137,6 @@ def _encode(key: str) -> str:
 
 def _decode(tree: Mapping) -> dict:
     return {k.replace("~", "/"): v for k, v in tree.items()}
-
-
-def mark_dirty_rows(dirty: Mapping[str, jax.Array], touched: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """Set the bitmap bool[rows] of each tracked group at the rows the step updated (`collection.touched_rows`;
-    duplicates are harmless, the sentinel row id `rows`, padding, is dropped). Inside the jitted step, with the
-    bitmap donated: O(ids in the batch)."""
-    return {g: d.at[touched[g]].set(True, mode="drop") for g, d in dirty.items()}
 
 
 def _gather_rows(array: jax.Array, ids: np.ndarray) -> np.ndarray:

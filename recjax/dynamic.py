@@ -14,8 +14,9 @@ keep their slots and optimizer state; the free tail is cut; the other tables kee
 re-compiles its steps. Budgets only fall, so with a slack s a ramp from 1 to b compacts about log(1/b) / log(1 + s)
 times, plus once at the ramp's end to the exact budget (4 times for b = 10 % and the default s = 1).
 
-On a mesh the trainer gathers the state to the single-device layout for an adjustment and lays it out again after
-(recjax/train.py `_adjust_on_mesh`); the routing arrays are replicated there (recjax/sharding/step.py).
+On any backend (`adjust_placed`) the adjustment runs on the single-device layout: a mesh gathers the state to it and
+lays it out again after (the routing arrays are replicated there, recjax/sharding/backend.py); a compaction re-plans
+the placement for the new shapes (`EmbeddingBackend.rebuilt`).
 
 Checkpoints: the routing arrays are saved whole with every checkpoint; an adjustment marks every slot whose values
 or state it changed as a dirty row (so deltas carry them: during the ramp a re-layout moves most slots, so a delta
@@ -116,6 +117,16 @@ class DynamicTables:
             self.timings["compact_s"] += time.perf_counter() - start
         self.record(task.collection, task.sparse_optimizer, state, step)
         return task, state, bool(compact)
+
+    def adjust_placed(self, task, backend, state, step: int):
+        """`adjust` for a state placed by `backend`: (task, backend, state, recompile?). The adjustment works on the
+        single-device layout (`backend.local_state`, the identity on one device; every process of a multi-host run
+        computes the same adjustment), then the state is laid out again; a compaction changes the tables' shapes,
+        so the backend is rebuilt for them (a mesh makes a new plan)."""
+        task, local, compacted = self.adjust(task, backend.local_state(state), step)
+        if compacted:
+            backend = backend.rebuilt(task.collection, task.sparse_optimizer)
+        return task, backend, backend.place_state(local), compacted
 
     def _pool_at(self, collection: EmbeddingCollection, feature: str):
         """(group, offset, capacity) of a dynamic table's pool in its stacked group."""

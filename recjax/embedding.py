@@ -23,14 +23,17 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from compression import EmbeddingMethod, PhysicalTable, TableSpec, build_method
+from compression.registry import METHODS
 from pallas_kernels import gather, gather_reduce, gather_reference, unique_rows
 from recjax.sparse_optim import SparseOptimizer, scatter_apply, sparse_apply
 from recjax.specs import DatasetSpec
+from recjax.validation import choice, get, integer
 
 POOLINGS = ("sum", "mean")
 # What a jitted step does with an id outside [0, vocab_size) of a feature whose method does not hash (the host
@@ -48,6 +51,18 @@ DEDUP_MODES = ("auto", "always")
 _INIT_CHUNK_ROWS = 1 << 16  # tables are initialised in chunks so peak memory stays ~1x the table
 
 
+def check_embedding(config: Mapping) -> None:
+    integer(config, "embedding.dim", 1)
+    choice(config, "embedding.method", sorted(METHODS))
+    choice(config, "embedding.pooling", POOLINGS)
+    if "bounds_check" in get(config, "embedding"):
+        choice(config, "embedding.bounds_check", BOUNDS_CHECKS)
+    if "kernel" in get(config, "embedding"):
+        choice(config, "embedding.kernel", KERNELS)
+    if "dedup" in get(config, "embedding"):
+        choice(config, "embedding.dedup", DEDUP_MODES)
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """One read of a physical table (one array `route` returns) and where that table lives: its group (stacked
@@ -59,6 +74,51 @@ class Placement:
     group: str
     offset: int
     table_index: int = -1  # position in the method's physical_tables()
+
+
+@flax.struct.dataclass
+class FeatureRoute:
+    """Where one feature's bag slots read: per physical table read, `slots` i32[B, L] (with dedup: positions in
+    the group's distinct rows `Routes.unique`; without: stacked row ids in the group's table), and the pooling
+    weights f32[B, L] (0 for padding and skipped ids)."""
+
+    slots: tuple[jax.Array, ...]
+    weights: jax.Array
+
+
+@flax.struct.dataclass
+class Routes:
+    """What `EmbeddingCollection.route` makes of a batch's ids, the pytree every backend and step passes along.
+
+    unique: {group: i32[N_g]} the group's distinct stacked rows (sentinel-padded), or None without dedup.
+    features: {feature: FeatureRoute} in the collection's feature order.
+    invalid_ids: {feature: i32[]} ids outside [0, vocab_size) the bounds check zeroed.
+    """
+
+    unique: dict[str, jax.Array] | None
+    features: dict[str, FeatureRoute]
+    invalid_ids: dict[str, jax.Array]
+
+    @property
+    def deduplicated(self) -> bool:
+        return self.unique is not None
+
+    @property
+    def batch_size(self) -> int:
+        return next(iter(self.features.values())).weights.shape[0]
+
+    @property
+    def weights(self) -> dict[str, jax.Array]:
+        return {f: r.weights for f, r in self.features.items()}
+
+
+@flax.struct.dataclass
+class Lookups:
+    """Bags read by `EmbeddingCollection.lookup`: pooled {"<group>/L<bag>": f32[K, B, d]} per `pool_batches`, and
+    per_id {feature: (f32[B, L, d], ...)} for methods that combine per id before pooling."""
+
+    pooled: dict[str, jax.Array]
+    per_id: dict[str, tuple[jax.Array, ...]]
 
 
 def resolve_dedup(mode: str, kernel: str, optimizer: SparseOptimizer, multi_hot: bool = True) -> bool:
@@ -198,16 +258,14 @@ class EmbeddingCollection:
 
     # -------------------------------------------------------------------------------------------- route
     def route(self, ids: Mapping[str, jax.Array], lengths: Mapping[str, jax.Array], *,
-              aux: Mapping[str, Mapping[str, jax.Array]] | None = None, dedup: bool | None = None) -> dict:
-        """Logical ids -> distinct stacked rows per group, and per feature where each bag slot reads.
+              aux: Mapping[str, Mapping[str, jax.Array]] | None = None, dedup: bool | None = None) -> Routes:
+        """Logical ids -> distinct stacked rows per group, and per feature where each bag slot reads (`Routes`).
 
-        Returns {"unique": {group: i32[N_g]}, "features": {feature: {"slots": (i32[B, L], ...) one per
-        physical table, indexing that table's group in "unique", "weights": f32[B, L]}}, "invalid_ids":
-        {feature: i32[]}}. N_g is the number of bag slots feeding the group; padded slots read the sentinel row
-        (zeros) with weight 0; so do out-of-range ids unless bounds_check is "off" (see BOUNDS_CHECKS).
-        With `dedup` False (default: the collection's `dedup`) there is no "unique" and the slots are the stacked
-        row ids themselves, indexing the group's table. `aux` ({feature: arrays}, see `init_aux`) is required when
-        some method keeps routing arrays.
+        N_g (the length of a group's `unique`) is the number of bag slots feeding the group, capped at its rows + 1;
+        padded slots read the sentinel row (zeros) with weight 0; so do out-of-range ids unless bounds_check is
+        "off" (see BOUNDS_CHECKS). With `dedup` False (default: the collection's `dedup`) `unique` is None and the
+        slots are the stacked row ids themselves, indexing the group's table. `aux` ({feature: arrays}, see
+        `init_aux`) is required when some method keeps routing arrays.
         """
         aux = aux or {}
         missing = set(self.aux_features) - set(aux)
@@ -247,69 +305,68 @@ class EmbeddingCollection:
         features = {}
         for name, placed in self.placements.items():
             slots = tuple(slots_by_group[p.group].pop(0) for p in placed)
-            features[name] = {"slots": slots, "weights": weights[name]}
+            features[name] = FeatureRoute(slots=slots, weights=weights[name])
         if self.bounds_check == "error" and invalid:
             counts = jnp.stack(list(invalid.values()))
             jax.lax.cond(jnp.any(counts > 0), lambda: jax.debug.callback(
                 _raise_invalid_ids, tuple(invalid), {f.name: f.vocab_size for f in self.spec.features}, counts),
                 lambda: None)
-        if not dedup:
-            return {"features": features, "invalid_ids": invalid}
-        return {"unique": unique, "features": features, "invalid_ids": invalid}
+        return Routes(unique=unique if dedup else None, features=features, invalid_ids=invalid)
 
     @property
     def wants_embedding_grads(self) -> bool:
         """Some method's `update_aux` reads d loss / d its feature's embedding (the train step then computes it)."""
         return any(self.methods[f].wants_embedding_grads for f in self.aux_features)
 
-    def update_aux(self, aux: Mapping, ids: Mapping[str, jax.Array], routes: Mapping, g_emb: jax.Array | None,
-                   step: jax.Array) -> dict:
-        """Each aux feature's arrays after a train step; g_emb f32[B, F, D] = d loss / d the glue's output."""
+    def update_aux(self, aux: Mapping, ids: Mapping[str, jax.Array], weights: Mapping[str, jax.Array],
+                   g_emb: jax.Array | None, step: jax.Array) -> dict:
+        """Each aux feature's arrays after a train step, from its ids i32[B, L] and pooling weights f32[B, L]
+        (`Routes.weights`); g_emb f32[B, F, D] = d loss / d the glue's output."""
         names = self.spec.feature_names
         return {f: self.methods[f].update_aux(
-            aux[f], ids[f], routes["features"][f]["weights"],
-            None if g_emb is None else g_emb[:, names.index(f)], step) for f in self.aux_features}
+            aux[f], ids[f], weights[f], None if g_emb is None else g_emb[:, names.index(f)], step)
+            for f in self.aux_features}
 
     # ------------------------------------------------------------------------------------------- gather
-    def gather(self, tables: Mapping[str, jax.Array], routes: Mapping) -> dict:
+    def gather(self, tables: Mapping[str, jax.Array], routes: Routes) -> "dict[str, jax.Array] | Lookups":
         """What the loss is differentiated against: with dedup, each distinct row once, {group: f32[N_g, d]} (the
         sentinel reads zeros); without, the lookups themselves, pooled from the tables (see `lookup`)."""
-        if "unique" not in routes:
-            return self.lookup(tables, routes["features"])
-        return {g: gather_reference(tables[g], u) for g, u in routes["unique"].items()}
+        if not routes.deduplicated:
+            return self.lookup(tables, routes.features)
+        return {g: gather_reference(tables[g], u) for g, u in routes.unique.items()}
 
-    def touched_rows(self, routes: Mapping) -> dict[str, jax.Array]:
+    def touched_rows(self, routes: Routes) -> dict[str, jax.Array]:
         """The stacked rows a step reads and updates, {group: i32[N_g]}: with dedup the distinct rows, without it
         every bag slot (duplicates included); padding and skipped ids are the sentinel `group_rows[group]`."""
-        if "unique" in routes:
-            return dict(routes["unique"])
+        if routes.deduplicated:
+            return dict(routes.unique)
         parts: dict[str, list[jax.Array]] = {g: [] for g in self.group_rows}
         for name, placed in self.placements.items():
-            for p, slots in zip(placed, routes["features"][name]["slots"], strict=True):
+            for p, slots in zip(placed, routes.features[name].slots, strict=True):
                 parts[p.group].append(slots.reshape(-1))
         return {g: jnp.concatenate(v) for g, v in parts.items() if v}
 
-    def pool_batches(self, features: Mapping) -> dict[str, tuple[tuple[str, int], ...]]:
+    def pool_batches(self, features: Mapping[str, FeatureRoute]) -> dict[str, tuple[tuple[str, int], ...]]:
         """The (feature, physical table index) pairs pooled together: one batch per (group, bag size), for the
         methods that pool before combining. Keys "<group>/L<bag>"; static (from shapes only)."""
         batches: dict[str, list[tuple[str, int]]] = {}
         for name, method in self.methods.items():
             if method.pools_before_combine:
-                for p, slots in zip(self.placements[name], features[name]["slots"], strict=True):
+                for p, slots in zip(self.placements[name], features[name].slots, strict=True):
                     batches.setdefault(f"{p.group}/L{slots.shape[1]}", []).append((name, p.index))
         return {k: tuple(v) for k, v in batches.items()}
 
-    def _batch_slots(self, features: Mapping, members: tuple[tuple[str, int], ...]) -> tuple[jax.Array, jax.Array]:
+    def _batch_slots(self, features: Mapping[str, FeatureRoute], members: tuple[tuple[str, int], ...]
+                     ) -> tuple[jax.Array, jax.Array]:
         """Slots and weights of a pool batch, stacked feature-major to [K, B, L] (consecutive bags of one feature
         read one table: better locality than interleaving the features)."""
-        slots = jnp.stack([features[name]["slots"][index] for name, index in members])
-        weights = jnp.stack([features[name]["weights"] for name, _ in members])
+        slots = jnp.stack([features[name].slots[index] for name, index in members])
+        weights = jnp.stack([features[name].weights for name, _ in members])
         return slots, weights
 
-    def lookup(self, source: Mapping[str, jax.Array], features: Mapping) -> dict:
+    def lookup(self, source: Mapping[str, jax.Array], features: Mapping[str, FeatureRoute]) -> Lookups:
         """Bags read from `source` ({group: f32[N, d]}: a batch's distinct rows, or whole tables) by the routes'
-        slots: {"pooled": {batch: f32[K, B, d]} per `pool_batches`, "per_id": {feature: (f32[B, L, d], ...)} for
-        methods that combine per id before pooling}. One gather-reduce per pool batch."""
+        slots (`Lookups`). One gather-reduce per pool batch."""
         pooled = {}
         for key, members in self.pool_batches(features).items():
             slots, weights = self._batch_slots(features, members)
@@ -319,21 +376,21 @@ class EmbeddingCollection:
         for name, method in self.methods.items():
             if not method.pools_before_combine:
                 per_id[name] = tuple(gather(source[p.group], s, impl=self.kernel, interpret=self.interpret)
-                                     for p, s in zip(self.placements[name], features[name]["slots"], strict=True))
-        return {"pooled": pooled, "per_id": per_id}
+                                     for p, s in zip(self.placements[name], features[name].slots, strict=True))
+        return Lookups(pooled=pooled, per_id=per_id)
 
     # ------------------------------------------------------------------------------------ sparse update
     def sparse_update(self, optimizer: SparseOptimizer, tables: dict[str, jax.Array],
-                      state: dict[str, dict[str, jax.Array]], routes: Mapping, rows: Mapping[str, jax.Array],
+                      state: dict[str, dict[str, jax.Array]], routes: Routes, rows: "Mapping[str, jax.Array] | Lookups",
                       row_grads: Mapping[str, jax.Array], lr: jax.Array, step: jax.Array) -> tuple[dict, dict]:
         """Apply the optimizer to the distinct rows of each group, given d loss / d rows (what `gather` returned).
 
         Without dedup, `row_grads` are d loss / d lookups: each occurrence's gradient (times its pooling weight)
         is scatter-added by the optimizer's rule into its row (`scatter_apply`; duplicates sum, as in SGD)."""
-        if "unique" not in routes:
-            return self._scatter_update(optimizer, tables, state, routes["features"], row_grads, lr, step)
+        if not routes.deduplicated:
+            return self._scatter_update(optimizer, tables, state, routes.features, row_grads, lr, step)
         new_tables, new_state = dict(tables), dict(state)
-        for group, unique in routes["unique"].items():
+        for group, unique in routes.unique.items():
             new_tables[group], new_state[group] = sparse_apply(
                 self.group_optimizer(optimizer, group), tables[group], state[group], unique, rows[group],
                 row_grads[group], lr, step, kernel=self.kernel)
@@ -346,19 +403,20 @@ class EmbeddingCollection:
                                                                 weight_decay=optimizer.weight_decay * scale)
 
     def _scatter_update(self, optimizer: SparseOptimizer, tables: dict[str, jax.Array], state: dict,
-                        features: Mapping, grads: Mapping, lr: jax.Array, step: jax.Array) -> tuple[dict, dict]:
+                        features: Mapping[str, FeatureRoute], grads: Lookups, lr: jax.Array, step: jax.Array
+                        ) -> tuple[dict, dict]:
         new_tables = dict(tables)
         for key, members in self.pool_batches(features).items():
             # One scatter per member: XLA materialises a scatter's updates, and per member that temporary is
             # [B, L, d] rather than [K, B, L, d] (the scatters update the donated table in place, one after another).
             for k, (name, index) in enumerate(members):
                 group = self.placements[name][index].group
-                ids = features[name]["slots"][index].reshape(-1)
-                per_id = features[name]["weights"][..., None] * grads["pooled"][key][k][:, None, :]  # [B, L, d]
+                ids = features[name].slots[index].reshape(-1)
+                per_id = features[name].weights[..., None] * grads.pooled[key][k][:, None, :]  # [B, L, d]
                 new_tables[group] = scatter_apply(optimizer, new_tables[group], ids,
                                                   per_id.reshape(-1, per_id.shape[-1]), lr, step)
-        for name, per_table in grads["per_id"].items():
-            for p, slots, g in zip(self.placements[name], features[name]["slots"], per_table, strict=True):
+        for name, per_table in grads.per_id.items():
+            for p, slots, g in zip(self.placements[name], features[name].slots, per_table, strict=True):
                 new_tables[p.group] = scatter_apply(optimizer, new_tables[p.group], slots.reshape(-1),
                                                     g.reshape(-1, g.shape[-1]), lr, step)
         return new_tables, dict(state)
@@ -369,7 +427,7 @@ class EmbeddingGlue(nn.Module):
     combine (pool first when the method is linear per row, else combine per id and pool after).
 
     rows: what `EmbeddingCollection.gather` returned -- the distinct rows {group: f32[N_g, d]}, read here by the
-    slots, or (without dedup) the lookups already made from the tables; features: `routes["features"]`.
+    slots, or (without dedup) the `Lookups` already made from the tables; features: `Routes.features`.
     Returns f32[B, F, D] in the dataset's feature order (all features must share D).
 
     Every (feature, physical table) that pools first is pooled in one gather-reduce per (group, bag size), over
@@ -381,12 +439,12 @@ class EmbeddingGlue(nn.Module):
     collection: EmbeddingCollection
 
     @nn.compact
-    def __call__(self, rows: Mapping, features: Mapping) -> jax.Array:
-        looked = rows if "pooled" in rows else self.collection.lookup(rows, features)
+    def __call__(self, rows: "Mapping[str, jax.Array] | Lookups", features: Mapping[str, FeatureRoute]) -> jax.Array:
+        looked = rows if isinstance(rows, Lookups) else self.collection.lookup(rows, features)
         pooled = {}
         for key, members in self.collection.pool_batches(features).items():
             for k, member in enumerate(members):
-                pooled[member] = looked["pooled"][key][k]
+                pooled[member] = looked.pooled[key][k]
         outs = []
         for name, method in self.collection.methods.items():
             placed = self.collection.placements[name]
@@ -394,7 +452,7 @@ class EmbeddingGlue(nn.Module):
             if method.pools_before_combine:
                 outs.append(combine(tuple(pooled[(name, p.index)] for p in placed)))
             else:
-                outs.append(jnp.einsum("bld,bl->bd", combine(looked["per_id"][name]), features[name]["weights"]))
+                outs.append(jnp.einsum("bld,bl->bd", combine(looked.per_id[name]), features[name].weights))
         return jnp.stack(outs, axis=1)
 
 

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+METRICS = ("auc", "logloss", "ne", "accuracy")  # what every evaluation reports, in this order
 _EPS = 1e-7  # probabilities are clipped to [eps, 1 - eps] for log loss, as scikit-learn does for float32
 
 

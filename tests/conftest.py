@@ -32,7 +32,8 @@ def random_batch(spec: DatasetSpec, batch_size: int, seed: int = 0, full_bags: b
 
 def train_steps(config, spec: DatasetSpec, batches):
     """(task, state, losses) after one train step per batch from `init_state(key 0)`, for whole-step comparisons."""
-    from recjax.train import build_task, init_state, make_train_step
+    from recjax.step import init_state, make_train_step
+    from recjax.task import build_task
 
     task = build_task(config, spec)
     state = init_state(task, jax.random.key(0), batches[0])
@@ -80,8 +81,8 @@ def embed(collection, tables, ids, lengths):
     def run(tables, ids, lengths):
         routes = collection.route(ids, lengths)
         rows = collection.gather(tables, routes)
-        variables = glue.init(jax.random.key(1), rows, routes["features"])
-        return glue.apply(variables, rows, routes["features"]), variables
+        variables = glue.init(jax.random.key(1), rows, routes.features)
+        return glue.apply(variables, rows, routes.features), variables
 
     emb, variables = run(tables, ids, lengths)
     return np.asarray(emb), variables

@@ -17,10 +17,12 @@ import ml_collections
 import numpy as np
 
 from experiments.configs import dlrm_synthetic
-from recjax import sharding, train
+from recjax import sharding
+from recjax.config_check import validate_config
 from recjax.data import make_dataset
 from recjax.sharding import hlo
-from recjax.sharding import step as sharded_step
+from recjax.step import init_state, make_predict_step, make_train_step
+from recjax.task import build_task
 
 BATCH = 32
 STEPS = 3
@@ -98,15 +100,18 @@ def case_config(model: str, method: str, mesh: str, plan: str, overrides: str, e
 
 def run_case(name: str, out: pathlib.Path) -> None:
     config = case_config(*CASES[name])
-    train.validate_config(config)
+    validate_config(config)
     dataset = make_dataset(config.data, seed=0)
-    task = train.build_task(config, dataset.spec, dataset, 10)
+    task = build_task(config, dataset.spec, dataset, 10)
     batches = [b for _, b in zip(range(STEPS), dataset.train_batches(BATCH), strict=False)]
-    state = train.init_state(task, jax.random.key(0), jax.device_put(batches[0]))
+    state = init_state(task, jax.random.key(0), jax.device_put(batches[0]))
     sharded = sharding.setup(config, task)
     assert sharded is not None
-    sharded_state, sharded_train, sharded_predict, put = sharding.prepare(task, sharded, state, train._forward)
-    ref_train, ref_predict = train.make_train_step(task), train.make_predict_step(task)
+    sharded_state = sharded.place_state(state)
+    sharded_train = make_train_step(task, sharded, sharded_state)
+    sharded_predict = make_predict_step(task, sharded, sharded_state)
+    put = sharded.put_batch
+    ref_train, ref_predict = make_train_step(task), make_predict_step(task)
     result = {"ref_loss": [], "loss": [], "overflows": []}
     for batch in batches:
         state, ref_metrics = ref_train(state, jax.device_put(batch))
@@ -116,7 +121,7 @@ def run_case(name: str, out: pathlib.Path) -> None:
         result["overflows"].append(int(metrics["bucket_overflows"]))
     result["ref_logits"] = np.asarray(ref_predict(state, jax.device_put(batches[0])))
     result["logits"] = np.asarray(sharded_predict(sharded_state, put(batches[0])))
-    back = sharded_step.unshard_state(sharded, sharded_state)
+    back = sharded.host_state(sharded_state)
     for group in state.tables:
         result[f"ref_table/{group}"] = np.asarray(state.tables[group])
         result[f"table/{group}"] = back.tables[group]
@@ -156,12 +161,12 @@ def hlo_facts(rows: int, exchange_dtype: str = "float32") -> dict:
     config.data.bag_sizes = (1, 1, 1, 1, 1)
     config.train.batch_size = 64  # 8 examples per device
     dataset = make_dataset(config.data, seed=0)
-    task = train.build_task(config, dataset.spec, dataset, 10)
+    task = build_task(config, dataset.spec, dataset, 10)
     batch = next(dataset.train_batches(64))
-    state = train.init_state(task, jax.random.key(0), jax.device_put(batch))
+    state = init_state(task, jax.random.key(0), jax.device_put(batch))
     sharded = sharding.setup(config, task)
-    sharded_state, sharded_train, _, put = sharding.prepare(task, sharded, state, train._forward)
-    lowered = sharded_train.lower(sharded_state, put(batch))
+    sharded_state = sharded.place_state(state)
+    lowered = make_train_step(task, sharded, sharded_state).lower(sharded_state, sharded.put_batch(batch))
     compiled = lowered.compile()
     text = compiled.as_text()
     # The program as written (StableHLO): which element types its all_to_alls carry. XLA:CPU's float normalization

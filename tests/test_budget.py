@@ -8,7 +8,7 @@ import pytest
 
 from experiments.configs import common
 from recjax.errors import ConfigError
-from recjax.train import Budget, Selection, resolve_budget
+from recjax.evaluation import Budget, Selection, resolve_budget
 
 
 class Sized:

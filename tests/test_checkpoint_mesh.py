@@ -16,7 +16,8 @@ import pytest
 
 from recjax import checkpoint, sharding
 from recjax.data import make_dataset
-from recjax.train import build_task, train_and_evaluate
+from recjax.task import build_task
+from recjax.train import train_and_evaluate
 from tests.checkpoint_mesh_runs import STEP, mesh_config
 from tests.test_checkpoint import assert_same_run
 

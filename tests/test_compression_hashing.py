@@ -113,10 +113,10 @@ def test_signed_bags_match_numpy_and_the_sign_row_never_moves():
     def forward_and_step(tables, ids, lengths):
         routes = collection.route({"h": ids}, {"h": lengths})
         rows = collection.gather(tables, routes)
-        loss = lambda r: jnp.sum(glue.apply({}, r, routes["features"]) * target)  # noqa: E731
+        loss = lambda r: jnp.sum(glue.apply({}, r, routes.features) * target)  # noqa: E731
         new_tables, _ = collection.sparse_update(optimizer, tables, collection.init_optimizer(optimizer), routes,
                                                  rows, jax.grad(loss)(rows), jnp.float32(0.5), jnp.int32(1))
-        return glue.apply({}, rows, routes["features"]), new_tables
+        return glue.apply({}, rows, routes.features), new_tables
 
     emb, new_tables = forward_and_step(tables, jnp.asarray(ids), jnp.asarray(lengths))
     emb = np.asarray(emb)[:, 0]

@@ -4,7 +4,8 @@ import ml_collections
 import pytest
 from test_train import tiny_config
 
-from recjax.train import build_task, train_and_evaluate
+from recjax.task import build_task
+from recjax.train import train_and_evaluate
 
 STEPS = 300
 # With every id of every feature sharing one row (hashing to 1 bucket) the model only sees the dense features

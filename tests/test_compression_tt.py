@@ -180,10 +180,10 @@ def test_core_row_gradients_and_sgd_step_match_a_dense_oracle():
     def engine_grads(tables):
         routes = collection.route({"x": jnp.asarray(ids)}, {"x": jnp.asarray(lengths)}, dedup=True)
         rows = collection.gather(tables, routes)
-        variables = glue.init(jax.random.key(0), rows, routes["features"])
+        variables = glue.init(jax.random.key(0), rows, routes.features)
 
         def engine_loss(rows):
-            emb = glue.apply(variables, rows, routes["features"])[:, 0]
+            emb = glue.apply(variables, rows, routes.features)[:, 0]
             return jnp.sum((emb - target) ** 2)
 
         return routes, rows, jax.grad(engine_loss)(rows)
@@ -204,7 +204,7 @@ def test_core_row_gradients_and_sgd_step_match_a_dense_oracle():
     cores = [np.asarray(tables[p.group])[p.offset: p.offset + p.table.rows] for p in placements]
     dense_grads = jax.jit(jax.grad(dense_loss))(cores)
     for p, dense in zip(placements, dense_grads, strict=True):
-        unique = np.asarray(routes["unique"][p.group])
+        unique = np.asarray(routes.unique[p.group])
         assert unique.shape == (min(ids.size, collection.group_rows[p.group] + 1),)  # small groups: no wasted slots
         g = np.asarray(row_grads[p.group])
         mine = (unique >= p.offset) & (unique < p.offset + p.table.rows)
@@ -228,11 +228,11 @@ def test_core_row_gradients_and_sgd_step_match_a_dense_oracle():
     def step_without_dedup(tables):
         routes = collection.route({"x": jnp.asarray(ids)}, {"x": jnp.asarray(lengths)}, dedup=False)
         looked = collection.gather(tables, routes)
-        grads = jax.grad(lambda looked: jnp.sum((glue.apply(variables, looked, routes["features"])[:, 0] - target)
+        grads = jax.grad(lambda looked: jnp.sum((glue.apply(variables, looked, routes.features)[:, 0] - target)
                                                 ** 2))(looked)
         return collection.sparse_update(sgd, tables, state, routes, looked, grads, jnp.float32(lr), jnp.int32(1))[0]
 
-    variables = glue.init(jax.random.key(0), rows, routes["features"])
+    variables = glue.init(jax.random.key(0), rows, routes.features)
     no_dedup_tables = step_without_dedup(tables)
     for g in new_tables:
         np.testing.assert_allclose(np.asarray(no_dedup_tables[g]), np.asarray(new_tables[g]), rtol=1e-5, atol=1e-7)

@@ -11,7 +11,8 @@ from test_train import tiny_config
 from recjax.embedding import resolve_dedup
 from recjax.sparse_optim import SGD, Adagrad, RowwiseAdagrad
 from recjax.specs import DatasetSpec, FeatureSpec
-from recjax.train import build_task, init_state, make_predict_step
+from recjax.step import init_state, make_predict_step
+from recjax.task import build_task
 
 # Small vocabularies and bags of 3-4 ids over 8 examples: most ids repeat within a batch.
 SPEC = DatasetSpec(num_dense=3, features=(FeatureSpec("a", 13), FeatureSpec("b", 9, bag_size=4),
@@ -74,9 +75,9 @@ def test_predict_without_dedup_equals_the_dedup_forward():
     task, state, _ = run("always", "qr", {"op": "mult", "collisions": 2}, "mean", [batch], steps=1)
     probabilities = make_predict_step(task)(state, batch)  # routes with dedup=False
     routes = task.collection.route(batch.ids, batch.lengths, dedup=True)
-    assert "unique" in routes
+    assert routes.deduplicated
     rows = task.collection.gather(state.tables, routes)
-    emb = task.glue.apply({"params": state.dense_params["glue"]}, rows, routes["features"])
+    emb = task.glue.apply({"params": state.dense_params["glue"]}, rows, routes.features)
     logits = task.model.apply({"params": state.dense_params["model"]}, batch.dense, emb)
     np.testing.assert_allclose(np.asarray(probabilities), np.asarray(jax.nn.sigmoid(logits)), rtol=1e-5, atol=1e-7)
 

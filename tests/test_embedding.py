@@ -73,7 +73,7 @@ def test_gather_and_glue_match_numpy(small_spec, pooling):
     routes = collection.route(batch.ids, batch.lengths)
     rows = collection.gather(tables, routes)
     glue = EmbeddingGlue(collection)
-    emb = glue.apply(glue.init(jax.random.key(0), rows, routes["features"]), rows, routes["features"])
+    emb = glue.apply(glue.init(jax.random.key(0), rows, routes.features), rows, routes.features)
     np.testing.assert_allclose(np.asarray(emb), numpy_embeddings(collection, tables, batch), rtol=1e-5, atol=1e-6)
 
 
@@ -83,7 +83,7 @@ def dense_oracle_update(name, collection, tables, batch, target, lr):
     glue = EmbeddingGlue(collection)
 
     def loss_from_tables(tables):
-        return jnp.sum(jnp.sin(glue.apply({}, collection.gather(tables, routes), routes["features"])) * target)
+        return jnp.sum(jnp.sin(glue.apply({}, collection.gather(tables, routes), routes.features)) * target)
 
     grad = np.asarray(jax.grad(loss_from_tables)(tables)["dim4"])
     table = np.asarray(tables["dim4"]).copy()
@@ -117,7 +117,7 @@ def test_sparse_update_equals_dense_gradient_oracle(optimizer):
     def step(tables, state, batch):
         routes = collection.route(batch.ids, batch.lengths)
         rows = collection.gather(tables, routes)
-        loss = lambda rows: jnp.sum(jnp.sin(glue.apply({}, rows, routes["features"])) * target)  # noqa: E731
+        loss = lambda rows: jnp.sum(jnp.sin(glue.apply({}, rows, routes.features)) * target)  # noqa: E731
         return collection.sparse_update(optimizer, tables, state, routes, rows, jax.grad(loss)(rows),
                                         jnp.float32(optimizer.learning_rate), jnp.int32(1))
 
@@ -147,7 +147,7 @@ def test_factor_tables_stack_apart_and_take_their_row_decay(row_decay):
     updated, _ = collection.sparse_update(optimizer, tables, collection.init_optimizer(optimizer), routes, rows, zero,
                                           jnp.float32(0.1), jnp.int32(1))
     for group, scale in (("dim4", 1.0), (factor_group, row_decay or 0.0)):
-        touched = np.unique(np.asarray(routes["unique"][group]))
+        touched = np.unique(np.asarray(routes.unique[group]))
         touched = touched[touched < collection.group_rows[group]]
         before, after = np.asarray(tables[group]), np.asarray(updated[group])
         np.testing.assert_allclose(after[touched], before[touched] * (1 - 0.1 * 0.2 * scale), rtol=1e-6)
@@ -172,12 +172,12 @@ def _one_step(collection, tables, ids, lengths):
     def step(tables, ids, lengths):
         routes = collection.route(ids, lengths)
         rows = collection.gather(tables, routes)
-        variables = glue.init(jax.random.key(0), rows, routes["features"])
-        emb, vjp = jax.vjp(lambda r: glue.apply(variables, r, routes["features"]), rows)
+        variables = glue.init(jax.random.key(0), rows, routes.features)
+        emb, vjp = jax.vjp(lambda r: glue.apply(variables, r, routes.features), rows)
         (grads,) = vjp(jnp.ones_like(emb))
         new, _ = collection.sparse_update(SGD(1.0), tables, {g: {} for g in tables}, routes, rows, grads,
                                           jnp.float32(1.0), jnp.int32(1))
-        return emb, new, routes["invalid_ids"]
+        return emb, new, routes.invalid_ids
 
     return step(tables, ids, lengths)
 

@@ -18,7 +18,8 @@ from compression.base import TableSpec
 from compression.fiited import FiitedEmbedding, UniformDimEmbedding
 from recjax.dynamic import DynamicTables
 from recjax.specs import DatasetSpec, FeatureSpec
-from recjax.train import build_task, init_state, make_predict_step, make_train_step
+from recjax.step import init_state, make_predict_step, make_train_step
+from recjax.task import build_task
 
 SPEC = DatasetSpec(num_dense=3, features=(FeatureSpec("a", 13), FeatureSpec("b", 9, bag_size=3),
                                           FeatureSpec("c", 6)))
@@ -108,7 +109,7 @@ def test_utility_is_the_decayed_sum_of_per_row_chunk_gradient_norms():
 
         routes = collection.route(batch.ids, batch.lengths, aux=state.aux)
         emb = glue.apply({"params": state.dense_params["glue"]}, collection.gather(state.tables, routes),
-                         routes["features"])
+                         routes.features)
         g = np.asarray(jax.grad(loss_of_emb)(emb))[:, names.index("a")]  # [B, D], "a" is one-hot
         ids = np.asarray(batch.ids["a"])[:, 0]
         summed = np.zeros((13, g.shape[1]))
@@ -175,7 +176,7 @@ def reference_probs(task, state, rows: dict, batch) -> np.ndarray:
     collection = task.collection
     routes = collection.route(batch.ids, batch.lengths, aux=state.aux, dedup=False)
     looked = collection.gather(state.tables, routes)
-    emb = np.array(task.glue.apply({"params": state.dense_params["glue"]}, looked, routes["features"]))
+    emb = np.array(task.glue.apply({"params": state.dense_params["glue"]}, looked, routes.features))
     for name, table in rows.items():
         f = SPEC.feature_names.index(name)
         ids, lengths = np.asarray(batch.ids[name]), np.asarray(batch.lengths[name])

@@ -13,7 +13,9 @@ from experiments import scaling_fit as sf
 from experiments import sweep_scaling as ss
 from experiments.configs import scaling
 from recjax.data import make_dataset
-from recjax.train import build_task, flops_per_example, init_state, make_predict_step
+from recjax.step import init_state, make_predict_step
+from recjax.task import build_task
+from recjax.train import flops_per_example
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "experiments" / "notebooks" / "scaling_law.ipynb"

@@ -11,7 +11,9 @@ from conftest import random_batch
 
 from experiments.configs.dlrm_synthetic import get_config
 from recjax.specs import DatasetSpec, FeatureSpec
-from recjax.train import build_task, init_state, make_train_step, train_and_evaluate
+from recjax.step import init_state, make_train_step
+from recjax.task import build_task
+from recjax.train import train_and_evaluate
 
 
 def tiny_config(steps=300):

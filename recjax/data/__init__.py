@@ -6,9 +6,9 @@ share -- and eval readers then yield one (possibly empty) share per batch."""
 
 import ml_collections
 
-from recjax.config_check import boolean, choice, integer, number
 from recjax.data.synthetic import KAGGLE_VOCAB_SIZES, SyntheticDataset
 from recjax.errors import ConfigError
+from recjax.validation import boolean, choice, integer, number
 
 PREPARED_DATASETS = ("movielens", "criteo_kaggle", "criteo_terabyte", "tabular")
 DATASETS = ("synthetic",) + PREPARED_DATASETS

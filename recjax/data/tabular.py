@@ -73,7 +73,6 @@ import numpy as np
 from ml_collections import config_dict
 
 from recjax.batch import Batch
-from recjax.config_check import check_boolean, check_choice, check_integer, check_number, check_text
 from recjax.data.arrays import ArrayDataset, concatenate, rebatch
 from recjax.data.tabular_formats import (
     DENSE_STEPS,
@@ -98,6 +97,7 @@ from recjax.data.vocabulary import (
 )
 from recjax.errors import ConfigError, DataError
 from recjax.specs import DatasetSpec, FeatureSpec
+from recjax.validation import check_boolean, check_choice, check_integer, check_number, check_text
 
 SPLITS = ("train", "validation", "test")
 TRAIN, VALIDATION, TEST = 0, 1, 2

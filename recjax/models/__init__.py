@@ -5,14 +5,17 @@ so every dataset config can swap models from the command line (`--config.model.n
 """
 
 import dataclasses
+from collections.abc import Mapping
 
 import flax.linen as nn
 import ml_collections
 
+from recjax.errors import ConfigError
 from recjax.models.dcnv2 import DCNv2
 from recjax.models.dlrm import DLRM
 from recjax.models.linear import FactorizationMachine, LogisticRegression
 from recjax.models.wukong import Wukong
+from recjax.validation import boolean, choice, get, integer, known_keys, number, widths
 
 MODELS: dict[str, type[nn.Module]] = {
     "dlrm": DLRM,
@@ -33,6 +36,45 @@ def model_fields(name: str) -> tuple[set[str], set[str]]:
     return {f.name for f in fields}, required
 
 
+def check_model(config: Mapping) -> None:
+    name = choice(config, "model.name", list(MODELS))
+    key = f"model.{name}"
+    section = get(config, key)
+    fields, required = model_fields(name)
+    known_keys(config, key, fields)
+    missing = sorted(required - set(section.keys()))
+    if missing:
+        raise ConfigError(f"{key}.{missing[0]}", "is missing; see experiments/configs/common.py for the defaults")
+    dim = integer(config, "embedding.dim", 1)
+    if "dropout" in section:
+        number(config, f"{key}.dropout", at_least=0, below=1)
+    for field in ("bottom_mlp", "top_mlp", "deep_mlp", "dense_mlp"):
+        if field in section:
+            widths(config, f"{key}.{field}", allow_empty=field in ("deep_mlp", "dense_mlp"))
+    if name == "dlrm":
+        interaction = choice(config, "model.dlrm.interaction", ("dot", "cat"))
+        bottom = widths(config, "model.dlrm.bottom_mlp")
+        if interaction == "dot" and bottom[-1] != dim:
+            raise ConfigError("model.dlrm.bottom_mlp", f"dot interaction needs the last width to equal embedding.dim "
+                                                       f"({dim}), got {bottom}; e.g. --config.model.dlrm.bottom_mlp="
+                                                       f"{','.join(map(str, bottom[:-1] + (dim,)))}")
+        boolean(config, "model.dlrm.self_interaction")
+    if name in ("dlrm", "wukong"):
+        top = widths(config, f"{key}.top_mlp")
+        if top[-1] != 1:
+            raise ConfigError(f"{key}.top_mlp", f"must end in 1 (the logit), got {top}")
+    if name == "dcnv2":
+        integer(config, "model.dcnv2.num_cross_layers", 0)
+        integer(config, "model.dcnv2.low_rank", 0)
+        choice(config, "model.dcnv2.structure", ("stacked", "parallel"))
+    if name == "wukong":
+        for field in ("num_layers", "fmb_embeddings", "lcb_embeddings", "fm_rank", "fmb_mlp_depth", "fmb_mlp_width",
+                      "num_dense_embeddings"):
+            integer(config, f"model.wukong.{field}", 1)
+    if name == "fm" and dim < 2:
+        raise ConfigError("embedding.dim", f"fm needs embedding.dim >= 2 (an id's weight plus >= 1 factor), got {dim}")
+
+
 def embedding_dim(config: ml_collections.ConfigDict) -> int:
     """The width the tables embed to: logistic regression's per-id weight is 1-d, others use embedding.dim."""
     return 1 if config.model.name == "lr" else int(config.embedding.dim)
@@ -49,5 +91,5 @@ def make_model(config: ml_collections.ConfigDict, embedding_dim: int) -> nn.Modu
     return MODELS[name](**kwargs)
 
 
-__all__ = ["DCNv2", "DLRM", "FactorizationMachine", "LogisticRegression", "MODELS", "Wukong", "embedding_dim",
-           "make_model", "model_fields"]
+__all__ = ["DCNv2", "DLRM", "FactorizationMachine", "LogisticRegression", "MODELS", "Wukong", "check_model",
+           "embedding_dim", "make_model", "model_fields"]

@@ -45,10 +45,10 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels import unique_rows
 from recjax.embedding import EmbeddingCollection
 from recjax.sharding.hlo import FALLBACK_SCOPE
+from recjax.sharding.placement import ALL_AXES, put_global, to_host
 from recjax.sharding.plan import ShardingPlan, part_rows
 from recjax.sparse_optim import SparseOptimizer, sparse_apply
 
-ALL_AXES = ("data", "model")
 KINDS = ("sharded", "model", "replicated", "column")
 _KIND_OF = {"table": "sharded", "row": "sharded", "column": "column", "replicated": "replicated",
             "data_parallel": "replicated"}
@@ -257,9 +257,10 @@ def _bucket_positions(owner: jax.Array, member: jax.Array, parts: int) -> jax.Ar
     return jnp.zeros(n, jnp.int32).at[order].set(ranked, unique_indices=True)
 
 
-class ShardedEmbedding:
+class Exchange:
     """The collection's tables laid out by a plan on a mesh: device-side `fetch` / `update` (call them inside
-    `jax.shard_map` over every mesh axis) and host-side `shard` / `unshard` of the single-device layout."""
+    `jax.shard_map` over every mesh axis) and host-side `shard` / `unshard` of the single-device layout. The mesh
+    backend (recjax/sharding/backend.py) puts it behind the step's interface."""
 
     def __init__(self, collection: EmbeddingCollection, plan: ShardingPlan, mesh: jax.sharding.Mesh,
                  exchange_dtype: str = "float32", capacity_factor: float = 0.0, capacity_sigmas: float = 0.0):
@@ -373,19 +374,6 @@ class ShardedEmbedding:
         return jax.lax.psum(mine, ALL_AXES) > 0
 
     # --------------------------------------------------------------------------------------------- host side
-    def put_batch(self, batch):
-        """A host batch (multi-host: this process's rows) -> device arrays split over every device
-        (recjax.sharding.step.put_batch)."""
-        from recjax.sharding.step import put_batch
-
-        return put_batch(self, batch)
-
-    def process_rows(self, batch_size: int) -> slice | None:
-        """This process's rows of every global batch; None in a single-process run (recjax.sharding.step)."""
-        from recjax.sharding.step import process_rows
-
-        return process_rows(self, batch_size)
-
     def sharding(self, storage: str) -> NamedSharding:
         return NamedSharding(self.mesh, self.storages[storage].spec)
 
@@ -421,17 +409,3 @@ def group_layout(storages: Mapping[str, Storage], by_storage: Mapping[str, np.nd
         valid = s.source >= 0
         out[s.group][s.source[valid]] = data[valid]
     return out
-
-
-def put_global(data: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """A global array from the same host value on every process; each device gets only its block."""
-    return jax.make_array_from_callback(data.shape, sharding, lambda index: data[index])
-
-
-def to_host(array: jax.Array) -> np.ndarray:
-    """The whole value of a (possibly multi-process) global array as numpy."""
-    if array.is_fully_addressable:
-        return np.asarray(array)
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(array, tiled=True))

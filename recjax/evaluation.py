@@ -1,0 +1,202 @@
+"""Budget, evaluation and selection: how long a run trains, how it is scored, which step it reports.
+
+`Budget` (from `train.steps` or `train.epochs`, and `train.eval_every`) says when to evaluate; `evaluate` scores a
+split exactly (every example once, the short last batch padded); `Selection` keeps the best validation step and the
+test metrics scored at it -- test is scored only at steps that improve validation, so it never steers anything --
+and stops a run after `train.early_stopping_patience` evaluations without improvement. `check_train` validates the
+`train` section.
+"""
+
+import dataclasses
+import math
+import numbers
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from recjax import metrics
+from recjax.batch import pad_batch, validate_batch
+from recjax.embedding_backend import EmbeddingBackend, LocalEmbedding
+from recjax.errors import ConfigError
+from recjax.step import TrainState
+from recjax.task import Task
+from recjax.validation import boolean, choice, get, integer, known_keys, number
+
+SELECT_ON = ("auc", "logloss")
+TRAIN_KEYS = {"batch_size", "steps", "epochs", "eval_every", "log_every", "early_stopping_patience", "select_on",
+              "progress_bar"}
+EPOCH_EVERY = re.compile(r"^\s*(\d*\.?\d*)\s*epochs?\s*$")  # "epoch", "0.25epoch", "2 epochs"
+
+
+# ------------------------------------------------------------------------------------------- config
+def eval_interval(value: Any) -> tuple[str, float]:
+    """train.eval_every -> ("steps", n) or ("epochs", fraction of an epoch)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        if value < 1:
+            raise ConfigError("train.eval_every", f"must be >= 1 steps or 'epoch', got {value}")
+        return "steps", int(value)
+    if isinstance(value, str):
+        if value.strip().isdigit():
+            return eval_interval(int(value))
+        match = EPOCH_EVERY.match(value)
+        if match:
+            fraction = float(match.group(1)) if match.group(1) not in ("", ".") else 1.0
+            if fraction > 0:
+                return "epochs", fraction
+    raise ConfigError("train.eval_every", f"must be a number of steps >= 1, 'epoch' or e.g. '0.25epoch', got "
+                                          f"{value!r}")
+
+
+def check_train(config: Mapping) -> None:
+    known_keys(config, "train", TRAIN_KEYS)
+    integer(config, "train.batch_size", 1)
+    steps, epochs = get(config, "train.steps"), get(config, "train.epochs")
+    if (steps is None) == (epochs is None):
+        both = "both are set" if steps is not None else "neither is set"
+        raise ConfigError("train.steps", f"set exactly one of train.steps and train.epochs ({both}: steps={steps!r}, "
+                                         f"epochs={epochs!r}); e.g. --config.train.epochs=None "
+                                         "--config.train.steps=1000")
+    if steps is not None:
+        integer(config, "train.steps", 1)
+    else:
+        number(config, "train.epochs", above=0)
+    unit, _ = eval_interval(get(config, "train.eval_every"))
+    integer(config, "train.log_every", 1)
+    integer(config, "train.early_stopping_patience", 0)
+    choice(config, "train.select_on", SELECT_ON)
+    boolean(config, "train.progress_bar")
+    if get(config, "data.name") == "synthetic" and (epochs is not None or unit == "epochs"):
+        raise ConfigError("train.epochs" if epochs is not None else "train.eval_every",
+                          "synthetic data is an endless stream without epochs; set train.steps and an eval_every "
+                          "in steps")
+
+
+# ------------------------------------------------------------------------------------------- budget
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """How long to train and when to evaluate, in steps of `batch_size` examples.
+
+    With `train.epochs`, steps = ceil(epochs * examples_per_epoch / batch_size); epochs follow each other without a
+    gap in the train stream, so the budget is exact. An interval of `every_epochs` evaluates after each step that
+    crosses a multiple of that many epochs' examples. The last step is always evaluated.
+    """
+
+    steps: int
+    batch_size: int
+    examples_per_epoch: int | None  # None: an endless stream (synthetic data)
+    every_steps: int | None = None
+    every_epochs: float | None = None
+
+    def is_eval_step(self, step: int) -> bool:
+        if step == self.steps:
+            return True
+        if self.every_steps is not None:
+            return step % self.every_steps == 0
+        period = self.every_epochs * self.examples_per_epoch
+        return math.floor(step * self.batch_size / period) > math.floor((step - 1) * self.batch_size / period)
+
+    def describe(self) -> str:
+        examples = self.steps * self.batch_size
+        if self.examples_per_epoch:
+            text = (f"{self.examples_per_epoch:,} train examples/epoch; {self.steps:,} steps of {self.batch_size} = "
+                    f"{examples / self.examples_per_epoch:.3g} epochs")
+        else:
+            text = f"{self.steps:,} steps of {self.batch_size} = {examples:,} examples"
+        if self.every_steps is not None:
+            every = f"every {self.every_steps:,} steps"
+        else:
+            every = "every epoch" if self.every_epochs == 1 else f"every {self.every_epochs:g} epochs"
+        return f"{text}; validation {every} and at the end"
+
+
+def resolve_budget(train: ml_collections.ConfigDict, dataset) -> Budget:
+    """The run's Budget from `config.train` and the dataset's train size."""
+    batch_size = int(train.batch_size)
+    n = dataset.num_examples("train")
+    if n == 0:
+        raise ConfigError("data", "the train split is empty")
+    unit, every = eval_interval(train.eval_every)
+    if n is None and (train.epochs is not None or unit == "epochs"):
+        raise ConfigError("train.epochs", "this dataset is an endless stream without epochs; set train.steps and an "
+                                          "eval_every in steps")
+    steps = int(train.steps) if train.steps is not None else math.ceil(float(train.epochs) * n / batch_size)
+    if unit == "steps":
+        return Budget(steps, batch_size, n, every_steps=int(every))
+    return Budget(steps, batch_size, n, every_epochs=every)
+
+
+# ----------------------------------------------------------------------------------------- evaluation
+def evaluate(task: Task, predict_step, state: TrainState, dataset, batch_size: int, split: str,
+             backend: EmbeddingBackend | None = None) -> dict[str, float]:
+    """Exact metrics over the whole `split` (short last batch padded, padding dropped); `backend` places each batch
+    (a mesh run splits it over the devices). Multi-host, each process reads only its share of every batch
+    (`backend.process_rows`), and every process computes the metrics over all processes' rows, each row once."""
+    backend = backend or LocalEmbedding(task.collection)
+    put, rows = backend.put_batch, backend.process_rows(batch_size)
+    labels, probs = [], []
+    share = {} if rows is None else {"rows": rows}
+    local_size = batch_size if rows is None else rows.stop - rows.start
+    for i, batch in enumerate(dataset.eval_batches(batch_size, split, **share)):
+        validate_batch(batch, task.spec, any_id=task.collection.any_id_features, where=f"{split} batch {i}")
+        n = batch.size
+        padded = pad_batch(batch, local_size)
+        p = backend.to_host(predict_step(state, put(padded)))
+        if rows is None:
+            probs.append(p[:n])
+            labels.append(batch.labels)
+        else:  # every process's labels and which rows are real (a share of the short last batch may be empty)
+            label, real = (backend.to_host(x) for x in put((padded.labels, np.arange(local_size) < n)))
+            probs.append(p[real])
+            labels.append(label[real])
+    labels, probs = np.concatenate(labels), np.concatenate(probs)
+    if not np.all(np.isfinite(probs)):
+        raise FloatingPointError("model produced non-finite predictions; lower the learning rates")
+    return metrics.binary_metrics(labels, probs)
+
+
+# ------------------------------------------------------------------------------------------ selection
+@dataclasses.dataclass
+class Selection:
+    """Best-step selection on the validation split, with early stopping after `patience` evaluations without
+    improvement (0 = never stop early)."""
+
+    select_on: str
+    patience: int
+    selectable_from: int = 0  # earlier evaluations are logged only (dynamic tables have not reached their budget)
+    best_step: int = 0
+    best_validation: dict = dataclasses.field(default_factory=dict)
+    test: dict = dataclasses.field(default_factory=dict)
+    last_validation: dict = dataclasses.field(default_factory=dict)
+    evals_without_improvement: int = 0
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+    def improves(self, validation: dict) -> bool:
+        if not self.best_validation:
+            return True
+        new, best = validation[self.select_on], self.best_validation[self.select_on]
+        return new > best if self.select_on == "auc" else new < best
+
+    def record(self, step: int, validation: dict) -> bool:
+        """Note an evaluation; True if it is the new best step (then score test for it)."""
+        if self.select_on == "auc" and not np.isfinite(validation["auc"]):
+            # One class only (e.g. a tiny validation split without clicks): AUC is undefined, logloss is not.
+            self.select_on = "logloss"
+            self.warnings.append(f"the validation split has one class only (click rate {validation['eval_ctr']:g} "
+                                 f"over {validation['eval_examples']} examples), so its AUC is undefined: selecting "
+                                 "on validation logloss instead; provide a larger validation split")
+            print(f"WARNING: {self.warnings[-1]}", flush=True)
+        self.last_validation = validation
+        if step < self.selectable_from:
+            return False
+        if self.improves(validation):
+            self.best_step, self.best_validation, self.evals_without_improvement = step, validation, 0
+            return True
+        self.evals_without_improvement += 1
+        return False
+
+    @property
+    def should_stop(self) -> bool:
+        return self.patience > 0 and self.evals_without_improvement >= self.patience

@@ -1,0 +1,136 @@
+"""What is trained: the `Task` (embedding collection, glue, model, both optimizers) built from a config.
+
+`build_task(config, spec)` plans the logical tables (`compression.plan.plan_tables`), compiles them to stacked physical
+tables (`EmbeddingCollection`), and makes the model and the dense / sparse optimizers with their schedules.
+"""
+
+import dataclasses
+from collections.abc import Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from compression import TableSpec
+from compression.plan import load_id_counts, plan_tables
+from recjax.embedding import EmbeddingCollection, EmbeddingGlue, resolve_dedup
+from recjax.errors import ConfigError
+from recjax.models import embedding_dim, make_model
+from recjax.sparse_optim import SPARSE_OPTIMIZERS, SparseOptimizer, make_sparse_optimizer
+from recjax.specs import DatasetSpec
+from recjax.validation import choice, config_errors, integer, known_keys, number
+
+DECAYS = ("none", "cosine")
+# The dense optimizers (optax), each the transform that scales the gradient before the learning rate.
+DENSE_OPTIMIZERS = {"sgd": optax.identity, "adam": optax.scale_by_adam,
+                    "adagrad": lambda: optax.scale_by_rss(initial_accumulator_value=0.0, eps=1e-8)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """Everything static a step needs: the embedding collection, the model and both optimizers."""
+
+    spec: DatasetSpec
+    collection: EmbeddingCollection
+    glue: nn.Module
+    model: nn.Module
+    dense_tx: optax.GradientTransformation
+    sparse_optimizer: SparseOptimizer
+    sparse_lr: optax.Schedule
+
+
+
+def table_specs(spec: DatasetSpec, config: ml_collections.ConfigDict, dataset=None,
+                train_examples: int | None = None) -> list[TableSpec]:
+    """One logical table per sparse feature, planned from `config.embedding` by `compression.plan.plan_tables`
+    (default method and options, per-table overrides in `tables`, size thresholds, mixed dims).
+
+    `config.embedding.id_counts` feeds per-id counts to md_blocks tables: "dataset" asks `dataset` for its
+    expected counts over the run's `train_examples`; any other non-empty value is the path of an .npz with one
+    array per feature.
+    """
+    embedding = config.embedding
+    source = embedding.get("id_counts", "")
+    counts = None
+    if source == "dataset":
+        if dataset is None or not hasattr(dataset, "id_counts"):
+            raise ConfigError("embedding.id_counts", f"'dataset', but dataset '{config.data.name}' has no expected id "
+                                                     "counts; pass an .npz of per-feature counts instead")
+        counts = dataset.id_counts(train_examples)
+    elif source:
+        counts = load_id_counts(source)
+    return plan_tables([f.name for f in spec.features], [f.vocab_size for f in spec.features], embedding_dim(config),
+                       embedding, id_counts=counts)
+
+
+def check_optimizer(config: Mapping) -> None:
+    known_keys(config, "optimizer", {"dense", "sparse", "warmup_steps", "decay"})
+    known_keys(config, "optimizer.dense", {"name", "learning_rate", "weight_decay"})
+    choice(config, "optimizer.dense.name", list(DENSE_OPTIMIZERS))
+    number(config, "optimizer.dense.learning_rate", above=0)
+    number(config, "optimizer.dense.weight_decay", at_least=0)
+    name = choice(config, "optimizer.sparse.name", sorted(SPARSE_OPTIMIZERS))
+    number(config, "optimizer.sparse.learning_rate", above=0)
+    number(config, "optimizer.sparse.weight_decay", at_least=0)
+    known_keys(config, "optimizer.sparse", {"name"} | {f.name for f in dataclasses.fields(SPARSE_OPTIMIZERS[name])})
+    integer(config, "optimizer.warmup_steps", 0)
+    choice(config, "optimizer.decay", DECAYS)
+
+
+def schedule(base_lr: float, config: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
+    """Linear warmup from 0 over `warmup_steps`, then constant (or cosine to 0 at `total_steps`)."""
+    warmup = int(config.optimizer.warmup_steps)
+    if config.optimizer.decay == "none":
+        if warmup == 0:
+            return optax.constant_schedule(base_lr)
+        return optax.linear_schedule(0.0, base_lr, warmup)
+    if config.optimizer.decay == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, base_lr, max(warmup, 1), total_steps)
+    raise ConfigError("optimizer.decay", f"unknown decay '{config.optimizer.decay}'; use one of {list(DECAYS)}")
+
+
+def _is_weight_matrix(params):
+    """Decay mask: kernels and other >= 2-d weights decay; biases and LayerNorm scales (1-d) do not."""
+    return jax.tree_util.tree_map(lambda x: jnp.ndim(x) >= 2, params)
+
+
+def make_dense_optimizer(config: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
+    """The dense optimizer, with decoupled weight decay (Loshchilov & Hutter 2019: AdamW; for SGD it equals L2)
+    scaled by the learning rate schedule like optax.adamw."""
+    dense = config.optimizer.dense
+    if dense.name not in DENSE_OPTIMIZERS:
+        raise ConfigError("optimizer.dense.name", f"unknown dense optimizer '{dense.name}'; use one of "
+                                                  f"{sorted(DENSE_OPTIMIZERS)}")
+    parts = [DENSE_OPTIMIZERS[dense.name]()]
+    if dense.get("weight_decay", 0.0):
+        parts.append(optax.add_decayed_weights(float(dense.weight_decay), mask=_is_weight_matrix))
+    parts.append(optax.scale_by_learning_rate(schedule(dense.learning_rate, config, total_steps)))
+    return optax.chain(*parts)
+
+
+def build_task(config: ml_collections.ConfigDict, spec: DatasetSpec, dataset=None, total_steps: int = 1) -> Task:
+    """`dataset` is only consulted for per-id counts (config.embedding.id_counts = "dataset"); `total_steps` sets
+    the cosine decay's end and the examples those counts cover."""
+    with config_errors("optimizer.sparse"):
+        sparse_optimizer = make_sparse_optimizer(config.optimizer.sparse)
+    with config_errors("embedding"):
+        examples = total_steps * int(config.train.batch_size)
+        embedding = config.embedding
+        kernel = embedding.get("kernel", "auto")
+        collection = EmbeddingCollection(spec, table_specs(spec, config, dataset, examples), embedding.pooling,
+                                         embedding.get("bounds_check", "zero"), kernel,
+                                         resolve_dedup(embedding.get("dedup", "auto"), kernel, sparse_optimizer,
+                                                       multi_hot=any(f.bag_size > 1 for f in spec.features)))
+    with config_errors("model"):
+        model = make_model(config.model, embedding_dim(config))
+    return Task(
+        spec=spec,
+        collection=collection,
+        glue=EmbeddingGlue(collection),
+        model=model,
+        dense_tx=make_dense_optimizer(config, total_steps),
+        sparse_optimizer=sparse_optimizer,
+        sparse_lr=schedule(config.optimizer.sparse.learning_rate, config, total_steps),
+    )
