@@ -141,7 +141,7 @@ def run_case(name: str, out: pathlib.Path) -> None:
     result["shardings"] = np.array(sorted({p.sharding for p in sharded.plan.placements}))
     # Storages whose all_to_all buckets are smaller than the worst case (a step takes the worst case on overflow).
     result["expected_buckets"] = sum(small < capacity for capacity, small in
-                                     (sharded.capacities(s, BATCH // 8) for s in sharded.storages.values()
+                                     (sharded.exchange.capacities(s, BATCH // 8) for s in sharded.storages.values()
                                       if s.kind in ("sharded", "model")))
     np.savez(out / f"{name}.npz", **result)
 

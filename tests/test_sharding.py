@@ -28,7 +28,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 
-def run_devices(out: pathlib.Path, cases: list[str], devices: int = 8, timeout: int = 900,
+def run_devices(out: pathlib.Path, cases: list[str], devices: int = 8, timeout: int | None = None,
                 script: str = "sharding_cases.py") -> None:
     """Run tests/`script` OUT CASES... in a subprocess with `devices` CPU devices."""
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(devices), "JAX_PLATFORMS": "cpu",

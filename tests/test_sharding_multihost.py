@@ -48,7 +48,7 @@ def launch(workdir, *flags) -> subprocess.Popen:
 
 def finish(process: subprocess.Popen) -> str:
     try:
-        process.wait(timeout=300)  # ~10 s each when idle
+        process.wait()
         timed_out = False
     except subprocess.TimeoutExpired:
         process.kill()  # a hung process (e.g. waiting on the other) must not outlive the test
