@@ -8,6 +8,7 @@ import math
 import pathlib
 import re
 import shutil
+import zlib
 
 import numpy as np
 import pyarrow as pa
@@ -261,6 +262,64 @@ def test_tsv_without_header_by_position_gzip_crlf_and_names(tmp_path):
     with pytest.raises(DataError, match=r"data\.csv\.column_names has 4 names but line 1 of .*has 5 fields"):
         tabular.prepare_tabular(options(**{**TSV, "csv.column_names": ("a", "b", "c", "d"), "label.column": "a",
                                            "dense.columns": (), "sparse.columns": ("c",), "sparse.multi_valued": ()}))
+
+
+def test_lines_ending_in_several_carriage_returns_read_like_plain_lines(tmp_path):
+    # "\r\r\n" is what converting a CRLF file to CRLF again gives: every '\r' before the '\n' is the line end.
+    text = (FIXTURES / "clicks_noheader.tsv").read_bytes()
+    lines = text.split(b"\n")[:-1]
+    ends = [b"\r\r\n", b"\r\n", b"\n", b"\r\r\r\n"]
+    (tmp_path / "crcr.tsv").write_bytes(b"".join(line + ends[i % 4] for i, line in enumerate(lines)))
+    reference = tabular.tabular_array_dataset(options(**TSV))
+    for chunk_bytes in (1 << 20, 90):
+        variant = options({"chunk_bytes": chunk_bytes}, **{**TSV, "dir": str(tmp_path), "files": "crcr.tsv"})
+        with tabular.prepare_tabular(variant) as prepared:
+            assert [(n, r) for _, n, r in prepared.report.first_skipped] == [
+                (4, "6 fields, expected 5 (delimiter '\\t'; a record cannot span lines)"),
+                (10, "column '1' = '12x' is not a number"), (20, "label column '0' is empty")]
+            for split in tabular.SPLITS:
+                a, b = reference.splits[split], all_blocks(prepared, split)
+                np.testing.assert_array_equal(a.labels, b.labels)
+                np.testing.assert_array_equal(a.dense, b.dense)
+                assert [a.ids[f].tolist() for f in a.ids] == [b.ids[f].tolist() for f in b.ids]
+
+    # A '\r' inside a line is still a bad line; a block (or file) of nothing but bad lines says why, line by line.
+    (tmp_path / "stray.csv").write_bytes(b"y,s\r\n1,a\rb\r\r\n0,c\r\n")
+    chunks, report = parse(options(dir=str(tmp_path), files="stray.csv", **{"label.column": "y",
+                                                                            "sparse.columns": ("s",)}))
+    assert [(n, r) for _, n, r in report.first_skipped] == [(2, "stray carriage return (\\r) inside the line")]
+    assert rows_of(chunks, "s") == [py_key("c")]
+    (tmp_path / "quotes.csv").write_text('y,s\n1,"a\n0,"b\n')
+    with pytest.raises(DataError, match=r"no valid rows in quotes\.csv \(2 lines: 0 rows kept, 2 bad lines skipped.*"
+                                        r"quotes\.csv:2: unterminated quoted field"):
+        tabular.prepare_tabular(options(dir=str(tmp_path), files="quotes.csv", **{"label.column": "y",
+                                                                                  "sparse.columns": ("s",)}))
+
+
+def test_a_truncated_gzip_file_is_named_with_its_last_complete_line(tmp_path):
+    rng = np.random.default_rng(1)
+    text = "y,x,s\n" + "".join(f"{rng.integers(2)},{rng.integers(100)},{rng.choice(list('abc'))}\n"
+                               for _ in range(3000))
+    compressed = gzip.compress(text.encode())
+    path = tmp_path / "cut.csv.gz"
+    path.write_bytes(compressed[:len(compressed) * 2 // 3])
+    decoder = zlib.decompressobj(wbits=31)
+    prefix = decoder.decompress(path.read_bytes())  # what can be decoded before the cut (the oracle)
+    assert not decoder.eof and not prefix.endswith(b"\n")
+    last_complete = prefix.count(b"\n")  # the header is line 1
+    fields = {"dir": str(tmp_path), "files": "cut.csv.gz", "label.column": "y", "dense.columns": ("x",),
+              "sparse.columns": ("s",)}
+    with tabular.prepare_tabular(options(**fields)) as prepared:
+        report = prepared.report
+        assert report.rows_kept == last_complete - 1 and report.skipped == 1
+        cut = "gzip stream ends before its end-of-stream marker (file cut short?)"
+        assert report.first_skipped == [(str(path), last_complete + 1, f"incomplete last line: {cut}")]
+        assert report.truncated_files == [(str(path), "gzip stream ends before its end-of-stream marker (file cut "
+                                                      f"short?); the last complete line is {last_complete}")]
+    with pytest.raises(DataError, match=rf"cut\.csv\.gz: gzip stream ends before its end-of-stream marker \(file cut "
+                                        rf"short\?\) \(in line {last_complete + 1}\): the file is truncated after line "
+                                        rf"{last_complete}; re-download or re-compress the file"):
+        tabular.prepare_tabular(options(**fields, strict=True))
 
 
 def _clean_table(path: pathlib.Path):

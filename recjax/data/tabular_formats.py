@@ -6,9 +6,10 @@ batches) and parses a unit on a worker thread (`parse_unit`) into a `ParsedChunk
 only Python loops are over columns, word positions and the first few bad lines' reasons.
 
 CSV (plain or gzip, any single-character delimiter, '"' quotes with "" escapes)
-    A block of whole lines (textio) is checked line by line with numpy -- blank lines (no bytes but an optional
-    '\r') are counted, a stray '\r' or an odd number of '"' is a bad line (a record cannot span lines: a quoted
-    newline leaves an unterminated quote on both halves) -- and the remaining lines are parsed by
+    A block of whole lines (textio) is checked line by line with numpy -- a line ends in '\n' and every '\r' right
+    before it ("\r\r\n" too: a CRLF file converted to CRLF again), blank lines (nothing else) are counted, a stray
+    '\r' or an odd number of '"' is a bad line (a record cannot span lines: a quoted newline leaves an unterminated
+    quote on both halves) -- and the remaining lines are parsed by
     `pyarrow.csv.read_csv(..., use_threads=False)`, whose `invalid_row_handler` reports rows with the wrong field
     count. Measured with pyarrow 26: `row.number` is 1-based among the non-blank lines handed to the reader (not
     the physical line; None with threads), so it is mapped back to the physical line, and the row's text is checked
@@ -491,8 +492,9 @@ def columns_to_chunk(path: str, file_index: int, positions: np.ndarray, columns:
 
 @dataclasses.dataclass(frozen=True, eq=False)  # holds arrays
 class _Lines:
-    """The lines of a block: buf u8 (the block, '\n'-terminated); per line start, end (before '\r\n' / '\n'),
-    newline (the '\n' position), number (1-based), blank, stray_cr (a '\r' not right before the '\n')."""
+    """The lines of a block: buf u8 (the block, '\n'-terminated); per line start, end (before the line end: the
+    '\n' and every '\r' right before it), newline (the '\n' position), number (1-based), blank, stray_cr (a '\r'
+    before `end`)."""
 
     buf: np.ndarray
     start: np.ndarray
@@ -513,12 +515,15 @@ def _lines(block: TextBlock) -> _Lines:
     newline = np.flatnonzero(buf == _NL)
     start = np.empty(newline.size, np.int64)
     start[:1], start[1:] = 0, newline[:-1] + 1
-    has_cr = (newline > start) & (buf[np.maximum(newline - 1, 0)] == _CR)
-    end = newline - has_cr
+    end = newline.copy()
     stray_cr = np.zeros(newline.size, bool)
     if b"\r" in data:
+        # Every '\r' right before the '\n' belongs to the line end: "\r\r\n" is what converting a CRLF file to
+        # CRLF again gives, and no field ends in a carriage return. A '\r' anywhere else is stray.
+        last_other = np.maximum.accumulate(np.where(buf != _CR, np.arange(buf.size), -1))
+        end = np.where(newline > start, np.maximum(last_other[np.maximum(newline - 1, 0)] + 1, start), start)
         crs = np.flatnonzero(buf == _CR)
-        stray_cr = np.searchsorted(crs, newline) - np.searchsorted(crs, start) > has_cr
+        stray_cr = _count_between(crs, start, end) > 0
     number = block.first_line + np.arange(newline.size, dtype=np.int64)
     return _Lines(buf, start, end, newline, number, end == start, stray_cr)
 
@@ -533,8 +538,9 @@ def _block_report(block: TextBlock, lines: _Lines, bad: np.ndarray, reasons_of: 
     bad_lines = np.flatnonzero(bad)
     reasons = tuple(reasons_of[int(i)] for i in bad_lines[:MAX_REPORTED])
     cut = block.cut_line
+    last_complete = (int(lines.number[-1]) - cut if lines.count else block.first_line - 1) if block.truncated else None
     return BlockReport(block.path, lines.count, lines.number[lines.blank & ~bad], lines.number[bad_lines], reasons,
-                       block.truncated, int(lines.number[-1]) if cut else None)
+                       block.truncated, int(lines.number[-1]) if cut else None, last_complete_line=last_complete)
 
 
 def _oversized(block: TextBlock, what: str) -> BlockReport:
@@ -662,19 +668,33 @@ def _read_csv(text: bytes, unit: CsvUnit, plan: ReadPlan, fast: bool) -> tuple[p
     return table, invalid
 
 
+def _line_text(lines: _Lines, chosen: np.ndarray) -> bytes:
+    """The lines `chosen` (ascending indices), each without its line end and followed by '\n'."""
+    size = lines.buf.size + 1
+    marks = np.bincount(lines.start[chosen], minlength=size) - np.bincount(lines.end[chosen], minlength=size)
+    inside = np.cumsum(marks[:-1]) > 0
+    inside[lines.newline[chosen]] = True
+    return lines.buf[inside].tobytes()
+
+
 def _parse_lines(block: TextBlock, lines: _Lines, structural: np.ndarray, reasons_of: dict[int, str],
-                 unit: CsvUnit, plan: ReadPlan) -> tuple[pa.Table, list[tuple[int, int, str]], np.ndarray]:
+                 unit: CsvUnit, plan: ReadPlan) -> tuple[pa.Table | None, list[tuple[int, int, str]], np.ndarray]:
     """pyarrow's parse of the block's lines but the structurally bad ones (marked in `structural`, which this may
-    extend): (table, wrong-count rows, the indices of the lines pyarrow numbered 1, 2, ...)."""
+    extend): (table, wrong-count rows, the indices of the lines pyarrow numbered 1, 2, ...); table None if no line
+    is left to parse."""
     while True:
-        # pyarrow sees the whole block if no line is excluded (it skips blank lines itself), else the others only.
-        if structural.any():
+        # pyarrow sees the whole block if no line is excluded (it skips blank lines itself) and every line ends in
+        # '\n' or '\r\n'; else the other lines only, each cut at `end` and given a '\n'.
+        extra_cr = bool(np.any(lines.newline - lines.end > 1))
+        if structural.any() or extra_cr:
             passed = np.flatnonzero(~structural & ~lines.blank)
-            text = lines.buf[np.repeat(~structural & ~lines.blank, lines.newline - lines.start + 1)].tobytes()
+            text = _line_text(lines, passed)
         else:
             passed = np.arange(lines.count)
             text = block.data
         nonblank = passed[~lines.blank[passed]]
+        if nonblank.size == 0:  # nothing for pyarrow (which calls an empty text "Empty CSV file")
+            return None, [], nonblank
         try:
             try:
                 table, invalid = _read_csv(text, unit, plan, fast=True)
@@ -719,6 +739,8 @@ def parse_csv(unit: CsvUnit, plan: ReadPlan) -> tuple[ParsedChunk, BlockReport]:
                               "unterminated quoted field (an odd number of '\"'); a record cannot span lines")
     table, invalid, nonblank = _parse_lines(block, lines, structural, reasons_of, unit, plan)
     bad = structural.copy()
+    if table is None:  # every line is blank or structurally bad
+        return _empty_chunk(path, unit.file_index, plan), _block_report(block, lines, bad, reasons_of)
     wrong_count = nonblank[np.array([number for number, _, _ in invalid], np.int64) - 1]
     for i, (_, _, text) in zip(wrong_count, invalid, strict=True):
         line = lines.buf[lines.start[i]:lines.end[i]].tobytes()
