@@ -202,6 +202,8 @@ def test_a_bad_cell_does_not_change_how_the_other_cells_of_its_block_convert(tmp
         assert [re.sub("'.*'", "V", r) for _, n, r in fast_report.first_skipped] == [
             re.sub("'.*'", "V", r) for _, n, r in slow_report.first_skipped if n == 2], cell
         assert [c.dense.tolist() for c in fast] == [c.dense.tolist() for c in slow], cell
+        assert [(c.dense_missing.tolist(), c.dense_nan.tolist()) for c in fast] == [
+            (c.dense_missing.tolist(), c.dense_nan.tolist()) for c in slow], cell
 
 
 # pyarrow's handler glue prints its own UnicodeDecodeError as "Exception ignored" before failing the parse.
@@ -425,6 +427,73 @@ def test_dense_transforms_use_train_statistics_only(tmp_path):
                              "set data.dense.clip_min or drop log1p for this column"),
             ("validation.csv", 3, "column 'a' = '-4.0': log1p needs values > -1 (after clip; the missing value is "
                                   "1.0); set data.dense.clip_min or drop log1p for this column")]
+
+
+def dense_cell_kind(cell: str) -> str:
+    """The documented class of a dense cell: "missing" (empty, NA, NULL, ...), "nan" (a spelling of NaN), "number"
+    or "bad" (not a number, or infinite)."""
+    if cell in ("", "NA", "NULL", "N/A", "null"):
+        return "missing"
+    text = cell.strip(" \t")
+    if text.lower().lstrip("+-") in ("nan", "1.#qnan", "1.#ind"):
+        return "nan"
+    try:
+        return "number" if math.isfinite(float(text)) else "bad"
+    except ValueError:
+        return "bad"
+
+
+def test_nan_dense_cells_are_imputed_and_counted_or_skipped(tmp_path):
+    cells = ["nan", "NaN", "-nan", "NAN", " nan", "+nan", "1.#QNAN", "-1.#IND", "NA", "", "NULL", "1.5", "abc", "inf",
+             "3"] * 5
+    (tmp_path / "d.csv").write_text("y,x,s\n" + "".join(f"{i % 2},{c},{'ab'[i % 3 % 2]}\n"
+                                                          for i, c in enumerate(cells)))
+    kinds = [dense_cell_kind(c) for c in cells]
+    fields = {"dir": str(tmp_path), "files": "d.csv", "label.column": "y", "dense.columns": ("x",),
+              "sparse.columns": ("s",), "dense.missing": -7.0}
+    for chunk_bytes in (1 << 20, 16):  # one block (read as text: 'abc' fails pyarrow's converter), or ~a line each
+        runtime = {"chunk_bytes": chunk_bytes}
+        chunks, report = parse(options(runtime, **fields))
+        kept = [k for k in kinds if k != "bad"]
+        assert np.concatenate([c.dense[:, 0] for c in chunks]).tolist() == [
+            float(c) if k == "number" else -7.0 for c, k in zip(cells, kinds, strict=True) if k != "bad"]
+        assert sum(int(c.dense_nan[0]) for c in chunks) == kept.count("nan") == 40
+        assert sum(int(c.dense_missing[0]) for c in chunks) == kept.count("missing") == 15
+        assert report.skipped == kinds.count("bad") == 10
+
+        chunks, report = parse(options(runtime, **fields, **{"dense.nan": "skip"}))
+        assert np.concatenate([c.positions for c in chunks]).tolist() == [
+            n for n, k in enumerate(kinds, 2) if k in ("number", "missing")]
+        assert sum(int(c.dense_nan[0]) for c in chunks) == 0
+        assert report.skipped == kinds.count("bad") + kinds.count("nan")
+        assert report.first_skipped[0] == (str(tmp_path / "d.csv"), 2, (
+            "column 'x' = 'nan' is NaN (data.dense.nan='skip'; 'impute' replaces NaN by data.dense.missing = -7 and "
+            "counts it)"))
+        assert [n for _, n, r in report.first_skipped if " is NaN " in r] == [2, 3, 4, 5, 6, 7, 8, 9]
+
+    # Parquet: a float NaN is NaN, a null is missing; libSVM: a dense index's NaN value likewise, an absent one missing.
+    pq.write_table(pa.table({"y": [1, 0, 1, 0], "x": [float("nan"), None, 1.5, float("nan")], "s": list("abab")}),
+                   tmp_path / "d.parquet")
+    chunks, _ = parse(options(**{**fields, "files": "d.parquet", "format": "parquet"}))
+    assert chunks[0].dense[:, 0].tolist() == [-7.0, -7.0, 1.5, -7.0]
+    assert (chunks[0].dense_nan.tolist(), chunks[0].dense_missing.tolist()) == ([2], [1])
+    (tmp_path / "d.libsvm").write_text("1 3:1 7:nan\n0 3:1 7:0.5\n1 3:1\n0 3:1 7:NaN\n")
+    libsvm = {"dir": str(tmp_path), "files": "d.libsvm", "format": "libsvm", "libsvm.fields": "bag",
+              "libsvm.dense_indices": (7,), "dense.missing": -7.0}
+    chunks, _ = parse(options(**libsvm))
+    assert chunks[0].dense[:, 0].tolist() == [-7.0, 0.5, -7.0, -7.0]
+    assert (chunks[0].dense_nan.tolist(), chunks[0].dense_missing.tolist()) == ([2], [1])
+    chunks, report = parse(options(**libsvm, **{"dense.nan": "skip"}))
+    assert chunks[0].positions.tolist() == [2, 3] and [n for _, n, _ in report.first_skipped] == [1, 4]
+    assert report.first_skipped[0][2].startswith("token '7:nan': dense index 7 is NaN (data.dense.nan='skip'")
+
+    # Prepared: the counts of every split are in the stats and on the console.
+    with tabular.prepare_tabular(options(**fields)) as prepared:
+        stats = prepared.stats.summary
+        assert (stats["dense"]["x"]["nan_imputed"], stats["dense"]["x"]["missing_imputed"]) == (40, 15)
+        assert tabular.summary_lines(stats) == [
+            "data: dense cells set to data.dense.missing = -7: x 15 empty / null + 40 NaN (data.dense.nan = 'impute'; "
+            "'skip' makes a line with a NaN a bad line)"]
 
 
 def test_frequency_vocabulary_by_hand_with_missing_and_unseen_values(tmp_path):

@@ -16,7 +16,8 @@ record cannot span lines: a quoted newline in a CSV file makes two bad lines.
 Examples (`recjax.batch.Batch`)
     labels  f32[n]: float(label) >= label.threshold, or (label.positive_values set) the label's text is one of them.
     dense   f32[n, D], columns in `dense.columns` order (libSVM: `libsvm.dense_indices`, named i<idx>). A missing
-            cell becomes `dense.missing`, then the column's chain runs in the fixed order clip -> log1p ->
+            cell becomes `dense.missing`, and so does a NaN cell unless `dense.nan` = "skip" makes its line bad
+            (both counted per column in the stats), then the column's chain runs in the fixed order clip -> log1p ->
             standardise (`dense.transform`, per column `dense.transforms`). Standardising uses the mean and
             (population) std of the train split's values after clip / log1p; a constant column (std 0) is only
             centred.
@@ -55,8 +56,8 @@ How it runs (`prepare_tabular`, every pass on `num_threads` threads, results mer
 
 Statistics (`stats`, a `VocabularyStats`): per feature the vocabulary, vocab size, bag size, train occurrences,
 raw distinct values in train, out-of-vocabulary and missing occurrences in train, truncated bags (every split),
-a log2 frequency histogram; per dense column its mean and std after clip / log1p on train; per-id train counts
-(index_counts.npz) for frequency-aware compression.
+a log2 frequency histogram; per dense column its transform, mean and std after clip / log1p on train, and the
+missing and NaN cells imputed (every split); per-id train counts (index_counts.npz) for frequency-aware compression.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ from recjax.batch import Batch
 from recjax.config_check import check_boolean, check_choice, check_integer, check_number, check_text
 from recjax.data.arrays import ArrayDataset, concatenate, rebatch
 from recjax.data.tabular_formats import (
+    DENSE_NAN,
     DENSE_STEPS,
     MISSING_INDEX_KEY,
     MISSING_STRING_KEY,
@@ -145,6 +147,10 @@ def default_data_config() -> ml_collections.ConfigDict:
     data.dense.clip_min = config_dict.placeholder(float)  # lower bound of "clip" (None = unbounded)
     data.dense.clip_max = config_dict.placeholder(float)  # upper bound of "clip" (None = unbounded)
     data.dense.missing = 0.0  # value of an empty / null dense cell, before the transforms
+    # A NaN cell ("nan", "NaN", a float NaN): "impute" = data.dense.missing like an empty cell, counted per column in
+    # the summary and on the console (pandas / numpy / Spark write missing floats as NaN, and a skipped row loses
+    # its other columns too); "skip" = a bad line, reported like "inf" or "abc".
+    data.dense.nan = "impute"
 
     data.sparse = ml_collections.ConfigDict()
     data.sparse.columns = ()  # categorical columns (names, or positions when csv.header=False)
@@ -259,6 +265,7 @@ class TabularOptions:
     dense_clip_min: float | None = None
     dense_clip_max: float | None = None
     dense_missing: float = 0.0
+    dense_nan: str = "impute"
     sparse_columns: tuple[str, ...] = ()
     sparse_multi_valued: tuple[str, ...] = ()
     sparse_separator: str = "|"
@@ -357,6 +364,7 @@ class TabularOptions:
             dense_clip_min=_number("dense.clip_min", get("dense", "clip_min"), optional=True),
             dense_clip_max=_number("dense.clip_max", get("dense", "clip_max"), optional=True),
             dense_missing=_number("dense.missing", get("dense", "missing")),
+            dense_nan=_choice("dense.nan", get("dense", "nan"), DENSE_NAN),
             sparse_columns=_names("sparse.columns", get("sparse", "columns")),
             sparse_multi_valued=_names("sparse.multi_valued", get("sparse", "multi_valued")),
             sparse_separator=_text("sparse.separator", get("sparse", "separator")),
@@ -384,7 +392,8 @@ class TabularOptions:
                       "positive_values": list(self.label_positive_values)},
             "dense": {"columns": list(self.dense_columns), "transform": "+".join(self.dense_transform) or "none",
                       "transforms": {c: "+".join(s) or "none" for c, s in self.dense_transforms},
-                      "clip_min": self.dense_clip_min, "clip_max": self.dense_clip_max, "missing": self.dense_missing},
+                      "clip_min": self.dense_clip_min, "clip_max": self.dense_clip_max, "missing": self.dense_missing,
+                      "nan": self.dense_nan},
             "sparse": {"columns": list(self.sparse_columns), "multi_valued": list(self.sparse_multi_valued),
                        "separator": self.sparse_separator, "max_bag_size": self.sparse_max_bag_size,
                        "vocab": self.sparse_vocab.vocab, "frequency_threshold": self.sparse_vocab.frequency_threshold,
@@ -508,7 +517,7 @@ class TabularOptions:
         return ReadPlan(
             format=self.format, label=self.label_column, label_threshold=self.label_threshold,
             positive_values=self.label_positive_values, dense=dense, clip_min=self.dense_clip_min,
-            clip_max=self.dense_clip_max, missing=self.dense_missing, sparse=self.sparse_columns,
+            clip_max=self.dense_clip_max, missing=self.dense_missing, nan=self.dense_nan, sparse=self.sparse_columns,
             multi_valued=frozenset(self.sparse_multi_valued), separator=self.sparse_separator,
             max_bag_size=self.sparse_max_bag_size,
             time_column=self.split_time_column if self.split_method == "time" else None,
@@ -670,6 +679,8 @@ class _Spilled:
     source: str
     time_numeric_at: int | None
     time_iso_at: int | None
+    dense_missing: np.ndarray  # i64[D] missing cells per dense column, imputed
+    dense_nan: np.ndarray  # i64[D] NaN cells per dense column, imputed (data.dense.nan = "impute")
     finals: dict[int, tuple[pathlib.Path, dict, int]] = dataclasses.field(default_factory=dict)
 
 
@@ -683,7 +694,7 @@ def _spill(chunk: ParsedChunk, split: np.ndarray | None, path: pathlib.Path) -> 
     return _Spilled(path, _write_arrays(path, arrays), chunk.size, split, chunk.time, tuple(chunk.sparse),
                     {name: v.max_length for name, v in chunk.sparse.items()},
                     {name: v.truncated for name, v in chunk.sparse.items()}, chunk.path, chunk.time_numeric_at,
-                    chunk.time_iso_at)
+                    chunk.time_iso_at, chunk.dense_missing, chunk.dense_nan)
 
 
 def _load(record: _Spilled) -> tuple[np.ndarray, np.ndarray, dict[str, tuple]]:
@@ -1037,13 +1048,29 @@ def _statistics(options: TabularOptions, plan: ReadPlan, vocabularies: Mapping[s
             "truncated_bags": int(sum(r.truncated.get(name, 0) for r in records)),
             "frequency_histogram": frequency_histogram(v.raw_counts),
         }
+    missing = sum((r.dense_missing for r in records), np.zeros(len(plan.dense), np.int64))
+    nan = sum((r.dense_nan for r in records), np.zeros(len(plan.dense), np.int64))
     dense = {column.name: {"transform": "+".join(column.steps) or "none", "mean": float(m), "std": float(s),
-                           "standardised": bool(z)}
-             for column, m, s, z in zip(plan.dense, mean, std, standardised, strict=True)}
+                           "standardised": bool(z), "missing_imputed": int(k), "nan_imputed": int(q)}
+             for column, m, s, z, k, q in zip(plan.dense, mean, std, standardised, missing, nan, strict=True)}
     summary = {"format": options.format, "split_method": options.split_method, "split_rows": dict(split_rows),
                "train_positives": positives, "vocab_sizes": [v.vocab_size for v in vocabularies.values()],
-               "features": features, "dense": dense}
+               "features": features, "dense": dense, "dense_missing": options.dense_missing,
+               "dense_nan": options.dense_nan}
     return VocabularyStats(summary, {name: v.index_counts for name, v in vocabularies.items()})
+
+
+def summary_lines(stats: Mapping[str, Any]) -> list[str]:
+    """What the console says about prepared tabular data (the summary's `tabular_stats`), after the parse report."""
+    lines = []
+    dense = stats.get("dense", {})
+    imputed = [(name, d["missing_imputed"], d["nan_imputed"]) for name, d in dense.items()
+               if d.get("missing_imputed") or d.get("nan_imputed")]
+    if imputed:
+        cells = ", ".join(f"{name} {k:,} empty / null + {q:,} NaN" for name, k, q in imputed)
+        lines.append(f"data: dense cells set to data.dense.missing = {stats['dense_missing']:g}: {cells} "
+                     f"(data.dense.nan = {stats['dense_nan']!r}; 'skip' makes a line with a NaN a bad line)")
+    return lines
 
 
 def tabular_array_dataset(options: TabularOptions, *, directory: str | pathlib.Path | None = None, seed: int = 0
@@ -1058,5 +1085,5 @@ def tabular_array_dataset(options: TabularOptions, *, directory: str | pathlib.P
 __all__ = [
     "FORMATS", "SPLITS", "FeatureVocabulary", "PreparedTabular", "TabularOptions", "VocabSettings",
     "default_data_config", "parse_chain", "prepare_tabular", "resolve_files", "source_paths", "split_uniform",
-    "tabular_array_dataset",
+    "summary_lines", "tabular_array_dataset",
 ]
