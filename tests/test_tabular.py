@@ -28,8 +28,7 @@ CSV_BAD = {
     17: "column 'price' = 'abc' is not a number",
     21: "column 'price' = 'inf' is infinite",
     25: "unterminated quoted field (an odd number of '\"'); a record cannot span lines",
-    30: "label column 'click' = 'x' is not a number (or set data.label.positive_values to the values that mean a "
-        "click)",
+    30: "label column 'click' = 'nan' is NaN",
 }
 M64 = 2**64
 
@@ -362,8 +361,9 @@ def test_parquet_gives_the_same_blocks_as_csv(tmp_path):
     assert from_csv.info()["tabular_stats"]["features"] == from_parquet.info()["tabular_stats"]["features"]
 
     # Text cells in a Parquet column are converted like CSV cells; a bad one is reported by its 1-based row.
-    prices = pa.array(["1.5", "", "abc", "2"], pa.string())
-    small = pa.table({"click": [1, 0, 1, 0], "t": [1, 2, 3, 4], "site_id": ["a", "b", "a", "b"], "price": prices})
+    prices = pa.array(["1.5", "", "abc", "2", "3"], pa.string())
+    small = pa.table({"click": [1, 0, 1, 0, 1], "t": [1, 2, 3, 4, 5], "site_id": ["a", "b", "a", "b", "a"],
+                      "price": prices})
     pq.write_table(small, tmp_path / "text.parquet")
     fields = {"dir": str(tmp_path), "files": "text.parquet", "format": "parquet", "label.column": "click",
               "dense.columns": ("price",), "sparse.columns": ("site_id",), "split.method": "time",
@@ -399,6 +399,50 @@ def test_label_binarisation_by_threshold_and_by_value_set(tmp_path):
     with tabular.prepare_tabular(by_answer) as prepared:
         assert all_blocks(prepared, "train").labels.tolist() == [0, 1, 1, 0]  # "No" is not "yes"
         assert [(n, r) for _, n, r in prepared.report.first_skipped] == [(3, "label column 'answer' is empty")]
+
+
+def test_label_values_are_checked_when_preparing(tmp_path):
+    # Text among numeric labels is a setting to fix, not a bad line: preparing stops once the files are read, naming
+    # every value, in lenient and strict mode, whatever the format.
+    rows = ["1", "no", "1", "no", "no", "0", "yes", "2"] * 5
+    (tmp_path / "mixed.csv").write_text("y,s\n" + "".join(f"{v},{'ab'[i % 2]}\n" for i, v in enumerate(rows)))
+    pq.write_table(pa.table({"y": rows, "s": ["a"] * len(rows)}), tmp_path / "mixed.parquet")
+    (tmp_path / "mixed.libsvm").write_text("".join(f"{v} 3:1\n" for v in rows))
+    fields = {"dir": str(tmp_path), "label.column": "y", "sparse.columns": ("s",)}
+    numbers = "the numbers: '1' x10, '0' x5, '2' x5. data.label.threshold (0.5) needs numbers: set " \
+              "data.label.positive_values to the values that mean a click (every other value is 0)"
+    for extra, name, where in (({"files": "mixed.csv"}, "label column 'y'", "mixed.csv, line 3"),
+                               ({"files": "mixed.csv", "strict": True}, "label column 'y'", "mixed.csv, line 3"),
+                               ({"files": "mixed.parquet", "format": "parquet"}, "label column 'y'",
+                                "mixed.parquet, row 2"),
+                               ({"files": "mixed.libsvm", "format": "libsvm", "label.column": "label",
+                                 "sparse.columns": ()}, "the label (each line's first token)", "mixed.libsvm, line 2")):
+        with pytest.raises(DataError, match=re.escape(f"data.label: {name} holds values that are not numbers: 'no' "
+                                                      f"x15, 'yes' x5 (the first in {where}); {numbers}")):
+            tabular.prepare_tabular(options(**{**fields, **extra}))
+
+    # With positive_values every text is a value: "yes", "1" and "2" are clicks; the console shows the values.
+    clicks = options(**fields, files="mixed.csv", **{"label.positive_values": ("yes", "1", "2")})
+    with tabular.prepare_tabular(clicks) as prepared:
+        labels = np.concatenate([all_blocks(prepared, split).labels for split in tabular.SPLITS])
+        assert sorted(labels.tolist()) == sorted(float(v in ("yes", "1", "2")) for v in rows)
+        stats = prepared.stats.summary
+        train, positives = stats["split_rows"]["train"], stats["train_positives"]
+        assert tabular.summary_lines(stats)[0] == (
+            f"data: label = label column 'y' in data.label.positive_values ['yes', '1', '2']: {positives} of {train} "
+            f"train rows positive ({positives / train:.1%}); values: 'no' x15, '1' x10, '0' x5, 'yes' x5, '2' x5")
+
+    # One class in train: an error naming the counts and the values, not a run whose AUC is NaN.
+    for values, positive in ((["0"] * 40, False), (["1", "2"] * 20, True)):
+        (tmp_path / "one.csv").write_text("y,s\n" + "".join(f"{v},a\n" for v in values))
+        shown = ", ".join(f"'{v}' x{values.count(v)}" for v in dict.fromkeys(values))
+        one_class = (r"data\.label: the train split has one class: (\d+) of (\d+) train rows are positive \(label = "
+                     rf"label column 'y' >= data\.label\.threshold = 0\.5; the label's values: {shown}\); a model "
+                     "cannot learn")
+        with pytest.raises(DataError, match=one_class) as error:
+            tabular.prepare_tabular(options(**fields, files="one.csv"))
+        found, rows_in_train = re.search(r"(\d+) of (\d+) train", str(error.value)).groups()
+        assert int(found) == (int(rows_in_train) if positive else 0)
 
 
 def test_dense_transforms_use_train_statistics_only(tmp_path):
@@ -491,7 +535,7 @@ def test_nan_dense_cells_are_imputed_and_counted_or_skipped(tmp_path):
     with tabular.prepare_tabular(options(**fields)) as prepared:
         stats = prepared.stats.summary
         assert (stats["dense"]["x"]["nan_imputed"], stats["dense"]["x"]["missing_imputed"]) == (40, 15)
-        assert tabular.summary_lines(stats) == [
+        assert tabular.summary_lines(stats)[1:] == [
             "data: dense cells set to data.dense.missing = -7: x 15 empty / null + 40 NaN (data.dense.nan = 'impute'; "
             "'skip' makes a line with a NaN a bad line)"]
 
@@ -588,7 +632,7 @@ def test_time_split_takes_the_latest_rows(tmp_path):
     # Instants: line 5 (01-01 09:00), 3 (01-01 10:00), 6 (01-01 23:00 UTC), 4 (01-02 00:00), 2 (01-03).
     assert dataset.splits["test"].ids["s"].size == 1 and dataset.splits["test"].labels.tolist() == [1.0]  # line 2
     assert dataset.splits["validation"].labels.tolist() == [1.0]  # line 4
-    (tmp_path / "bad_time.csv").write_text("y,t,s\n1,5,a\n0,soon,b\n1,6,a\n0,7,b\n1,,a\n1,8,b\n")
+    (tmp_path / "bad_time.csv").write_text("y,t,s\n1,5,a\n0,soon,b\n0,6,a\n0,7,b\n1,,a\n1,8,b\n")
     with tabular.prepare_tabular(options(**{**iso, "files": "bad_time.csv"})) as prepared:
         assert [(n, r) for _, n, r in prepared.report.first_skipped] == [
             (3, "time column 't' = 'soon' is neither a number nor an ISO-8601 date/time"),
@@ -625,7 +669,7 @@ def test_libfm_positional_fields_against_a_token_parse():
         (11, "token '200' is not index:value"),
         (16, "token '102:0.5': index 102 has a value other than 0 or 1; list the index in "
              "data.libsvm.dense_indices if it is a dense feature"),
-        (20, "label = 'abc' is not a number (or set data.label.positive_values to the values that mean a click)")]
+        (20, "label = 'nan' is NaN")]
     lines = (FIXTURES / "frappe.train.libfm").read_text().splitlines()
     good = [(n, line.split()) for n, line in enumerate(lines, 1) if n not in (5, 11, 16, 20)]
     assert np.concatenate([c.labels for c in chunks]).tolist() == [float(t[0] == "1") for _, t in good]
@@ -641,8 +685,7 @@ def test_libffm_fields_dense_index_and_absent_fields():
     assert [(n, r) for _, n, r in report.first_skipped] == [
         (3, "token '0:5' is not field:index:value"),
         (8, f"token '{second}': field 1 appears twice in the line (data.libsvm.fields='bag' reads multi-hot lines)"),
-        (12, f"label = '{lines[11].split()[0]}' is not a number (or set data.label.positive_values to the values "
-             "that mean a click)")]
+        (12, f"the line has no label: its first token '{lines[11].split()[0]}' is a feature")]
     good = [line.split() for n, line in enumerate(lines, 1) if n not in (3, 8, 12)]
     fields = [{t.split(":")[0]: t.split(":") for t in tokens[1:]} for tokens in good]
     assert sorted(chunks[0].sparse) == ["f0", "f1", "f2", "f3"]  # field 4 only holds the dense index 99
@@ -707,8 +750,8 @@ def test_data_errors_name_files_columns_and_what_the_split_needs(tmp_path):
         tabular.prepare_tabular(options(**{**CLICKS, "dir": str(tmp_path), "split.method": "time",
                                            "split.time_column": "hour", "split.validation_fraction": 0.05}))
     (tmp_path / "empty.csv").write_bytes(b"")
-    both = {**CLICKS, "dir": str(tmp_path), "files": "empty.csv,clicks.csv", "split.test_fraction": 0.3,
-            "split.validation_fraction": 0.3}
+    shutil.copy(FIXTURES / "clicks.csv", tmp_path / "all.csv")
+    both = {**CLICKS, "dir": str(tmp_path), "files": "empty.csv,all.csv"}
     with tabular.prepare_tabular(options(**both)) as prepared:
         assert prepared.report.empty_files == [str(tmp_path / "empty.csv")]
     with pytest.raises(DataError, match=r"empty\.csv: the file is empty; expected CSV rows"):

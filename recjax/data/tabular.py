@@ -15,6 +15,8 @@ record cannot span lines: a quoted newline in a CSV file makes two bad lines.
 
 Examples (`recjax.batch.Batch`)
     labels  f32[n]: float(label) >= label.threshold, or (label.positive_values set) the label's text is one of them.
+            With the threshold, a label that is not a number ("no") is no bad line but an error once every file is
+            read, naming the values seen; a train split of one class is an error too (AUC needs both).
     dense   f32[n, D], columns in `dense.columns` order (libSVM: `libsvm.dense_indices`, named i<idx>). A missing
             cell becomes `dense.missing`, and so does a NaN cell unless `dense.nan` = "skip" makes its line bad
             (both counted per column in the stats), then the column's chain runs in the fixed order clip -> log1p ->
@@ -79,6 +81,7 @@ from recjax.data.arrays import ArrayDataset, concatenate, rebatch
 from recjax.data.tabular_formats import (
     DENSE_NAN,
     DENSE_STEPS,
+    LABEL_VALUES,
     MISSING_INDEX_KEY,
     MISSING_STRING_KEY,
     DenseColumn,
@@ -681,6 +684,7 @@ class _Spilled:
     time_iso_at: int | None
     dense_missing: np.ndarray  # i64[D] missing cells per dense column, imputed
     dense_nan: np.ndarray  # i64[D] NaN cells per dense column, imputed (data.dense.nan = "impute")
+    label_values: dict[str, int]  # {the label's text: rows}, the most frequent
     finals: dict[int, tuple[pathlib.Path, dict, int]] = dataclasses.field(default_factory=dict)
 
 
@@ -694,7 +698,7 @@ def _spill(chunk: ParsedChunk, split: np.ndarray | None, path: pathlib.Path) -> 
     return _Spilled(path, _write_arrays(path, arrays), chunk.size, split, chunk.time, tuple(chunk.sparse),
                     {name: v.max_length for name, v in chunk.sparse.items()},
                     {name: v.truncated for name, v in chunk.sparse.items()}, chunk.path, chunk.time_numeric_at,
-                    chunk.time_iso_at, chunk.dense_missing, chunk.dense_nan)
+                    chunk.time_iso_at, chunk.dense_missing, chunk.dense_nan, chunk.label_values)
 
 
 def _load(record: _Spilled) -> tuple[np.ndarray, np.ndarray, dict[str, tuple]]:
@@ -896,16 +900,27 @@ def _prepare(options: TabularOptions, plan: ReadPlan, sources: _Sources, directo
         record = None
         if chunk.size:
             record = _spill(chunk, _assign(chunk, options, sources), folder / f"chunk_{next(counter):07d}.bin")
-        return record, block_report, chunk.size
+        unknown = (chunk.unknown_labels, chunk.path, chunk.unknown_label_at)
+        return record, block_report, chunk.size, unknown
 
     expected = {"csv": f"CSV rows (delimiter {options.csv_delimiter!r})", "parquet": "Parquet rows",
                 "libsvm": "libSVM lines (label idx:val ...)"}[options.format]
+    line_word = "row" if options.format == "parquet" else "line"
     records: list[_Spilled] = []
-    for record, block_report, rows in ordered_map(parse, units(sources.paths, plan), options.num_threads):
+    unknown_labels: dict[str, int] = {}
+    first_unknown = None
+    for record, block_report, rows, (unknown, path, at) in ordered_map(parse, units(sources.paths, plan),
+                                                                      options.num_threads):
         merge_report(report, block_report, rows, strict=options.strict, expected=expected,
-                     lenient_hint="set data.strict=False", line_word="row" if options.format == "parquet" else "line")
+                     lenient_hint="set data.strict=False", line_word=line_word)
         if record is not None:
             records.append(record)
+        unknown_labels = _add_counts(unknown_labels, unknown)
+        if unknown and first_unknown is None:
+            first_unknown = (path, at)
+    label_values = _label_values(records)
+    if unknown_labels:
+        raise _unknown_labels_error(options, unknown_labels, first_unknown, label_values, directory, line_word)
     if not records:
         raise DataError(f"no valid rows in {_describe_files(sources.paths, directory)} ({report.summary()}); check "
                          "data.format, data.csv.delimiter and the columns")
@@ -948,6 +963,11 @@ def _prepare(options: TabularOptions, plan: ReadPlan, sources: _Sources, directo
                 counters[name].add(np.array([missing_key], np.int64), np.array([fitted["rows"]], np.int64))
             empty_bags[name] += fitted["empty_bags"].get(name, 0)
     train_rows, mean, m2 = moments
+    if positives in (0, train_rows):
+        raise DataError(f"data.label: the train split has one class: {positives:,} of {train_rows:,} train rows are "
+                        f"positive (label = {_label_rule(options)}; the label's values: {_shown(label_values)}); a "
+                        "model cannot learn from one class, and AUC is undefined. Check data.label.column, "
+                        "data.label.threshold and data.label.positive_values")
     std = np.sqrt(m2 / max(train_rows, 1))
     standardised = np.array(["standardise" in d.steps for d in plan.dense], bool)
     dense_shift = np.where(standardised, mean, 0.0)
@@ -981,9 +1001,55 @@ def _prepare(options: TabularOptions, plan: ReadPlan, sources: _Sources, directo
 
     spec = DatasetSpec(num_dense=num_dense, features=tuple(
         FeatureSpec(name, v.vocab_size, v.bag_size) for name, v in vocabularies.items()))
-    stats = _statistics(options, plan, vocabularies, records, split_rows, positives, mean, std, standardised)
+    stats = _statistics(options, plan, vocabularies, records, split_rows, positives, mean, std, standardised,
+                        label_values)
     return PreparedTabular(spec, stats, report, options, block_rows, split_rows, vocabularies, dense_shift,
                            dense_scale, records, spill_directory)
+
+
+def _add_counts(total: dict[str, int], more: Mapping[str, int]) -> dict[str, int]:
+    """Counts of values added, the LABEL_VALUES most frequent kept (ties: first seen)."""
+    if not more:
+        return total
+    merged = dict(total)
+    for value, count in more.items():
+        merged[value] = merged.get(value, 0) + count
+    return dict(sorted(merged.items(), key=lambda item: -item[1])[:LABEL_VALUES])
+
+
+def _label_values(records: Sequence[_Spilled]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for record in records:
+        total = _add_counts(total, record.label_values)
+    return total
+
+
+def _shown(counts: Mapping[str, int], limit: int = 10) -> str:
+    """{'0': 1600, 'no': 3} -> "'0' x1,600, 'no' x3" (the first `limit`)."""
+    text = ", ".join(f"{value!r} x{count:,}" for value, count in list(counts.items())[:limit])
+    return (text + (", ..." if len(counts) > limit else "")) or "none"
+
+
+def _label_name(options: TabularOptions) -> str:
+    return "the label (each line's first token)" if options.format == "libsvm" else \
+        f"label column {options.label_column!r}"
+
+
+def _label_rule(options: TabularOptions) -> str:
+    """How a label value becomes 1, for messages."""
+    if options.label_positive_values:
+        return f"{_label_name(options)} in data.label.positive_values {list(options.label_positive_values)}"
+    return f"{_label_name(options)} >= data.label.threshold = {options.label_threshold:g}"
+
+
+def _unknown_labels_error(options: TabularOptions, unknown: Mapping[str, int], first: tuple[str, int],
+                          numbers: Mapping[str, int], directory: str, line_word: str) -> DataError:
+    path, at = first
+    where = _describe_files([path], directory)
+    return DataError(f"data.label: {_label_name(options)} holds values that are not numbers: {_shown(unknown)} (the "
+                     f"first in {where}, {line_word} {at}); the numbers: {_shown(numbers)}. data.label.threshold "
+                     f"({options.label_threshold:g}) needs numbers: set data.label.positive_values to the values that "
+                     "mean a click (every other value is 0), or data.label.column to the label's column")
 
 
 def _assign_by_time(records: list[_Spilled], options: TabularOptions) -> None:
@@ -1034,7 +1100,7 @@ def _check_splits(split_rows: dict[str, int], options: TabularOptions, sources: 
 
 def _statistics(options: TabularOptions, plan: ReadPlan, vocabularies: Mapping[str, FeatureVocabulary],
                 records: Sequence[_Spilled], split_rows: Mapping[str, int], positives: int, mean: np.ndarray,
-                std: np.ndarray, standardised: np.ndarray) -> VocabularyStats:
+                std: np.ndarray, standardised: np.ndarray, label_values: Mapping[str, int]) -> VocabularyStats:
     features = {}
     for name, v in vocabularies.items():
         settings = {"vocab": v.settings.vocab}
@@ -1054,7 +1120,9 @@ def _statistics(options: TabularOptions, plan: ReadPlan, vocabularies: Mapping[s
                            "standardised": bool(z), "missing_imputed": int(k), "nan_imputed": int(q)}
              for column, m, s, z, k, q in zip(plan.dense, mean, std, standardised, missing, nan, strict=True)}
     summary = {"format": options.format, "split_method": options.split_method, "split_rows": dict(split_rows),
-               "train_positives": positives, "vocab_sizes": [v.vocab_size for v in vocabularies.values()],
+               "train_positives": positives, "label": {"positive_when": _label_rule(options),
+                                                       "values": dict(label_values)},
+               "vocab_sizes": [v.vocab_size for v in vocabularies.values()],
                "features": features, "dense": dense, "dense_missing": options.dense_missing,
                "dense_nan": options.dense_nan}
     return VocabularyStats(summary, {name: v.index_counts for name, v in vocabularies.items()})
@@ -1063,6 +1131,10 @@ def _statistics(options: TabularOptions, plan: ReadPlan, vocabularies: Mapping[s
 def summary_lines(stats: Mapping[str, Any]) -> list[str]:
     """What the console says about prepared tabular data (the summary's `tabular_stats`), after the parse report."""
     lines = []
+    label, train = stats.get("label"), stats["split_rows"]["train"]
+    if label:
+        lines.append(f"data: label = {label['positive_when']}: {stats['train_positives']:,} of {train:,} train rows "
+                     f"positive ({stats['train_positives'] / max(train, 1):.1%}); values: {_shown(label['values'])}")
     dense = stats.get("dense", {})
     imputed = [(name, d["missing_imputed"], d["nan_imputed"]) for name, d in dense.items()
                if d.get("missing_imputed") or d.get("nan_imputed")]

@@ -71,6 +71,7 @@ NULL_MARKERS = tuple(pa_csv.ConvertOptions().null_values)  # pyarrow's: "", "NA"
 # about; the others ("", "NA", "NULL", "N/A", ...) say the value is missing.
 NAN_MARKERS = tuple(m for m in NULL_MARKERS if re.fullmatch(r"(?i)[+-]?(nan|1\.#(qnan|ind))", m))
 MISSING_MARKERS = tuple(m for m in NULL_MARKERS if m not in NAN_MARKERS)
+LABEL_VALUES = 20  # distinct label values counted per chunk and in the summary (the most frequent)
 DENSE_NAN = ("impute", "skip")  # data.dense.nan: a NaN dense cell is data.dense.missing (counted), or a bad line
 DENSE_STEPS = ("clip", "log1p", "standardise")  # the transform chain, in the order it is applied
 MAX_INDEX_DIGITS = 18  # libSVM indices: 10**18 - 1 < 2**63 - 1
@@ -161,7 +162,10 @@ class ParsedChunk:
 
     positions: i64[n] 1-based line (text) or row (Parquet) numbers in `path`; labels: f32[n] in {0, 1};
     dense: f32[n, D] (missing -> plan.missing, then clip / log1p); dense_missing / dense_nan: i64[D] the rows' cells
-    that were missing / NaN (and imputed) per column; time: f64[n] or None (numbers as they are,
+    that were missing / NaN (and imputed) per column; label_values: {the label's text: rows} of the rows (the
+    LABEL_VALUES most frequent); unknown_labels: {text: lines} of the labels that are not numbers (threshold mode;
+    those lines are left out, and preparing stops), the first at position unknown_label_at; time: f64[n] or None
+    (numbers as they are,
     ISO-8601 as unix seconds); time_numeric_at / time_iso_at: the first position holding each kind of time value
     (a column must not mix them); sparse: {feature: SparseValues} (ffm: only the fields the unit has).
     """
@@ -177,6 +181,9 @@ class ParsedChunk:
     time_iso_at: int | None = None
     dense_missing: np.ndarray | None = None
     dense_nan: np.ndarray | None = None
+    label_values: dict[str, int] = dataclasses.field(default_factory=dict)
+    unknown_labels: dict[str, int] = dataclasses.field(default_factory=dict)
+    unknown_label_at: int | None = None
 
     def __post_init__(self):
         columns = self.dense.shape[1]
@@ -313,15 +320,48 @@ class _Check:
     explain: Callable[[int], str]
 
 
-def _label_checks(array: pa.Array, plan: ReadPlan, name: str | None = None) -> tuple[np.ndarray, list[_Check]]:
-    """labels f32[n] in {0, 1} and the checks that make a row's label bad. name: how messages call the label."""
+@dataclasses.dataclass(frozen=True, eq=False)  # holds arrays
+class _LabelColumn:
+    """A label column read: labels f32[n] in {0, 1}; the checks that make a row's label bad (empty, NaN, infinite);
+    unknown bool[n]: (threshold mode) a label that is not a number -- no bad line, since the label column's values are
+    a setting to fix rather than a broken line: the rows are left out and preparing stops once every file is read,
+    listing the values (tabular.py); numbers f64[n] (threshold mode) or raw bytes (positive_values) to count values."""
+
+    labels: np.ndarray
+    checks: list[_Check]
+    unknown: np.ndarray
+    numbers: np.ndarray | None = None
+    raw: pa.Array | None = None
+
+    def value_counts(self, rows: np.ndarray) -> dict[str, int]:
+        """{the label's text: rows} among `rows` (bool[n]), the LABEL_VALUES most frequent (numbers as %g)."""
+        if self.numbers is not None:
+            values, counts = np.unique(self.numbers[rows], return_counts=True)
+            top = np.argsort(-counts, kind="stable")[:LABEL_VALUES]
+            return {f"{values[k]:g}": int(counts[k]) for k in top}
+        return _text_counts(self.raw, rows)
+
+    def unknown_counts(self) -> dict[str, int]:
+        return _text_counts(self.raw, self.unknown) if self.unknown.any() else {}
+
+
+def _text_counts(raw: pa.Array, rows: np.ndarray) -> dict[str, int]:
+    counted = pc.value_counts(raw.filter(pa.array(rows)))
+    values, counts = counted.field("values").to_pylist(), counted.field("counts").to_numpy(zero_copy_only=False)
+    top = np.argsort(-counts, kind="stable")[:LABEL_VALUES]
+    return {(values[k] or b"").decode("utf-8", "replace"): int(counts[k]) for k in top}
+
+
+def _label_column(array: pa.Array, plan: ReadPlan, name: str | None = None) -> _LabelColumn:
+    """The labels and their checks. name: how messages call the label."""
     name = name or f"label column '{plan.label}'"
+    n = len(array)
+    raw = _as_bytes(array)
     if plan.positive_values:
-        raw = _as_bytes(array)
         empty = pc.or_(pc.is_null(raw), pc.equal(pc.binary_length(raw), 0)).to_numpy(zero_copy_only=False)
         positive = pc.is_in(raw, value_set=pa.array([v.encode() for v in plan.positive_values], raw.type))
         labels = positive.to_numpy(zero_copy_only=False).astype(np.float32)
-        return labels, [_Check(empty, lambda i: f"{name} is empty")]
+        return _LabelColumn(labels, [_Check(empty, lambda i: f"{name} is empty")], np.zeros(n, bool), raw=raw)
     try:
         values, missing, not_number, nan = _numbers(array)
     except TypeError as error:
@@ -329,13 +369,11 @@ def _label_checks(array: pa.Array, plan: ReadPlan, name: str | None = None) -> t
                          "a click") from None
     infinite = np.isinf(values)
     labels = (np.nan_to_num(values, nan=-np.inf) >= plan.label_threshold).astype(np.float32)
-    return labels, [
+    return _LabelColumn(labels, [
         _Check(missing, lambda i: f"{name} is empty"),
         _Check(nan, lambda i: f"{name} = {_text(array, i)} is NaN"),
-        _Check(not_number, lambda i: f"{name} = {_text(array, i)} is not a number (or set "
-                                     "data.label.positive_values to the values that mean a click)"),
         _Check(infinite, lambda i: f"{name} = {_text(array, i)} is not finite"),
-    ]
+    ], not_number, numbers=values, raw=raw)
 
 
 def transform_dense(values: np.ndarray, column: DenseColumn, plan: ReadPlan) -> tuple[np.ndarray, np.ndarray]:
@@ -492,7 +530,8 @@ def columns_to_chunk(path: str, file_index: int, positions: np.ndarray, columns:
                      plan: ReadPlan) -> tuple[ParsedChunk, np.ndarray, list[str]]:
     """Columns of n rows -> (the chunk of the good rows, bad rows' positions i64[b], reasons of the first
     MAX_REPORTED of them)."""
-    labels, checks = _label_checks(columns[plan.label], plan)
+    label = _label_column(columns[plan.label], plan)
+    labels, checks = label.labels, list(label.checks)
     dense, dense_checks, missing_cells, nan_cells = _dense_checks([columns[d.name] for d in plan.dense], plan,
                                                                   positions.size)
     checks += dense_checks
@@ -506,8 +545,10 @@ def columns_to_chunk(path: str, file_index: int, positions: np.ndarray, columns:
     bad_rows = np.flatnonzero(bad)
     reasons = _first_reasons(checks, bad_rows[:MAX_REPORTED])
     sparse_arrays = {name: columns[name] for name in plan.sparse}
-    if bad_rows.size:
-        keep = ~bad
+    keep = ~bad & ~label.unknown
+    label_values, unknown_labels = label.value_counts(keep), label.unknown_counts()
+    unknown_at = int(positions[np.argmax(label.unknown)]) if unknown_labels else None
+    if not keep.all():
         labels, dense, positions = labels[keep], dense[keep], positions[keep]
         missing_cells, nan_cells = missing_cells[keep], nan_cells[keep]
         if time is not None:
@@ -520,8 +561,8 @@ def columns_to_chunk(path: str, file_index: int, positions: np.ndarray, columns:
         numeric_at = int(positions[np.argmin(iso)]) if not iso.all() else None
         iso_at = int(positions[np.argmax(iso)]) if iso.any() else None
     chunk = ParsedChunk(path, file_index, positions, labels, dense, time, sparse, numeric_at, iso_at,
-                        missing_cells.sum(axis=0), nan_cells.sum(axis=0))
-    return chunk, np.flatnonzero(bad), reasons
+                        missing_cells.sum(axis=0), nan_cells.sum(axis=0), label_values, unknown_labels, unknown_at)
+    return chunk, bad_rows, reasons
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -926,13 +967,18 @@ def parse_libsvm(unit: LibsvmUnit, plan: ReadPlan) -> tuple[ParsedChunk, BlockRe
     reasons_of = {int(i): f"incomplete last line: {block.truncated}" if cut[i] else
                   "stray carriage return (\\r) inside the line" for i in np.flatnonzero(structural)[:MAX_REPORTED]}
 
-    # Labels: the first token of each line.
+    # Labels: the first token of each line; a first token with a ':' is a feature (the line has no label).
+    colons = np.flatnonzero(buf == _COLON)
     label_lines = np.flatnonzero(~blank)
     label_tok = first_tok[label_lines]
     label_array = _gather_bytes(buf, tok_start[label_tok], tok_end[label_tok])
-    label_values, label_checks = _label_checks(label_array, plan, name="label")
+    no_label = _count_between(colons, tok_start[label_tok], tok_end[label_tok]) > 0
+    label = _label_column(label_array, plan, name="label")
+    label = dataclasses.replace(label, unknown=label.unknown & ~no_label)
+    label_checks = [_Check(no_label, lambda k: f"the line has no label: its first token {_text(label_array, k)} is "
+                                               "a feature")] + label.checks
     labels = np.zeros(count, np.float32)
-    labels[label_lines] = label_values
+    labels[label_lines] = label.labels
     label_bad = np.zeros(label_lines.size, bool)
     for check in label_checks:
         label_bad |= check.bad
@@ -940,6 +986,8 @@ def parse_libsvm(unit: LibsvmUnit, plan: ReadPlan) -> tuple[ParsedChunk, BlockRe
         reasons_of[int(label_lines[k])] = next(c for c in label_checks if c.bad[k]).explain(int(k))
     bad = structural.copy()
     bad[label_lines[label_bad]] = True
+    unknown = np.zeros(count, bool)  # no bad line: the label's values are listed once every file is read
+    unknown[label_lines[label.unknown]] = True
 
     # Feature tokens: index:value (or field:index:value). Indices by digit arithmetic; values "0" / "1" directly,
     # anything else through pyarrow.
@@ -947,7 +995,6 @@ def parse_libsvm(unit: LibsvmUnit, plan: ReadPlan) -> tuple[ParsedChunk, BlockRe
     is_feature[label_tok] = False
     feat = np.flatnonzero(is_feature)
     f_start, f_end, f_line = tok_start[feat], tok_end[feat], tok_line[feat]
-    colons = np.flatnonzero(buf == _COLON)
     first_colon = np.searchsorted(colons, f_start)
     shape_ok = np.searchsorted(colons, f_end) - first_colon == (2 if ffm else 1)
     last = max(colons.size - 1, 0)
@@ -1042,7 +1089,7 @@ def parse_libsvm(unit: LibsvmUnit, plan: ReadPlan) -> tuple[ParsedChunk, BlockRe
                                   f"the missing value is {plan.missing}); set data.dense.clip_min or drop log1p")
         bad |= bad_log & ~blank
 
-    good = ~blank & ~bad
+    good = ~blank & ~bad & ~unknown
     rows = np.flatnonzero(good)
     n = rows.size
     row_of_line = np.full(count, -1, np.int64)
@@ -1071,8 +1118,11 @@ def parse_libsvm(unit: LibsvmUnit, plan: ReadPlan) -> tuple[ParsedChunk, BlockRe
         distinct, inverse = np.unique(values, return_inverse=True)
         sparse = {"features": SparseValues(distinct, inverse.astype(np.int32), lengths, truncated)}
 
+    unknown_labels = label.unknown_counts()
     chunk = ParsedChunk(path, unit.file_index, lines.number[rows], labels[rows], dense_out[rows], None, sparse,
-                        dense_missing=missing_cells[rows].sum(axis=0), dense_nan=nan_cells[rows].sum(axis=0))
+                        dense_missing=missing_cells[rows].sum(axis=0), dense_nan=nan_cells[rows].sum(axis=0),
+                        label_values=label.value_counts(good[label_lines]), unknown_labels=unknown_labels,
+                        unknown_label_at=int(lines.number[np.argmax(unknown)]) if unknown_labels else None)
     return chunk, _block_report(block, dataclasses.replace(lines, blank=blank), bad & ~blank, reasons_of)
 
 
