@@ -56,8 +56,9 @@ def py_key(value: str | bytes) -> int:
     return h & (2**63 - 1)
 
 
-def py_uniform(seed: int, file_index: int, position: int) -> float:
-    x = py_mix(py_mix((seed + 0x9E3779B97F4A7C15) % M64) ^ (file_index << 40 | position))
+def py_uniform(seed: int, row: int) -> float:
+    """The random split's draw for valid row `row` (0-based, in file order)."""
+    x = py_mix(py_mix((seed + 0x9E3779B97F4A7C15) % M64) ^ row)
     return (x >> 11) * 2.0**-53
 
 
@@ -155,10 +156,9 @@ def test_string_keys_equal_the_plain_python_hash():
 
 
 def test_split_draw_equals_the_plain_python_draw():
-    positions = np.array([1, 2, 3, 1000, 2**39], np.int64)
-    for seed, file_index in ((0, 0), (7, 3)):
-        got = tabular.split_uniform(seed, file_index, positions)
-        assert got.tolist() == [py_uniform(seed, file_index, int(p)) for p in positions]
+    rows = np.array([0, 1, 2, 3, 1000, 2**39, 2**62], np.int64)
+    for seed in (0, 7, 2**63 - 1):
+        assert tabular.split_uniform(seed, rows).tolist() == [py_uniform(seed, int(r)) for r in rows]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -594,8 +594,8 @@ def test_random_split_follows_the_per_row_draw_and_is_deterministic():
     fields = {**CLICKS, "split.seed": 3, "split.validation_fraction": 0.2, "split.test_fraction": 0.2}
     good, _, _ = reference_csv(FIXTURES / "clicks.csv", label="click", dense=("price",))
     expected = {split: [] for split in tabular.SPLITS}
-    for line in sorted(good):
-        u = py_uniform(3, 0, line)
+    for row, line in enumerate(sorted(good)):
+        u = py_uniform(3, row)
         split = "train" if u < 0.6 else "validation" if u < 0.8 else "test"
         expected[split].append(float(float(good[line]["click"]) >= 0.5))
     runs = [tabular.tabular_array_dataset(options({"chunk_bytes": chunk, "num_threads": threads}, **fields))
@@ -607,6 +607,36 @@ def test_random_split_follows_the_per_row_draw_and_is_deterministic():
             assert a.dense.tobytes() == b.dense.tobytes() and a.labels.tobytes() == b.labels.tobytes()
             assert all(a.ids[f].tobytes() == b.ids[f].tobytes() for f in a.ids)
     assert sum(len(v) for v in expected.values()) == 34  # every valid row in exactly one split
+
+
+def test_random_split_is_the_same_from_csv_parquet_and_libsvm(tmp_path):
+    # The same rows as two CSV files (a header each, a blank and a bad line), one Parquet file (row groups of 7) and a
+    # libSVM file: each split must hold the same rows -- told apart by a dense row number r -- as the oracle's draw
+    # for the k-th valid row says.
+    rng = np.random.default_rng(3)
+    n = 60
+    labels, sites = rng.integers(0, 2, n), rng.choice(["a", "b", "c"], n)
+    csv_lines = [f"{y},{r},{s}" for r, (y, s) in enumerate(zip(labels, sites, strict=True))]
+    (tmp_path / "part1.csv").write_text("y,r,s\n" + "\n".join(csv_lines[:25]) + "\n\n1,x,2,3\n")
+    (tmp_path / "part2.csv").write_text("y,r,s\n" + "\n".join(csv_lines[25:]) + "\n")
+    pq.write_table(pa.table({"y": labels, "r": np.arange(n), "s": sites}), tmp_path / "all.parquet", row_group_size=7)
+    (tmp_path / "all.libsvm").write_text("".join(f"{y} 0:{r} {10 + 'abc'.index(s)}:1\n"
+                                                 for r, (y, s) in enumerate(zip(labels, sites, strict=True))))
+    common = {"dir": str(tmp_path), "split.seed": 11, "split.validation_fraction": 0.25, "split.test_fraction": 0.25}
+    columns = {"label.column": "y", "dense.columns": ("r",), "sparse.columns": ("s",)}
+    variants = [options(**common, **columns, files="part*.csv"),
+                options(**common, **columns, files="all.parquet", format="parquet"),
+                options(**common, files="all.libsvm", format="libsvm", **{"libsvm.fields": "bag",
+                                                                          "libsvm.dense_indices": (0,)})]
+    expected = {split: [] for split in tabular.SPLITS}
+    for r in range(n):
+        u = py_uniform(11, r)
+        expected["train" if u < 0.5 else "validation" if u < 0.75 else "test"].append(float(r))
+    for variant in variants:
+        dataset = tabular.tabular_array_dataset(variant)
+        for split in tabular.SPLITS:
+            assert dataset.splits[split].dense[:, 0].tolist() == expected[split], (variant.format, split)
+            np.testing.assert_array_equal(dataset.splits[split].labels, labels[np.array(expected[split], int)])
 
 
 def test_time_split_takes_the_latest_rows(tmp_path):
@@ -650,7 +680,7 @@ def test_files_split_with_a_carved_validation_split():
         assert prepared.split_rows["train"] + prepared.split_rows["validation"] == 36
         assert prepared.split_rows["test"] == 12
         good = [n for n in range(1, 41) if n not in (5, 11, 16, 20)]
-        assert prepared.split_rows["validation"] == sum(py_uniform(5, 0, n) < 0.25 for n in good)
+        assert prepared.split_rows["validation"] == sum(py_uniform(5, row) < 0.25 for row in range(len(good)))
     with pytest.raises(ConfigError, match=r"data\.split\.test_files: .*frappe\.train\.libfm is also in "
                                           r"data\.split\.train_files"):
         tabular.prepare_tabular(options(**{**libfm, "split.test_files": "frappe.t*.libfm"}))

@@ -33,21 +33,23 @@ Examples (`recjax.batch.Batch`)
             "hash": id = raw key % hash_buckets.
 
 Splits (always "train", "validation" and "test"; every valid row lands in exactly one)
-    random  per row, u = uniform [0, 1) from a hash of (split.seed, file index, line or row number) (`split_uniform`):
-            train if u < 1 - validation_fraction - test_fraction, test if u >= 1 - test_fraction, else validation.
-            A row's split depends on nothing else (not chunking, threads or other rows), so it is streaming-friendly.
+    random  per row, u = uniform [0, 1) from a hash of (split.seed, the row's index among the valid rows in file
+            order) (`split_uniform`): train if u < 1 - validation_fraction - test_fraction, test if
+            u >= 1 - test_fraction, else validation. The same rows split alike whatever their format (CSV,
+            Parquet, libSVM), headers, blank or bad lines and files, and whatever the chunking or threads.
     time    rows sorted by (time, file index, line); the last round(test_fraction * n) rows are test, the
             round(validation_fraction * n) before them validation (halves round up). Times are numbers (unix
             seconds, YYMMDDHH, ...) or ISO-8601 dates/times (naive, or with Z / +hh:mm), never both in one column.
     files   train / validation / test files by their own globs; validation_files "" carves validation_fraction of
             the train files' rows out at random (`split_uniform`, as above).
-    The file index is the file's position in the list read: data.files in order (method "files": train files,
-    then validation, then test). An empty split is an error saying what the split needs.
+    Files are read in the order of data.files (method "files": train files, then validation, then test). An empty
+    split is an error saying what the split needs.
 
 How it runs (`prepare_tabular`, every pass on `num_threads` threads, results merged in file order)
     1. parse   the files are read once, in blocks; each block's good rows are spilled to a temporary directory as
                raw arrays (labels, dense before standardising, per sparse feature the block's distinct raw keys and
-               each value's position among them); random / files splits are drawn here, per row.
+               each value's position among them); random / files splits are drawn here, per row, as the blocks
+               come back in file order.
     2. split   the time split sorts every row's time (it needs all of them first); empty splits are errors.
     3. fit     the train rows of each spilled chunk: key counts per feature (vocabularies) and dense moments
                (Chan et al.'s parallel mean / variance).
@@ -166,7 +168,7 @@ def default_data_config() -> ml_collections.ConfigDict:
     data.sparse.overrides = ml_collections.ConfigDict()  # per column: {column: {vocab, frequency_threshold, ...}}
 
     data.split = ml_collections.ConfigDict()
-    data.split.method = "random"  # "random" (seeded per row), "time" (latest rows are test), "files"
+    data.split.method = "random"  # "random" (seeded hash of each valid row's index), "time" (latest rows), "files"
     data.split.validation_fraction = 0.1  # share of rows in validation (files: carved from train if no files)
     data.split.test_fraction = 0.1  # share of rows in test (random / time)
     data.split.seed = 0  # seeds the random split (independent of the run's seed)
@@ -562,14 +564,20 @@ def source_paths(options: TabularOptions, directory: str | pathlib.Path) -> list
     return _sources(options, str(directory)).paths
 
 
-def split_uniform(seed: int, file_index: int, positions: np.ndarray) -> np.ndarray:
-    """The random split's uniform draw in [0, 1) per row, f64[n], from (seed, file index, line / row numbers i64[n]):
+def split_uniform(seed: int, rows: np.ndarray) -> np.ndarray:
+    """The random split's uniform draw in [0, 1) per row, f64[n], from the seed and each row's index among the valid
+    rows of the data, in the order read (i64[n], 0-based):
 
-        x = mix64(mix64(seed + 0x9E3779B97F4A7C15) ^ (file_index << 40 | position))      (mod 2**64)
+        x = mix64(mix64(seed + 0x9E3779B97F4A7C15) ^ row)      (mod 2**64)
         u = (x >> 11) * 2**-53
+
+    The index counts valid rows only -- no header, blank or bad line, file boundary or Parquet row group -- so the
+    same rows split alike from CSV, Parquet or libSVM, one file or many. (A hash of each row's content would split
+    alike too, but it sends every copy of a frequent duplicate row to one split, and changes with the columns
+    chosen, so a feature ablation would be scored on other test rows.)
     """
     salt = mix64(np.array([seed], np.uint64) + _GOLDEN)
-    x = mix64(salt ^ ((np.uint64(file_index) << np.uint64(40)) | positions.astype(np.uint64)))
+    x = mix64(salt ^ rows.astype(np.uint64))
     return (x >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
@@ -615,15 +623,16 @@ def _sources(options: TabularOptions, directory: str) -> _Sources:
     return _Sources(paths, file_split, describe)
 
 
-def _assign(chunk: ParsedChunk, options: TabularOptions, sources: _Sources) -> np.ndarray | None:
-    """Split codes u8[n] of a chunk's rows (None: decided later, by time)."""
+def _assign(record: _Spilled, first_row: int, options: TabularOptions, sources: _Sources) -> np.ndarray | None:
+    """Split codes u8[n] of a chunk's rows, the first of which is valid row `first_row` of the data (None: decided
+    later, by time)."""
     method = options.split_method
     if method == "time":
         return None
-    fixed = sources.file_split[chunk.file_index]
+    fixed = sources.file_split[record.file_index]
     if fixed is not None:
-        return np.full(chunk.size, fixed, np.uint8)
-    u = split_uniform(options.split_seed, chunk.file_index, chunk.positions)
+        return np.full(record.rows, fixed, np.uint8)
+    u = split_uniform(options.split_seed, first_row + np.arange(record.rows, dtype=np.int64))
     if method == "files":  # carve validation out of the train files
         return np.where(u < options.split_validation_fraction, VALIDATION, TRAIN).astype(np.uint8)
     train_end = 1.0 - options.split_validation_fraction - options.split_test_fraction
@@ -674,12 +683,13 @@ class _Spilled:
     path: pathlib.Path
     layout: dict[str, tuple[int, str, tuple]]
     rows: int
-    split: np.ndarray | None  # u8[rows] split codes (time split: None until assigned)
+    split: np.ndarray | None  # u8[rows] split codes (None until assigned, in file order)
     time: np.ndarray | None  # f64[rows], until the time split is assigned
     features: tuple[str, ...]  # the sparse features the chunk has (ffm: the fields its lines have)
     max_lengths: dict[str, int]
     truncated: dict[str, int]
     source: str
+    file_index: int
     time_numeric_at: int | None
     time_iso_at: int | None
     dense_missing: np.ndarray  # i64[D] missing cells per dense column, imputed
@@ -688,16 +698,17 @@ class _Spilled:
     finals: dict[int, tuple[pathlib.Path, dict, int]] = dataclasses.field(default_factory=dict)
 
 
-def _spill(chunk: ParsedChunk, split: np.ndarray | None, path: pathlib.Path) -> _Spilled:
+def _spill(chunk: ParsedChunk, path: pathlib.Path) -> _Spilled:
     arrays = {"labels": chunk.labels, "dense": chunk.dense}
     for j, values in enumerate(chunk.sparse.values()):
         arrays[f"keys_{j}"] = values.keys
         arrays[f"inverse_{j}"] = values.inverse.astype(np.uint16 if values.keys.size <= 1 << 16 else np.int32)
         if values.lengths is not None:
             arrays[f"lengths_{j}"] = values.lengths
-    return _Spilled(path, _write_arrays(path, arrays), chunk.size, split, chunk.time, tuple(chunk.sparse),
+    return _Spilled(path, _write_arrays(path, arrays), chunk.size, None, chunk.time, tuple(chunk.sparse),
                     {name: v.max_length for name, v in chunk.sparse.items()},
-                    {name: v.truncated for name, v in chunk.sparse.items()}, chunk.path, chunk.time_numeric_at,
+                    {name: v.truncated for name, v in chunk.sparse.items()}, chunk.path, chunk.file_index,
+                    chunk.time_numeric_at,
                     chunk.time_iso_at, chunk.dense_missing, chunk.dense_nan, chunk.label_values)
 
 
@@ -899,7 +910,7 @@ def _prepare(options: TabularOptions, plan: ReadPlan, sources: _Sources, directo
         chunk, block_report = parse_unit(unit, plan)
         record = None
         if chunk.size:
-            record = _spill(chunk, _assign(chunk, options, sources), folder / f"chunk_{next(counter):07d}.bin")
+            record = _spill(chunk, folder / f"chunk_{next(counter):07d}.bin")
         unknown = (chunk.unknown_labels, chunk.path, chunk.unknown_label_at)
         return record, block_report, chunk.size, unknown
 
@@ -907,6 +918,7 @@ def _prepare(options: TabularOptions, plan: ReadPlan, sources: _Sources, directo
                 "libsvm": "libSVM lines (label idx:val ...)"}[options.format]
     line_word = "row" if options.format == "parquet" else "line"
     records: list[_Spilled] = []
+    valid_rows = 0  # the valid rows before the current chunk, in file order
     unknown_labels: dict[str, int] = {}
     first_unknown = None
     for record, block_report, rows, (unknown, path, at) in ordered_map(parse, units(sources.paths, plan),
@@ -914,6 +926,8 @@ def _prepare(options: TabularOptions, plan: ReadPlan, sources: _Sources, directo
         merge_report(report, block_report, rows, strict=options.strict, expected=expected,
                      lenient_hint="set data.strict=False", line_word=line_word)
         if record is not None:
+            record.split = _assign(record, valid_rows, options, sources)
+            valid_rows += record.rows
             records.append(record)
         unknown_labels = _add_counts(unknown_labels, unknown)
         if unknown and first_unknown is None:
