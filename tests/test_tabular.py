@@ -672,6 +672,24 @@ def test_time_split_takes_the_latest_rows(tmp_path):
         tabular.prepare_tabular(options(**{**iso, "files": "mixed.csv"}))
 
 
+def test_a_time_split_on_a_constant_column_is_refused(tmp_path):
+    # One value for every row: the "time" split would be file order. Two values are a time split (ties: file order).
+    fields = {"dir": str(tmp_path), "label.column": "y", "sparse.columns": ("s",), "split.method": "time",
+              "split.time_column": "t", "split.validation_fraction": 0.25, "split.test_fraction": 0.25}
+    for name, value, shown in (("hour", "14102100", "14102100"), ("iso", "2024-01-02T03:04:05", "2024-01-02T03:04:05"),
+                               ("float", "0.5", "0.5")):
+        (tmp_path / f"{name}.csv").write_text("y,t,s\n" + "".join(f"{i % 2},{value},a\n" for i in range(8)))
+        with pytest.raises(DataError, match=re.escape(
+                f"data.split.time_column 't' holds one value ({shown}) in all 8 valid rows, so a time split would cut "
+                "them in file order; set data.split.method to 'random' (or 'files'), or data.split.time_column to a "
+                "column whose values vary")):
+            tabular.prepare_tabular(options(**fields, files=f"{name}.csv"))
+    (tmp_path / "two.csv").write_text("y,t,s\n" + "".join(f"{i % 2},{5 + (i == 7)},a\n" for i in range(8)))
+    with tabular.prepare_tabular(options(**fields, files="two.csv")) as prepared:
+        assert prepared.split_rows == {"train": 4, "validation": 2, "test": 2}
+        assert all_blocks(prepared, "test").labels.tolist() == [0.0, 1.0]  # line 8 (t 5, by file order), line 9 (t 6)
+
+
 def test_files_split_with_a_carved_validation_split():
     libfm = {"format": "libsvm", "files": "", "split.method": "files", "split.train_files": "frappe.train.libfm",
              "split.test_files": "frappe.test.libfm", "split.validation_fraction": 0.25, "split.seed": 5}

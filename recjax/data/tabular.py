@@ -40,6 +40,7 @@ Splits (always "train", "validation" and "test"; every valid row lands in exactl
     time    rows sorted by (time, file index, line); the last round(test_fraction * n) rows are test, the
             round(validation_fraction * n) before them validation (halves round up). Times are numbers (unix
             seconds, YYMMDDHH, ...) or ISO-8601 dates/times (naive, or with Z / +hh:mm), never both in one column.
+            A column with one value in every row is an error (the split would be file order).
     files   train / validation / test files by their own globs; validation_files "" carves validation_fraction of
             the train files' rows out at random (`split_uniform`, as above).
     Files are read in the order of data.files (method "files": train files, then validation, then test). An empty
@@ -1074,8 +1075,17 @@ def _assign_by_time(records: list[_Spilled], options: TabularOptions) -> None:
         raise DataError(f"data.split.time_column {options.split_time_column!r} mixes numbers ({numeric[0]}, line / "
                         f"row {numeric[1]}) and ISO-8601 dates ({iso[0]}, line / row {iso[1]}); use one kind")
     times = np.concatenate([r.time for r in records])
-    order = np.argsort(times, kind="stable")  # records are in (file, line) order, so ties keep it
     n = times.size
+    if n > 1 and times.min() == times.max():
+        # Refused rather than noted: every tie is broken by file order, so this "time split" would be a file-order
+        # split reported as a time split (summary.json's split_method), and a note on the console is easily missed.
+        # The fix is one setting.
+        value = str(np.datetime64(int(times[0]), "s")) if iso else \
+            f"{int(times[0])}" if times[0] == int(times[0]) else repr(float(times[0]))
+        raise DataError(f"data.split.time_column {options.split_time_column!r} holds one value ({value}) in all "
+                        f"{n:,} valid rows, so a time split would cut them in file order; set data.split.method to "
+                        "'random' (or 'files'), or data.split.time_column to a column whose values vary")
+    order = np.argsort(times, kind="stable")  # records are in (file, line) order, so ties keep it
     n_test = _rounded(options.split_test_fraction, n)
     n_validation = _rounded(options.split_validation_fraction, n)
     codes = np.full(n, TRAIN, np.uint8)
