@@ -428,9 +428,9 @@ def test_label_values_are_checked_when_preparing(tmp_path):
         assert sorted(labels.tolist()) == sorted(float(v in ("yes", "1", "2")) for v in rows)
         stats = prepared.stats.summary
         train, positives = stats["split_rows"]["train"], stats["train_positives"]
-        assert tabular.summary_lines(stats)[0] == (
+        assert [line for line in tabular.summary_lines(stats) if line.startswith("data: label")] == [
             f"data: label = label column 'y' in data.label.positive_values ['yes', '1', '2']: {positives} of {train} "
-            f"train rows positive ({positives / train:.1%}); values: 'no' x15, '1' x10, '0' x5, 'yes' x5, '2' x5")
+            f"train rows positive ({positives / train:.1%}); values: 'no' x15, '1' x10, '0' x5, 'yes' x5, '2' x5"]
 
     # One class in train: an error naming the counts and the values, not a run whose AUC is NaN.
     for values, positive in ((["0"] * 40, False), (["1", "2"] * 20, True)):
@@ -535,9 +535,32 @@ def test_nan_dense_cells_are_imputed_and_counted_or_skipped(tmp_path):
     with tabular.prepare_tabular(options(**fields)) as prepared:
         stats = prepared.stats.summary
         assert (stats["dense"]["x"]["nan_imputed"], stats["dense"]["x"]["missing_imputed"]) == (40, 15)
-        assert tabular.summary_lines(stats)[1:] == [
+        assert [line for line in tabular.summary_lines(stats) if "dense cells" in line] == [
             "data: dense cells set to data.dense.missing = -7: x 15 empty / null + 40 NaN (data.dense.nan = 'impute'; "
             "'skip' makes a line with a NaN a bad line)"]
+
+
+def test_dense_columns_are_standardised_by_default_as_the_readme_says(tmp_path):
+    files = write_splits(tmp_path, "y,a,b,s", train=["1,1,-3,x", "0,2,5,x", "1,3,,y", "0,10,7,y"],
+                         validation=["1,4,0,x", "0,-6,1,y"], test=["0,1,1,x"])
+    fields = {**files, "label.column": "y", "dense.columns": ("a", "b"), "sparse.columns": ("s",)}
+    dataset = tabular.tabular_array_dataset(options(**fields))
+    train = np.array([[1, -3], [2, 5], [3, 0], [10, 7]], float)  # the empty cell is data.dense.missing = 0
+    mean, std = train.mean(axis=0), train.std(axis=0)
+    np.testing.assert_allclose(dataset.splits["train"].dense, (train - mean) / std, rtol=1e-6)
+    np.testing.assert_allclose(dataset.splits["validation"].dense, (np.array([[4, 0], [-6, 1]]) - mean) / std,
+                               rtol=1e-6)
+    assert tabular.summary_lines(dataset.info()["tabular_stats"])[0] == (
+        "data: dense transform (data.dense.transform, per column data.dense.transforms): standardise for a, b")
+    # README states the default the code has.
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    stated = re.search(r"`data\.dense\.transform` \(default `([^`]+)`", readme)
+    assert stated and stated.group(1) == tabular.default_data_config().dense.transform == "standardise"
+    fields.update({"dense.transform": "none", "dense.transforms": {"b": "clip+log1p+standardise"},
+                   "dense.clip_min": 0.0})
+    assert tabular.summary_lines(tabular.tabular_array_dataset(options(**fields)).info()["tabular_stats"])[0] == (
+        "data: dense transform (data.dense.transform, per column data.dense.transforms): none for a; "
+        "clip+log1p+standardise for b")
 
 
 def test_frequency_vocabulary_by_hand_with_missing_and_unseen_values(tmp_path):
@@ -623,6 +646,7 @@ def test_random_split_is_the_same_from_csv_parquet_and_libsvm(tmp_path):
     (tmp_path / "all.libsvm").write_text("".join(f"{y} 0:{r} {10 + 'abc'.index(s)}:1\n"
                                                  for r, (y, s) in enumerate(zip(labels, sites, strict=True))))
     common = {"dir": str(tmp_path), "split.seed": 11, "split.validation_fraction": 0.25, "split.test_fraction": 0.25}
+    common = {**common, "dense.transform": "none"}
     columns = {"label.column": "y", "dense.columns": ("r",), "sparse.columns": ("s",)}
     variants = [options(**common, **columns, files="part*.csv"),
                 options(**common, **columns, files="all.parquet", format="parquet"),
@@ -641,7 +665,8 @@ def test_random_split_is_the_same_from_csv_parquet_and_libsvm(tmp_path):
 
 def test_time_split_takes_the_latest_rows(tmp_path):
     # hour doubles as a dense column, so the blocks show which times each split got.
-    fields = {**CLICKS, "dense.columns": ("price", "hour"), "split.method": "time", "split.time_column": "hour"}
+    fields = {**CLICKS, "dense.columns": ("price", "hour"), "split.method": "time", "split.time_column": "hour",
+              "dense.transform": "none"}
     good, _, _ = reference_csv(FIXTURES / "clicks.csv", label="click", dense=("price",))
     order = sorted(good, key=lambda line: (int(good[line]["hour"]), line))  # ties keep file order
     n_test = n_validation = round(0.1 * len(order))
@@ -832,6 +857,9 @@ def test_end_to_end_through_the_tfds_builder_into_prepared_dataset(tmp_path):
     assert all(np.array_equal(got.ids[f], want.ids[f]) for f in want.ids)
     info = dataset.info()
     assert info["parse_report"]["skipped"] == 6 and info["parse_report"]["first_skipped"][0]["line"] == 9
+    # What the run prints when it opens the data (recjax/data/builders.py open_prepared logs these lines).
+    assert "data: dense transform (data.dense.transform, per column data.dense.transforms): standardise for price" \
+        in dataset.report_lines()
     assert info["tabular_stats"]["split_rows"] == {s: in_memory.splits[s].size for s in tabular.SPLITS}
     counts = np.load(pathlib.Path(dataset.builder.data_dir) / "index_counts.npz")
     assert int(counts["site_id"].sum()) == in_memory.splits["train"].size
