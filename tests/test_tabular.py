@@ -284,6 +284,13 @@ def test_lines_ending_in_several_carriage_returns_read_like_plain_lines(tmp_path
                 np.testing.assert_array_equal(a.dense, b.dense)
                 assert [a.ids[f].tolist() for f in a.ids] == [b.ids[f].tolist() for f in b.ids]
 
+    libfm = (FIXTURES / "frappe.train.libfm").read_bytes()
+    (tmp_path / "crcr.libfm").write_bytes(libfm.replace(b"\n", b"\r\r\n"))
+    plain, plain_report = parse(options(format="libsvm", files="frappe.train.libfm"))
+    crcr, crcr_report = parse(options(dir=str(tmp_path), format="libsvm", files="crcr.libfm"))
+    assert crcr_report.first_skipped == [(str(tmp_path / "crcr.libfm"), n, r) for _, n, r in plain_report.first_skipped]
+    assert [rows_of(crcr, f"f{k}") for k in range(10)] == [rows_of(plain, f"f{k}") for k in range(10)]
+
     # A '\r' inside a line is still a bad line; a block (or file) of nothing but bad lines says why, line by line.
     (tmp_path / "stray.csv").write_bytes(b"y,s\r\n1,a\rb\r\r\n0,c\r\n")
     chunks, report = parse(options(dir=str(tmp_path), files="stray.csv", **{"label.column": "y",
