@@ -8,6 +8,7 @@ import math
 import pathlib
 import re
 import shutil
+import zlib
 
 import numpy as np
 import pyarrow as pa
@@ -27,8 +28,7 @@ CSV_BAD = {
     17: "column 'price' = 'abc' is not a number",
     21: "column 'price' = 'inf' is infinite",
     25: "unterminated quoted field (an odd number of '\"'); a record cannot span lines",
-    30: "label column 'click' = 'x' is not a number (or set data.label.positive_values to the values that mean a "
-        "click)",
+    30: "label column 'click' = 'nan' is NaN",
 }
 M64 = 2**64
 
@@ -56,8 +56,9 @@ def py_key(value: str | bytes) -> int:
     return h & (2**63 - 1)
 
 
-def py_uniform(seed: int, file_index: int, position: int) -> float:
-    x = py_mix(py_mix((seed + 0x9E3779B97F4A7C15) % M64) ^ (file_index << 40 | position))
+def py_uniform(seed: int, row: int) -> float:
+    """The random split's draw for valid row `row` (0-based, in file order)."""
+    x = py_mix(py_mix((seed + 0x9E3779B97F4A7C15) % M64) ^ row)
     return (x >> 11) * 2.0**-53
 
 
@@ -155,10 +156,9 @@ def test_string_keys_equal_the_plain_python_hash():
 
 
 def test_split_draw_equals_the_plain_python_draw():
-    positions = np.array([1, 2, 3, 1000, 2**39], np.int64)
-    for seed, file_index in ((0, 0), (7, 3)):
-        got = tabular.split_uniform(seed, file_index, positions)
-        assert got.tolist() == [py_uniform(seed, file_index, int(p)) for p in positions]
+    rows = np.array([0, 1, 2, 3, 1000, 2**39, 2**62], np.int64)
+    for seed in (0, 7, 2**63 - 1):
+        assert tabular.split_uniform(seed, rows).tolist() == [py_uniform(seed, int(r)) for r in rows]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -201,6 +201,8 @@ def test_a_bad_cell_does_not_change_how_the_other_cells_of_its_block_convert(tmp
         assert [re.sub("'.*'", "V", r) for _, n, r in fast_report.first_skipped] == [
             re.sub("'.*'", "V", r) for _, n, r in slow_report.first_skipped if n == 2], cell
         assert [c.dense.tolist() for c in fast] == [c.dense.tolist() for c in slow], cell
+        assert [(c.dense_missing.tolist(), c.dense_nan.tolist()) for c in fast] == [
+            (c.dense_missing.tolist(), c.dense_nan.tolist()) for c in slow], cell
 
 
 # pyarrow's handler glue prints its own UnicodeDecodeError as "Exception ignored" before failing the parse.
@@ -263,6 +265,71 @@ def test_tsv_without_header_by_position_gzip_crlf_and_names(tmp_path):
                                            "dense.columns": (), "sparse.columns": ("c",), "sparse.multi_valued": ()}))
 
 
+def test_lines_ending_in_several_carriage_returns_read_like_plain_lines(tmp_path):
+    # "\r\r\n" is what converting a CRLF file to CRLF again gives: every '\r' before the '\n' is the line end.
+    text = (FIXTURES / "clicks_noheader.tsv").read_bytes()
+    lines = text.split(b"\n")[:-1]
+    ends = [b"\r\r\n", b"\r\n", b"\n", b"\r\r\r\n"]
+    (tmp_path / "crcr.tsv").write_bytes(b"".join(line + ends[i % 4] for i, line in enumerate(lines)))
+    reference = tabular.tabular_array_dataset(options(**TSV))
+    for chunk_bytes in (1 << 20, 90):
+        variant = options({"chunk_bytes": chunk_bytes}, **{**TSV, "dir": str(tmp_path), "files": "crcr.tsv"})
+        with tabular.prepare_tabular(variant) as prepared:
+            assert [(n, r) for _, n, r in prepared.report.first_skipped] == [
+                (4, "6 fields, expected 5 (delimiter '\\t'; a record cannot span lines)"),
+                (10, "column '1' = '12x' is not a number"), (20, "label column '0' is empty")]
+            for split in tabular.SPLITS:
+                a, b = reference.splits[split], all_blocks(prepared, split)
+                np.testing.assert_array_equal(a.labels, b.labels)
+                np.testing.assert_array_equal(a.dense, b.dense)
+                assert [a.ids[f].tolist() for f in a.ids] == [b.ids[f].tolist() for f in b.ids]
+
+    libfm = (FIXTURES / "frappe.train.libfm").read_bytes()
+    (tmp_path / "crcr.libfm").write_bytes(libfm.replace(b"\n", b"\r\r\n"))
+    plain, plain_report = parse(options(format="libsvm", files="frappe.train.libfm"))
+    crcr, crcr_report = parse(options(dir=str(tmp_path), format="libsvm", files="crcr.libfm"))
+    assert crcr_report.first_skipped == [(str(tmp_path / "crcr.libfm"), n, r) for _, n, r in plain_report.first_skipped]
+    assert [rows_of(crcr, f"f{k}") for k in range(10)] == [rows_of(plain, f"f{k}") for k in range(10)]
+
+    # A '\r' inside a line is still a bad line; a block (or file) of nothing but bad lines says why, line by line.
+    (tmp_path / "stray.csv").write_bytes(b"y,s\r\n1,a\rb\r\r\n0,c\r\n")
+    chunks, report = parse(options(dir=str(tmp_path), files="stray.csv", **{"label.column": "y",
+                                                                            "sparse.columns": ("s",)}))
+    assert [(n, r) for _, n, r in report.first_skipped] == [(2, "stray carriage return (\\r) inside the line")]
+    assert rows_of(chunks, "s") == [py_key("c")]
+    (tmp_path / "quotes.csv").write_text('y,s\n1,"a\n0,"b\n')
+    with pytest.raises(DataError, match=r"no valid rows in quotes\.csv \(2 lines: 0 rows kept, 2 bad lines skipped.*"
+                                        r"quotes\.csv:2: unterminated quoted field"):
+        tabular.prepare_tabular(options(dir=str(tmp_path), files="quotes.csv", **{"label.column": "y",
+                                                                                  "sparse.columns": ("s",)}))
+
+
+def test_a_truncated_gzip_file_is_named_with_its_last_complete_line(tmp_path):
+    rng = np.random.default_rng(1)
+    text = "y,x,s\n" + "".join(f"{rng.integers(2)},{rng.integers(100)},{rng.choice(list('abc'))}\n"
+                               for _ in range(3000))
+    compressed = gzip.compress(text.encode())
+    path = tmp_path / "cut.csv.gz"
+    path.write_bytes(compressed[:len(compressed) * 2 // 3])
+    decoder = zlib.decompressobj(wbits=31)
+    prefix = decoder.decompress(path.read_bytes())  # what can be decoded before the cut (the oracle)
+    assert not decoder.eof and not prefix.endswith(b"\n")
+    last_complete = prefix.count(b"\n")  # the header is line 1
+    fields = {"dir": str(tmp_path), "files": "cut.csv.gz", "label.column": "y", "dense.columns": ("x",),
+              "sparse.columns": ("s",)}
+    with tabular.prepare_tabular(options(**fields)) as prepared:
+        report = prepared.report
+        assert report.rows_kept == last_complete - 1 and report.skipped == 1
+        cut = "gzip stream ends before its end-of-stream marker (file cut short?)"
+        assert report.first_skipped == [(str(path), last_complete + 1, f"incomplete last line: {cut}")]
+        assert report.truncated_files == [(str(path), "gzip stream ends before its end-of-stream marker (file cut "
+                                                      f"short?); the last complete line is {last_complete}")]
+    with pytest.raises(DataError, match=rf"cut\.csv\.gz: gzip stream ends before its end-of-stream marker \(file cut "
+                                        rf"short\?\) \(in line {last_complete + 1}\): the file is truncated after line "
+                                        rf"{last_complete}; re-download or re-compress the file"):
+        tabular.prepare_tabular(options(**fields, strict=True))
+
+
 def _clean_table(path: pathlib.Path):
     good, _, _ = reference_csv(path, label="click", dense=("price",))
     rows = [good[n] for n in sorted(good)]
@@ -301,8 +368,9 @@ def test_parquet_gives_the_same_blocks_as_csv(tmp_path):
     assert from_csv.info()["tabular_stats"]["features"] == from_parquet.info()["tabular_stats"]["features"]
 
     # Text cells in a Parquet column are converted like CSV cells; a bad one is reported by its 1-based row.
-    prices = pa.array(["1.5", "", "abc", "2"], pa.string())
-    small = pa.table({"click": [1, 0, 1, 0], "t": [1, 2, 3, 4], "site_id": ["a", "b", "a", "b"], "price": prices})
+    prices = pa.array(["1.5", "", "abc", "2", "3"], pa.string())
+    small = pa.table({"click": [1, 0, 1, 0, 1], "t": [1, 2, 3, 4, 5], "site_id": ["a", "b", "a", "b", "a"],
+                      "price": prices})
     pq.write_table(small, tmp_path / "text.parquet")
     fields = {"dir": str(tmp_path), "files": "text.parquet", "format": "parquet", "label.column": "click",
               "dense.columns": ("price",), "sparse.columns": ("site_id",), "split.method": "time",
@@ -340,6 +408,50 @@ def test_label_binarisation_by_threshold_and_by_value_set(tmp_path):
         assert [(n, r) for _, n, r in prepared.report.first_skipped] == [(3, "label column 'answer' is empty")]
 
 
+def test_label_values_are_checked_when_preparing(tmp_path):
+    # Text among numeric labels is a setting to fix, not a bad line: preparing stops once the files are read, naming
+    # every value, in lenient and strict mode, whatever the format.
+    rows = ["1", "no", "1", "no", "no", "0", "yes", "2"] * 5
+    (tmp_path / "mixed.csv").write_text("y,s\n" + "".join(f"{v},{'ab'[i % 2]}\n" for i, v in enumerate(rows)))
+    pq.write_table(pa.table({"y": rows, "s": ["a"] * len(rows)}), tmp_path / "mixed.parquet")
+    (tmp_path / "mixed.libsvm").write_text("".join(f"{v} 3:1\n" for v in rows))
+    fields = {"dir": str(tmp_path), "label.column": "y", "sparse.columns": ("s",)}
+    numbers = "the numbers: '1' x10, '0' x5, '2' x5. data.label.threshold (0.5) needs numbers: set " \
+              "data.label.positive_values to the values that mean a click (every other value is 0)"
+    for extra, name, where in (({"files": "mixed.csv"}, "label column 'y'", "mixed.csv, line 3"),
+                               ({"files": "mixed.csv", "strict": True}, "label column 'y'", "mixed.csv, line 3"),
+                               ({"files": "mixed.parquet", "format": "parquet"}, "label column 'y'",
+                                "mixed.parquet, row 2"),
+                               ({"files": "mixed.libsvm", "format": "libsvm", "label.column": "label",
+                                 "sparse.columns": ()}, "the label (each line's first token)", "mixed.libsvm, line 2")):
+        with pytest.raises(DataError, match=re.escape(f"data.label: {name} holds values that are not numbers: 'no' "
+                                                      f"x15, 'yes' x5 (the first in {where}); {numbers}")):
+            tabular.prepare_tabular(options(**{**fields, **extra}))
+
+    # With positive_values every text is a value: "yes", "1" and "2" are clicks; the console shows the values.
+    clicks = options(**fields, files="mixed.csv", **{"label.positive_values": ("yes", "1", "2")})
+    with tabular.prepare_tabular(clicks) as prepared:
+        labels = np.concatenate([all_blocks(prepared, split).labels for split in tabular.SPLITS])
+        assert sorted(labels.tolist()) == sorted(float(v in ("yes", "1", "2")) for v in rows)
+        stats = prepared.stats.summary
+        train, positives = stats["split_rows"]["train"], stats["train_positives"]
+        assert [line for line in tabular.summary_lines(stats) if line.startswith("data: label")] == [
+            f"data: label = label column 'y' in data.label.positive_values ['yes', '1', '2']: {positives} of {train} "
+            f"train rows positive ({positives / train:.1%}); values: 'no' x15, '1' x10, '0' x5, 'yes' x5, '2' x5"]
+
+    # One class in train: an error naming the counts and the values, not a run whose AUC is NaN.
+    for values, positive in ((["0"] * 40, False), (["1", "2"] * 20, True)):
+        (tmp_path / "one.csv").write_text("y,s\n" + "".join(f"{v},a\n" for v in values))
+        shown = ", ".join(f"'{v}' x{values.count(v)}" for v in dict.fromkeys(values))
+        one_class = (r"data\.label: the train split has one class: (\d+) of (\d+) train rows are positive \(label = "
+                     rf"label column 'y' >= data\.label\.threshold = 0\.5; the label's values: {shown}\); a model "
+                     "cannot learn")
+        with pytest.raises(DataError, match=one_class) as error:
+            tabular.prepare_tabular(options(**fields, files="one.csv"))
+        found, rows_in_train = re.search(r"(\d+) of (\d+) train", str(error.value)).groups()
+        assert int(found) == (int(rows_in_train) if positive else 0)
+
+
 def test_dense_transforms_use_train_statistics_only(tmp_path):
     files = write_splits(tmp_path, "y,a,b,s", train=["1,0,1,x", "0,3,-2,x", "1,,5,y", "0,500,2,y"],
                          validation=["1,7,0,x", "0,-4,1,y"], test=["0,1,1,x"])
@@ -366,6 +478,96 @@ def test_dense_transforms_use_train_statistics_only(tmp_path):
                              "set data.dense.clip_min or drop log1p for this column"),
             ("validation.csv", 3, "column 'a' = '-4.0': log1p needs values > -1 (after clip; the missing value is "
                                   "1.0); set data.dense.clip_min or drop log1p for this column")]
+
+
+def dense_cell_kind(cell: str) -> str:
+    """The documented class of a dense cell: "missing" (empty, NA, NULL, ...), "nan" (a spelling of NaN), "number"
+    or "bad" (not a number, or infinite)."""
+    if cell in ("", "NA", "NULL", "N/A", "null"):
+        return "missing"
+    text = cell.strip(" \t")
+    if text.lower().lstrip("+-") in ("nan", "1.#qnan", "1.#ind"):
+        return "nan"
+    try:
+        return "number" if math.isfinite(float(text)) else "bad"
+    except ValueError:
+        return "bad"
+
+
+def test_nan_dense_cells_are_imputed_and_counted_or_skipped(tmp_path):
+    cells = ["nan", "NaN", "-nan", "NAN", " nan", "+nan", "1.#QNAN", "-1.#IND", "NA", "", "NULL", "1.5", "abc", "inf",
+             "3"] * 5
+    (tmp_path / "d.csv").write_text("y,x,s\n" + "".join(f"{i % 2},{c},{'ab'[i % 3 % 2]}\n"
+                                                          for i, c in enumerate(cells)))
+    kinds = [dense_cell_kind(c) for c in cells]
+    fields = {"dir": str(tmp_path), "files": "d.csv", "label.column": "y", "dense.columns": ("x",),
+              "sparse.columns": ("s",), "dense.missing": -7.0}
+    for chunk_bytes in (1 << 20, 16):  # one block (read as text: 'abc' fails pyarrow's converter), or ~a line each
+        runtime = {"chunk_bytes": chunk_bytes}
+        chunks, report = parse(options(runtime, **fields))
+        kept = [k for k in kinds if k != "bad"]
+        assert np.concatenate([c.dense[:, 0] for c in chunks]).tolist() == [
+            float(c) if k == "number" else -7.0 for c, k in zip(cells, kinds, strict=True) if k != "bad"]
+        assert sum(int(c.dense_nan[0]) for c in chunks) == kept.count("nan") == 40
+        assert sum(int(c.dense_missing[0]) for c in chunks) == kept.count("missing") == 15
+        assert report.skipped == kinds.count("bad") == 10
+
+        chunks, report = parse(options(runtime, **fields, **{"dense.nan": "skip"}))
+        assert np.concatenate([c.positions for c in chunks]).tolist() == [
+            n for n, k in enumerate(kinds, 2) if k in ("number", "missing")]
+        assert sum(int(c.dense_nan[0]) for c in chunks) == 0
+        assert report.skipped == kinds.count("bad") + kinds.count("nan")
+        assert report.first_skipped[0] == (str(tmp_path / "d.csv"), 2, (
+            "column 'x' = 'nan' is NaN (data.dense.nan='skip'; 'impute' replaces NaN by data.dense.missing = -7 and "
+            "counts it)"))
+        assert [n for _, n, r in report.first_skipped if " is NaN " in r] == [2, 3, 4, 5, 6, 7, 8, 9]
+
+    # Parquet: a float NaN is NaN, a null is missing; libSVM: a dense index's NaN value likewise, an absent one missing.
+    pq.write_table(pa.table({"y": [1, 0, 1, 0], "x": [float("nan"), None, 1.5, float("nan")], "s": list("abab")}),
+                   tmp_path / "d.parquet")
+    chunks, _ = parse(options(**{**fields, "files": "d.parquet", "format": "parquet"}))
+    assert chunks[0].dense[:, 0].tolist() == [-7.0, -7.0, 1.5, -7.0]
+    assert (chunks[0].dense_nan.tolist(), chunks[0].dense_missing.tolist()) == ([2], [1])
+    (tmp_path / "d.libsvm").write_text("1 3:1 7:nan\n0 3:1 7:0.5\n1 3:1\n0 3:1 7:NaN\n")
+    libsvm = {"dir": str(tmp_path), "files": "d.libsvm", "format": "libsvm", "libsvm.fields": "bag",
+              "libsvm.dense_indices": (7,), "dense.missing": -7.0}
+    chunks, _ = parse(options(**libsvm))
+    assert chunks[0].dense[:, 0].tolist() == [-7.0, 0.5, -7.0, -7.0]
+    assert (chunks[0].dense_nan.tolist(), chunks[0].dense_missing.tolist()) == ([2], [1])
+    chunks, report = parse(options(**libsvm, **{"dense.nan": "skip"}))
+    assert chunks[0].positions.tolist() == [2, 3] and [n for _, n, _ in report.first_skipped] == [1, 4]
+    assert report.first_skipped[0][2].startswith("token '7:nan': dense index 7 is NaN (data.dense.nan='skip'")
+
+    # Prepared: the counts of every split are in the stats and on the console.
+    with tabular.prepare_tabular(options(**fields)) as prepared:
+        stats = prepared.stats.summary
+        assert (stats["dense"]["x"]["nan_imputed"], stats["dense"]["x"]["missing_imputed"]) == (40, 15)
+        assert [line for line in tabular.summary_lines(stats) if "dense cells" in line] == [
+            "data: dense cells set to data.dense.missing = -7: x 15 empty / null + 40 NaN (data.dense.nan = 'impute'; "
+            "'skip' makes a line with a NaN a bad line)"]
+
+
+def test_dense_columns_are_standardised_by_default_as_the_readme_says(tmp_path):
+    files = write_splits(tmp_path, "y,a,b,s", train=["1,1,-3,x", "0,2,5,x", "1,3,,y", "0,10,7,y"],
+                         validation=["1,4,0,x", "0,-6,1,y"], test=["0,1,1,x"])
+    fields = {**files, "label.column": "y", "dense.columns": ("a", "b"), "sparse.columns": ("s",)}
+    dataset = tabular.tabular_array_dataset(options(**fields))
+    train = np.array([[1, -3], [2, 5], [3, 0], [10, 7]], float)  # the empty cell is data.dense.missing = 0
+    mean, std = train.mean(axis=0), train.std(axis=0)
+    np.testing.assert_allclose(dataset.splits["train"].dense, (train - mean) / std, rtol=1e-6)
+    np.testing.assert_allclose(dataset.splits["validation"].dense, (np.array([[4, 0], [-6, 1]]) - mean) / std,
+                               rtol=1e-6)
+    assert tabular.summary_lines(dataset.info()["tabular_stats"])[0] == (
+        "data: dense transform (data.dense.transform, per column data.dense.transforms): standardise for a, b")
+    # README states the default the code has.
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    stated = re.search(r"`data\.dense\.transform` \(default `([^`]+)`", readme)
+    assert stated and stated.group(1) == tabular.default_data_config().dense.transform == "standardise"
+    fields.update({"dense.transform": "none", "dense.transforms": {"b": "clip+log1p+standardise"},
+                   "dense.clip_min": 0.0})
+    assert tabular.summary_lines(tabular.tabular_array_dataset(options(**fields)).info()["tabular_stats"])[0] == (
+        "data: dense transform (data.dense.transform, per column data.dense.transforms): none for a; "
+        "clip+log1p+standardise for b")
 
 
 def test_frequency_vocabulary_by_hand_with_missing_and_unseen_values(tmp_path):
@@ -422,8 +624,8 @@ def test_random_split_follows_the_per_row_draw_and_is_deterministic():
     fields = {**CLICKS, "split.seed": 3, "split.validation_fraction": 0.2, "split.test_fraction": 0.2}
     good, _, _ = reference_csv(FIXTURES / "clicks.csv", label="click", dense=("price",))
     expected = {split: [] for split in tabular.SPLITS}
-    for line in sorted(good):
-        u = py_uniform(3, 0, line)
+    for row, line in enumerate(sorted(good)):
+        u = py_uniform(3, row)
         split = "train" if u < 0.6 else "validation" if u < 0.8 else "test"
         expected[split].append(float(float(good[line]["click"]) >= 0.5))
     runs = [tabular.tabular_array_dataset(options({"chunk_bytes": chunk, "num_threads": threads}, **fields))
@@ -437,9 +639,41 @@ def test_random_split_follows_the_per_row_draw_and_is_deterministic():
     assert sum(len(v) for v in expected.values()) == 34  # every valid row in exactly one split
 
 
+def test_random_split_is_the_same_from_csv_parquet_and_libsvm(tmp_path):
+    # The same rows as two CSV files (a header each, a blank and a bad line), one Parquet file (row groups of 7) and a
+    # libSVM file: each split must hold the same rows -- told apart by a dense row number r -- as the oracle's draw
+    # for the k-th valid row says.
+    rng = np.random.default_rng(3)
+    n = 60
+    labels, sites = rng.integers(0, 2, n), rng.choice(["a", "b", "c"], n)
+    csv_lines = [f"{y},{r},{s}" for r, (y, s) in enumerate(zip(labels, sites, strict=True))]
+    (tmp_path / "part1.csv").write_text("y,r,s\n" + "\n".join(csv_lines[:25]) + "\n\n1,x,2,3\n")
+    (tmp_path / "part2.csv").write_text("y,r,s\n" + "\n".join(csv_lines[25:]) + "\n")
+    pq.write_table(pa.table({"y": labels, "r": np.arange(n), "s": sites}), tmp_path / "all.parquet", row_group_size=7)
+    (tmp_path / "all.libsvm").write_text("".join(f"{y} 0:{r} {10 + 'abc'.index(s)}:1\n"
+                                                 for r, (y, s) in enumerate(zip(labels, sites, strict=True))))
+    common = {"dir": str(tmp_path), "split.seed": 11, "split.validation_fraction": 0.25, "split.test_fraction": 0.25}
+    common = {**common, "dense.transform": "none"}
+    columns = {"label.column": "y", "dense.columns": ("r",), "sparse.columns": ("s",)}
+    variants = [options(**common, **columns, files="part*.csv"),
+                options(**common, **columns, files="all.parquet", format="parquet"),
+                options(**common, files="all.libsvm", format="libsvm", **{"libsvm.fields": "bag",
+                                                                          "libsvm.dense_indices": (0,)})]
+    expected = {split: [] for split in tabular.SPLITS}
+    for r in range(n):
+        u = py_uniform(11, r)
+        expected["train" if u < 0.5 else "validation" if u < 0.75 else "test"].append(float(r))
+    for variant in variants:
+        dataset = tabular.tabular_array_dataset(variant)
+        for split in tabular.SPLITS:
+            assert dataset.splits[split].dense[:, 0].tolist() == expected[split], (variant.format, split)
+            np.testing.assert_array_equal(dataset.splits[split].labels, labels[np.array(expected[split], int)])
+
+
 def test_time_split_takes_the_latest_rows(tmp_path):
     # hour doubles as a dense column, so the blocks show which times each split got.
-    fields = {**CLICKS, "dense.columns": ("price", "hour"), "split.method": "time", "split.time_column": "hour"}
+    fields = {**CLICKS, "dense.columns": ("price", "hour"), "split.method": "time", "split.time_column": "hour",
+              "dense.transform": "none"}
     good, _, _ = reference_csv(FIXTURES / "clicks.csv", label="click", dense=("price",))
     order = sorted(good, key=lambda line: (int(good[line]["hour"]), line))  # ties keep file order
     n_test = n_validation = round(0.1 * len(order))
@@ -460,7 +694,7 @@ def test_time_split_takes_the_latest_rows(tmp_path):
     # Instants: line 5 (01-01 09:00), 3 (01-01 10:00), 6 (01-01 23:00 UTC), 4 (01-02 00:00), 2 (01-03).
     assert dataset.splits["test"].ids["s"].size == 1 and dataset.splits["test"].labels.tolist() == [1.0]  # line 2
     assert dataset.splits["validation"].labels.tolist() == [1.0]  # line 4
-    (tmp_path / "bad_time.csv").write_text("y,t,s\n1,5,a\n0,soon,b\n1,6,a\n0,7,b\n1,,a\n1,8,b\n")
+    (tmp_path / "bad_time.csv").write_text("y,t,s\n1,5,a\n0,soon,b\n0,6,a\n0,7,b\n1,,a\n1,8,b\n")
     with tabular.prepare_tabular(options(**{**iso, "files": "bad_time.csv"})) as prepared:
         assert [(n, r) for _, n, r in prepared.report.first_skipped] == [
             (3, "time column 't' = 'soon' is neither a number nor an ISO-8601 date/time"),
@@ -468,6 +702,24 @@ def test_time_split_takes_the_latest_rows(tmp_path):
     (tmp_path / "mixed.csv").write_text("y,t,s\n1,2024-01-03,a\n0,14102100,b\n1,5,a\n0,6,b\n1,7,a\n")
     with pytest.raises(DataError, match=r"mixes numbers .*mixed\.csv, line / row 3.* and ISO-8601 dates"):
         tabular.prepare_tabular(options(**{**iso, "files": "mixed.csv"}))
+
+
+def test_a_time_split_on_a_constant_column_is_refused(tmp_path):
+    # One value for every row: the "time" split would be file order. Two values are a time split (ties: file order).
+    fields = {"dir": str(tmp_path), "label.column": "y", "sparse.columns": ("s",), "split.method": "time",
+              "split.time_column": "t", "split.validation_fraction": 0.25, "split.test_fraction": 0.25}
+    for name, value, shown in (("hour", "14102100", "14102100"), ("iso", "2024-01-02T03:04:05", "2024-01-02T03:04:05"),
+                               ("float", "0.5", "0.5")):
+        (tmp_path / f"{name}.csv").write_text("y,t,s\n" + "".join(f"{i % 2},{value},a\n" for i in range(8)))
+        with pytest.raises(DataError, match=re.escape(
+                f"data.split.time_column 't' holds one value ({shown}) in all 8 valid rows, so a time split would cut "
+                "them in file order; set data.split.method to 'random' (or 'files'), or data.split.time_column to a "
+                "column whose values vary")):
+            tabular.prepare_tabular(options(**fields, files=f"{name}.csv"))
+    (tmp_path / "two.csv").write_text("y,t,s\n" + "".join(f"{i % 2},{5 + (i == 7)},a\n" for i in range(8)))
+    with tabular.prepare_tabular(options(**fields, files="two.csv")) as prepared:
+        assert prepared.split_rows == {"train": 4, "validation": 2, "test": 2}
+        assert all_blocks(prepared, "test").labels.tolist() == [0.0, 1.0]  # line 8 (t 5, by file order), line 9 (t 6)
 
 
 def test_files_split_with_a_carved_validation_split():
@@ -478,7 +730,7 @@ def test_files_split_with_a_carved_validation_split():
         assert prepared.split_rows["train"] + prepared.split_rows["validation"] == 36
         assert prepared.split_rows["test"] == 12
         good = [n for n in range(1, 41) if n not in (5, 11, 16, 20)]
-        assert prepared.split_rows["validation"] == sum(py_uniform(5, 0, n) < 0.25 for n in good)
+        assert prepared.split_rows["validation"] == sum(py_uniform(5, row) < 0.25 for row in range(len(good)))
     with pytest.raises(ConfigError, match=r"data\.split\.test_files: .*frappe\.train\.libfm is also in "
                                           r"data\.split\.train_files"):
         tabular.prepare_tabular(options(**{**libfm, "split.test_files": "frappe.t*.libfm"}))
@@ -497,7 +749,7 @@ def test_libfm_positional_fields_against_a_token_parse():
         (11, "token '200' is not index:value"),
         (16, "token '102:0.5': index 102 has a value other than 0 or 1; list the index in "
              "data.libsvm.dense_indices if it is a dense feature"),
-        (20, "label = 'abc' is not a number (or set data.label.positive_values to the values that mean a click)")]
+        (20, "label = 'nan' is NaN")]
     lines = (FIXTURES / "frappe.train.libfm").read_text().splitlines()
     good = [(n, line.split()) for n, line in enumerate(lines, 1) if n not in (5, 11, 16, 20)]
     assert np.concatenate([c.labels for c in chunks]).tolist() == [float(t[0] == "1") for _, t in good]
@@ -513,8 +765,7 @@ def test_libffm_fields_dense_index_and_absent_fields():
     assert [(n, r) for _, n, r in report.first_skipped] == [
         (3, "token '0:5' is not field:index:value"),
         (8, f"token '{second}': field 1 appears twice in the line (data.libsvm.fields='bag' reads multi-hot lines)"),
-        (12, f"label = '{lines[11].split()[0]}' is not a number (or set data.label.positive_values to the values "
-             "that mean a click)")]
+        (12, f"the line has no label: its first token '{lines[11].split()[0]}' is a feature")]
     good = [line.split() for n, line in enumerate(lines, 1) if n not in (3, 8, 12)]
     fields = [{t.split(":")[0]: t.split(":") for t in tokens[1:]} for tokens in good]
     assert sorted(chunks[0].sparse) == ["f0", "f1", "f2", "f3"]  # field 4 only holds the dense index 99
@@ -579,8 +830,8 @@ def test_data_errors_name_files_columns_and_what_the_split_needs(tmp_path):
         tabular.prepare_tabular(options(**{**CLICKS, "dir": str(tmp_path), "split.method": "time",
                                            "split.time_column": "hour", "split.validation_fraction": 0.05}))
     (tmp_path / "empty.csv").write_bytes(b"")
-    both = {**CLICKS, "dir": str(tmp_path), "files": "empty.csv,clicks.csv", "split.test_fraction": 0.3,
-            "split.validation_fraction": 0.3}
+    shutil.copy(FIXTURES / "clicks.csv", tmp_path / "all.csv")
+    both = {**CLICKS, "dir": str(tmp_path), "files": "empty.csv,all.csv"}
     with tabular.prepare_tabular(options(**both)) as prepared:
         assert prepared.report.empty_files == [str(tmp_path / "empty.csv")]
     with pytest.raises(DataError, match=r"empty\.csv: the file is empty; expected CSV rows"):
@@ -613,6 +864,9 @@ def test_end_to_end_through_the_tfds_builder_into_prepared_dataset(tmp_path):
     assert all(np.array_equal(got.ids[f], want.ids[f]) for f in want.ids)
     info = dataset.info()
     assert info["parse_report"]["skipped"] == 6 and info["parse_report"]["first_skipped"][0]["line"] == 9
+    # What the run prints when it opens the data (recjax/data/builders.py open_prepared logs these lines).
+    assert "data: dense transform (data.dense.transform, per column data.dense.transforms): standardise for price" \
+        in dataset.report_lines()
     assert info["tabular_stats"]["split_rows"] == {s: in_memory.splits[s].size for s in tabular.SPLITS}
     counts = np.load(pathlib.Path(dataset.builder.data_dir) / "index_counts.npz")
     assert int(counts["site_id"].sum()) == in_memory.splits["train"].size

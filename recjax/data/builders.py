@@ -220,7 +220,7 @@ class TabularBlocks(OptionsBuilder, skip_registration=True):
     """
 
     CONFIG_PREFIX = "tabular"
-    FORMAT_VERSION = 1
+    FORMAT_VERSION = 2  # 2: random split by valid-row index (was: file and line); NaN / label counts in the stats
     MANUAL_DOWNLOAD_INSTRUCTIONS = """
     Point `--config.data.dir` (the TFDS manual_dir) at the folder holding your files and `--config.data.files`
     (or data.split.train_files / validation_files / test_files) at them: comma-separated globs relative to it.

@@ -200,6 +200,10 @@ class PreparedDataset:
             if report["skipped"]:
                 lines.append("data:   the first skipped lines are listed under parse_report in the run's summary.json "
                              f"and in {pathlib.Path(self.builder.data_dir) / 'dataset_info.json'}")
+        if "tabular_stats" in self._extra:
+            from recjax.data.tabular import summary_lines
+
+            lines += summary_lines(self._extra["tabular_stats"])
         return lines
 
     def num_examples(self, split: str) -> int:

@@ -6,14 +6,16 @@ batches) and parses a unit on a worker thread (`parse_unit`) into a `ParsedChunk
 only Python loops are over columns, word positions and the first few bad lines' reasons.
 
 CSV (plain or gzip, any single-character delimiter, '"' quotes with "" escapes)
-    A block of whole lines (textio) is checked line by line with numpy -- blank lines (no bytes but an optional
-    '\r') are counted, a stray '\r' or an odd number of '"' is a bad line (a record cannot span lines: a quoted
-    newline leaves an unterminated quote on both halves) -- and the remaining lines are parsed by
+    A block of whole lines (textio) is checked line by line with numpy -- a line ends in '\n' and every '\r' right
+    before it ("\r\r\n" too: a CRLF file converted to CRLF again), blank lines (nothing else) are counted, a stray
+    '\r' or an odd number of '"' is a bad line (a record cannot span lines: a quoted newline leaves an unterminated
+    quote on both halves) -- and the remaining lines are parsed by
     `pyarrow.csv.read_csv(..., use_threads=False)`, whose `invalid_row_handler` reports rows with the wrong field
     count. Measured with pyarrow 26: `row.number` is 1-based among the non-blank lines handed to the reader (not
     the physical line; None with threads), so it is mapped back to the physical line, and the row's text is checked
     against that line. Label and dense columns are read as float64 (pyarrow's fast
-    converter, its null markers `NULL_MARKERS` meaning missing); if a cell is not a number, pyarrow fails the whole
+    converter, its null markers but the NaN spellings, `MISSING_MARKERS`, meaning missing; "nan" reads as NaN, which
+    `data.dense.nan` imputes or skips); if a cell is not a number, pyarrow fails the whole
     block and the block is read again with every column as bytes, the bad cells found vectorised (`_numbers`).
     Sparse and time columns are read as bytes. A file's first line is its header (`csv.header`), a UTF-8 BOM is
     dropped; without a header, columns are named by `csv.column_names` or by position ("0", "1", ...), the column
@@ -65,6 +67,12 @@ from recjax.errors import DataError
 MISSING_STRING_KEY = string_key(b"")  # an empty / null CSV or Parquet cell
 MISSING_INDEX_KEY = 2**63 - 1  # an absent libSVM field (indices have at most 18 digits)
 NULL_MARKERS = tuple(pa_csv.ConvertOptions().null_values)  # pyarrow's: "", "NA", "NULL", "nan", "N/A", ...
+# Of those, the spellings of NaN (C's "nan", MSVC's "1.#QNAN" / "1.#IND") are NaN cells, which data.dense.nan decides
+# about; the others ("", "NA", "NULL", "N/A", ...) say the value is missing.
+NAN_MARKERS = tuple(m for m in NULL_MARKERS if re.fullmatch(r"(?i)[+-]?(nan|1\.#(qnan|ind))", m))
+MISSING_MARKERS = tuple(m for m in NULL_MARKERS if m not in NAN_MARKERS)
+LABEL_VALUES = 20  # distinct label values counted per chunk and in the summary (the most frequent)
+DENSE_NAN = ("impute", "skip")  # data.dense.nan: a NaN dense cell is data.dense.missing (counted), or a bad line
 DENSE_STEPS = ("clip", "log1p", "standardise")  # the transform chain, in the order it is applied
 MAX_INDEX_DIGITS = 18  # libSVM indices: 10**18 - 1 < 2**63 - 1
 _BOM = b"\xef\xbb\xbf"
@@ -101,6 +109,7 @@ class ReadPlan:
     clip_min: float | None = None
     clip_max: float | None = None
     missing: float = 0.0
+    nan: str = "impute"  # a NaN dense cell: "impute" (the missing value, counted) or "skip" (a bad line)
     sparse: tuple[str, ...] = ()
     multi_valued: frozenset[str] = frozenset()
     separator: str = "|"
@@ -152,7 +161,11 @@ class ParsedChunk:
     """The good rows of one unit, before vocabularies and standardisation.
 
     positions: i64[n] 1-based line (text) or row (Parquet) numbers in `path`; labels: f32[n] in {0, 1};
-    dense: f32[n, D] (missing -> plan.missing, then clip / log1p); time: f64[n] or None (numbers as they are,
+    dense: f32[n, D] (missing -> plan.missing, then clip / log1p); dense_missing / dense_nan: i64[D] the rows' cells
+    that were missing / NaN (and imputed) per column; label_values: {the label's text: rows} of the rows (the
+    LABEL_VALUES most frequent); unknown_labels: {text: lines} of the labels that are not numbers (threshold mode;
+    those lines are left out, and preparing stops), the first at position unknown_label_at; time: f64[n] or None
+    (numbers as they are,
     ISO-8601 as unix seconds); time_numeric_at / time_iso_at: the first position holding each kind of time value
     (a column must not mix them); sparse: {feature: SparseValues} (ffm: only the fields the unit has).
     """
@@ -166,6 +179,17 @@ class ParsedChunk:
     sparse: dict[str, SparseValues]
     time_numeric_at: int | None = None
     time_iso_at: int | None = None
+    dense_missing: np.ndarray | None = None
+    dense_nan: np.ndarray | None = None
+    label_values: dict[str, int] = dataclasses.field(default_factory=dict)
+    unknown_labels: dict[str, int] = dataclasses.field(default_factory=dict)
+    unknown_label_at: int | None = None
+
+    def __post_init__(self):
+        columns = self.dense.shape[1]
+        for name in ("dense_missing", "dense_nan"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.zeros(columns, np.int64))
 
     @property
     def size(self) -> int:
@@ -241,41 +265,46 @@ def _text(array: pa.Array, i: int) -> str:
     return show_value(value if isinstance(value, bytes | str) else str(value))
 
 
-def _numbers(array: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A column as numbers: (values f64[n], missing bool[n], not_a_number bool[n]); values are NaN where missing or
-    not a number.
+def _numbers(array: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A column as numbers: (values f64[n], missing bool[n], not_a_number bool[n], nan bool[n]); values are NaN
+    where missing, NaN or not a number.
 
-    Missing: null, NaN, or (text) one of `NULL_MARKERS`. Text cells are converted as pyarrow's CSV reader converts
-    them (the fast path of `parse_csv`), so a block gives the same values whichever path read it: surrounding spaces
-    and tabs are ignored, and any text that converts to NaN ("NAN", "+nan") is missing.
+    Missing: null, or (text) one of `MISSING_MARKERS` ("", "NA", "NULL", ...). NaN: a NaN value, (text) one of
+    `NAN_MARKERS`, or any text that converts to NaN ("NAN", "+nan"). Text cells are converted as pyarrow's CSV reader
+    converts them (the fast path of `parse_csv`), so a block gives the same values whichever path read it:
+    surrounding spaces and tabs are ignored.
     """
     array = _decoded(array)
     n = len(array)
     t = array.type
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_decimal(t):
         values = _float_numpy(array)
-        return values, np.isnan(values), np.zeros(n, bool)
+        null = pc.is_null(array).to_numpy(zero_copy_only=False)
+        return values, null, np.zeros(n, bool), np.isnan(values) & ~null
     if not _is_text(t):
         raise TypeError(f"has Arrow type {t}, not numbers or text")
     raw = _as_bytes(array)
-    markers = pa.array([m.encode() for m in NULL_MARKERS], raw.type)
+    markers = pa.array([m.encode() for m in MISSING_MARKERS], raw.type)
     missing = pc.or_(pc.is_null(raw), pc.is_in(raw, value_set=markers)).to_numpy(zero_copy_only=False)
+    nan = pc.is_in(raw, value_set=pa.array([m.encode() for m in NAN_MARKERS], raw.type)).to_numpy(
+        zero_copy_only=False) & ~missing
     values = np.full(n, np.nan)
     converted = np.zeros(n, bool)
-    candidate = np.flatnonzero(~missing & pc.match_substring_regex(raw, _FLOAT_PATTERN).to_numpy(zero_copy_only=False))
+    candidate = np.flatnonzero(~missing & ~nan & pc.match_substring_regex(raw, _FLOAT_PATTERN).to_numpy(
+        zero_copy_only=False))
     if candidate.size:
         numbers, ok = _cast_each(raw.take(candidate), pa.float64())
         values[candidate] = _float_numpy(numbers)
         converted[candidate] = ok
-    spaced = np.flatnonzero(~missing & ~converted & pc.match_substring_regex(raw, r"^[ \t]|[ \t]$").to_numpy(
+    spaced = np.flatnonzero(~missing & ~nan & ~converted & pc.match_substring_regex(raw, r"^[ \t]|[ \t]$").to_numpy(
         zero_copy_only=False))
     for i in spaced:  # rare: cells with surrounding blanks, which pyarrow's CSV converter trims
         stripped = raw[int(i)].as_py().strip(b" \t")
         numbers, ok = _cast_each(pa.array([stripped], pa.binary()), pa.float64())
         if ok[0]:
             values[i], converted[i] = _float_numpy(numbers)[0], True
-    missing |= converted & np.isnan(values)
-    return values, missing, ~missing & ~converted
+    nan |= converted & np.isnan(values)
+    return values, missing, ~missing & ~nan & ~converted, nan
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -291,28 +320,60 @@ class _Check:
     explain: Callable[[int], str]
 
 
-def _label_checks(array: pa.Array, plan: ReadPlan, name: str | None = None) -> tuple[np.ndarray, list[_Check]]:
-    """labels f32[n] in {0, 1} and the checks that make a row's label bad. name: how messages call the label."""
+@dataclasses.dataclass(frozen=True, eq=False)  # holds arrays
+class _LabelColumn:
+    """A label column read: labels f32[n] in {0, 1}; the checks that make a row's label bad (empty, NaN, infinite);
+    unknown bool[n]: (threshold mode) a label that is not a number -- no bad line, since the label column's values are
+    a setting to fix rather than a broken line: the rows are left out and preparing stops once every file is read,
+    listing the values (tabular.py); numbers f64[n] (threshold mode) or raw bytes (positive_values) to count values."""
+
+    labels: np.ndarray
+    checks: list[_Check]
+    unknown: np.ndarray
+    numbers: np.ndarray | None = None
+    raw: pa.Array | None = None
+
+    def value_counts(self, rows: np.ndarray) -> dict[str, int]:
+        """{the label's text: rows} among `rows` (bool[n]), the LABEL_VALUES most frequent (numbers as %g)."""
+        if self.numbers is not None:
+            values, counts = np.unique(self.numbers[rows], return_counts=True)
+            top = np.argsort(-counts, kind="stable")[:LABEL_VALUES]
+            return {f"{values[k]:g}": int(counts[k]) for k in top}
+        return _text_counts(self.raw, rows)
+
+    def unknown_counts(self) -> dict[str, int]:
+        return _text_counts(self.raw, self.unknown) if self.unknown.any() else {}
+
+
+def _text_counts(raw: pa.Array, rows: np.ndarray) -> dict[str, int]:
+    counted = pc.value_counts(raw.filter(pa.array(rows)))
+    values, counts = counted.field("values").to_pylist(), counted.field("counts").to_numpy(zero_copy_only=False)
+    top = np.argsort(-counts, kind="stable")[:LABEL_VALUES]
+    return {(values[k] or b"").decode("utf-8", "replace"): int(counts[k]) for k in top}
+
+
+def _label_column(array: pa.Array, plan: ReadPlan, name: str | None = None) -> _LabelColumn:
+    """The labels and their checks. name: how messages call the label."""
     name = name or f"label column '{plan.label}'"
+    n = len(array)
+    raw = _as_bytes(array)
     if plan.positive_values:
-        raw = _as_bytes(array)
         empty = pc.or_(pc.is_null(raw), pc.equal(pc.binary_length(raw), 0)).to_numpy(zero_copy_only=False)
         positive = pc.is_in(raw, value_set=pa.array([v.encode() for v in plan.positive_values], raw.type))
         labels = positive.to_numpy(zero_copy_only=False).astype(np.float32)
-        return labels, [_Check(empty, lambda i: f"{name} is empty")]
+        return _LabelColumn(labels, [_Check(empty, lambda i: f"{name} is empty")], np.zeros(n, bool), raw=raw)
     try:
-        values, missing, not_number = _numbers(array)
+        values, missing, not_number, nan = _numbers(array)
     except TypeError as error:
         raise DataError(f"{name} {error}; set data.label.positive_values to the values that mean "
                          "a click") from None
     infinite = np.isinf(values)
     labels = (np.nan_to_num(values, nan=-np.inf) >= plan.label_threshold).astype(np.float32)
-    return labels, [
+    return _LabelColumn(labels, [
         _Check(missing, lambda i: f"{name} is empty"),
-        _Check(not_number, lambda i: f"{name} = {_text(array, i)} is not a number (or set "
-                                     "data.label.positive_values to the values that mean a click)"),
+        _Check(nan, lambda i: f"{name} = {_text(array, i)} is NaN"),
         _Check(infinite, lambda i: f"{name} = {_text(array, i)} is not finite"),
-    ]
+    ], not_number, numbers=values, raw=raw)
 
 
 def transform_dense(values: np.ndarray, column: DenseColumn, plan: ReadPlan) -> tuple[np.ndarray, np.ndarray]:
@@ -329,19 +390,30 @@ def transform_dense(values: np.ndarray, column: DenseColumn, plan: ReadPlan) -> 
     return values, bad_log
 
 
-def _dense_checks(arrays: Sequence[pa.Array], plan: ReadPlan, n: int) -> tuple[np.ndarray, list[_Check]]:
-    """dense f32[n, D] (missing imputed, clip / log1p applied) and the checks that make a row's dense values bad."""
+def nan_reason(shown: str, plan: ReadPlan) -> str:
+    """Why a NaN dense value makes its line bad (data.dense.nan = "skip")."""
+    return (f"{shown} is NaN (data.dense.nan='skip'; 'impute' replaces NaN by data.dense.missing = {plan.missing:g} "
+            "and counts it)")
+
+
+def _dense_checks(arrays: Sequence[pa.Array], plan: ReadPlan, n: int
+                  ) -> tuple[np.ndarray, list[_Check], np.ndarray, np.ndarray]:
+    """dense f32[n, D] (missing -- and, with plan.nan "impute", NaN -- imputed, clip / log1p applied), the checks
+    that make a row's dense values bad, and which cells were missing / NaN (bool[n, D] each)."""
     dense = np.zeros((n, len(plan.dense)), np.float32)
+    missing_cells = np.zeros((n, len(plan.dense)), bool)
+    nan_cells = np.zeros((n, len(plan.dense)), bool)
     checks = []
     for j, (column, array) in enumerate(zip(plan.dense, arrays, strict=True)):
         try:
-            values, _, not_number = _numbers(array)
+            values, missing, not_number, nan = _numbers(array)
         except TypeError as error:
             raise DataError(f"dense column '{column.name}' {error}; list it in data.sparse.columns if it is "
                              "categorical") from None
         infinite = np.isinf(values)
         values, bad_log = transform_dense(np.where(infinite, np.nan, values), column, plan)
         dense[:, j] = values
+        missing_cells[:, j], nan_cells[:, j] = missing, nan
         name = column.name
 
         def shown(i, array=array):
@@ -349,12 +421,14 @@ def _dense_checks(arrays: Sequence[pa.Array], plan: ReadPlan, n: int) -> tuple[n
 
         checks += [
             _Check(not_number, lambda i, name=name, shown=shown: f"column '{name}' = {shown(i)} is not a number"),
+            _Check(nan if plan.nan == "skip" else np.zeros(n, bool),
+                   lambda i, name=name, shown=shown: nan_reason(f"column '{name}' = {shown(i)}", plan)),
             _Check(infinite, lambda i, name=name, shown=shown: f"column '{name}' = {shown(i)} is infinite"),
             _Check(bad_log, lambda i, name=name, shown=shown: (
                 f"column '{name}' = {shown(i)}: log1p needs values > -1 (after clip; the missing value is "
                 f"{plan.missing}); set data.dense.clip_min or drop log1p for this column")),
         ]
-    return dense, checks
+    return dense, checks, missing_cells, nan_cells
 
 
 def time_values(array: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -369,7 +443,8 @@ def time_values(array: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
         missing = pc.is_null(array).to_numpy(zero_copy_only=False)
         values[missing] = np.nan
         return values, missing, np.zeros(n, bool), ~missing
-    values, missing, not_number = _numbers(array)
+    values, missing, not_number, nan = _numbers(array)
+    missing |= nan  # no instant
     iso = np.zeros(n, bool)
     rows = np.flatnonzero(not_number)
     if rows.size:
@@ -455,8 +530,10 @@ def columns_to_chunk(path: str, file_index: int, positions: np.ndarray, columns:
                      plan: ReadPlan) -> tuple[ParsedChunk, np.ndarray, list[str]]:
     """Columns of n rows -> (the chunk of the good rows, bad rows' positions i64[b], reasons of the first
     MAX_REPORTED of them)."""
-    labels, checks = _label_checks(columns[plan.label], plan)
-    dense, dense_checks = _dense_checks([columns[d.name] for d in plan.dense], plan, positions.size)
+    label = _label_column(columns[plan.label], plan)
+    labels, checks = label.labels, list(label.checks)
+    dense, dense_checks, missing_cells, nan_cells = _dense_checks([columns[d.name] for d in plan.dense], plan,
+                                                                  positions.size)
     checks += dense_checks
     time = iso = None
     if plan.time_column:
@@ -468,9 +545,12 @@ def columns_to_chunk(path: str, file_index: int, positions: np.ndarray, columns:
     bad_rows = np.flatnonzero(bad)
     reasons = _first_reasons(checks, bad_rows[:MAX_REPORTED])
     sparse_arrays = {name: columns[name] for name in plan.sparse}
-    if bad_rows.size:
-        keep = ~bad
+    keep = ~bad & ~label.unknown
+    label_values, unknown_labels = label.value_counts(keep), label.unknown_counts()
+    unknown_at = int(positions[np.argmax(label.unknown)]) if unknown_labels else None
+    if not keep.all():
         labels, dense, positions = labels[keep], dense[keep], positions[keep]
+        missing_cells, nan_cells = missing_cells[keep], nan_cells[keep]
         if time is not None:
             time, iso = time[keep], iso[keep]
         mask = pa.array(keep)
@@ -480,8 +560,9 @@ def columns_to_chunk(path: str, file_index: int, positions: np.ndarray, columns:
     if time is not None and time.size:
         numeric_at = int(positions[np.argmin(iso)]) if not iso.all() else None
         iso_at = int(positions[np.argmax(iso)]) if iso.any() else None
-    chunk = ParsedChunk(path, file_index, positions, labels, dense, time, sparse, numeric_at, iso_at)
-    return chunk, np.flatnonzero(bad), reasons
+    chunk = ParsedChunk(path, file_index, positions, labels, dense, time, sparse, numeric_at, iso_at,
+                        missing_cells.sum(axis=0), nan_cells.sum(axis=0), label_values, unknown_labels, unknown_at)
+    return chunk, bad_rows, reasons
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -491,8 +572,9 @@ def columns_to_chunk(path: str, file_index: int, positions: np.ndarray, columns:
 
 @dataclasses.dataclass(frozen=True, eq=False)  # holds arrays
 class _Lines:
-    """The lines of a block: buf u8 (the block, '\n'-terminated); per line start, end (before '\r\n' / '\n'),
-    newline (the '\n' position), number (1-based), blank, stray_cr (a '\r' not right before the '\n')."""
+    """The lines of a block: buf u8 (the block, '\n'-terminated); per line start, end (before the line end: the
+    '\n' and every '\r' right before it), newline (the '\n' position), number (1-based), blank, stray_cr (a '\r'
+    before `end`)."""
 
     buf: np.ndarray
     start: np.ndarray
@@ -513,12 +595,15 @@ def _lines(block: TextBlock) -> _Lines:
     newline = np.flatnonzero(buf == _NL)
     start = np.empty(newline.size, np.int64)
     start[:1], start[1:] = 0, newline[:-1] + 1
-    has_cr = (newline > start) & (buf[np.maximum(newline - 1, 0)] == _CR)
-    end = newline - has_cr
+    end = newline.copy()
     stray_cr = np.zeros(newline.size, bool)
     if b"\r" in data:
+        # Every '\r' right before the '\n' belongs to the line end: "\r\r\n" is what converting a CRLF file to
+        # CRLF again gives, and no field ends in a carriage return. A '\r' anywhere else is stray.
+        last_other = np.maximum.accumulate(np.where(buf != _CR, np.arange(buf.size), -1))
+        end = np.where(newline > start, np.maximum(last_other[np.maximum(newline - 1, 0)] + 1, start), start)
         crs = np.flatnonzero(buf == _CR)
-        stray_cr = np.searchsorted(crs, newline) - np.searchsorted(crs, start) > has_cr
+        stray_cr = _count_between(crs, start, end) > 0
     number = block.first_line + np.arange(newline.size, dtype=np.int64)
     return _Lines(buf, start, end, newline, number, end == start, stray_cr)
 
@@ -533,8 +618,9 @@ def _block_report(block: TextBlock, lines: _Lines, bad: np.ndarray, reasons_of: 
     bad_lines = np.flatnonzero(bad)
     reasons = tuple(reasons_of[int(i)] for i in bad_lines[:MAX_REPORTED])
     cut = block.cut_line
+    last_complete = (int(lines.number[-1]) - cut if lines.count else block.first_line - 1) if block.truncated else None
     return BlockReport(block.path, lines.count, lines.number[lines.blank & ~bad], lines.number[bad_lines], reasons,
-                       block.truncated, int(lines.number[-1]) if cut else None)
+                       block.truncated, int(lines.number[-1]) if cut else None, last_complete_line=last_complete)
 
 
 def _oversized(block: TextBlock, what: str) -> BlockReport:
@@ -658,23 +744,37 @@ def _read_csv(text: bytes, unit: CsvUnit, plan: ReadPlan, fast: bool) -> tuple[p
                                         block_size=max(len(text) + 1, 1 << 16)),
         parse_options=pa_csv.ParseOptions(delimiter=plan.delimiter, invalid_row_handler=handler),
         convert_options=pa_csv.ConvertOptions(column_types=types, include_columns=list(plan.columns),
-                                              null_values=list(NULL_MARKERS), strings_can_be_null=False))
+                                              null_values=list(MISSING_MARKERS), strings_can_be_null=False))
     return table, invalid
 
 
+def _line_text(lines: _Lines, chosen: np.ndarray) -> bytes:
+    """The lines `chosen` (ascending indices), each without its line end and followed by '\n'."""
+    size = lines.buf.size + 1
+    marks = np.bincount(lines.start[chosen], minlength=size) - np.bincount(lines.end[chosen], minlength=size)
+    inside = np.cumsum(marks[:-1]) > 0
+    inside[lines.newline[chosen]] = True
+    return lines.buf[inside].tobytes()
+
+
 def _parse_lines(block: TextBlock, lines: _Lines, structural: np.ndarray, reasons_of: dict[int, str],
-                 unit: CsvUnit, plan: ReadPlan) -> tuple[pa.Table, list[tuple[int, int, str]], np.ndarray]:
+                 unit: CsvUnit, plan: ReadPlan) -> tuple[pa.Table | None, list[tuple[int, int, str]], np.ndarray]:
     """pyarrow's parse of the block's lines but the structurally bad ones (marked in `structural`, which this may
-    extend): (table, wrong-count rows, the indices of the lines pyarrow numbered 1, 2, ...)."""
+    extend): (table, wrong-count rows, the indices of the lines pyarrow numbered 1, 2, ...); table None if no line
+    is left to parse."""
     while True:
-        # pyarrow sees the whole block if no line is excluded (it skips blank lines itself), else the others only.
-        if structural.any():
+        # pyarrow sees the whole block if no line is excluded (it skips blank lines itself) and every line ends in
+        # '\n' or '\r\n'; else the other lines only, each cut at `end` and given a '\n'.
+        extra_cr = bool(np.any(lines.newline - lines.end > 1))
+        if structural.any() or extra_cr:
             passed = np.flatnonzero(~structural & ~lines.blank)
-            text = lines.buf[np.repeat(~structural & ~lines.blank, lines.newline - lines.start + 1)].tobytes()
+            text = _line_text(lines, passed)
         else:
             passed = np.arange(lines.count)
             text = block.data
         nonblank = passed[~lines.blank[passed]]
+        if nonblank.size == 0:  # nothing for pyarrow (which calls an empty text "Empty CSV file")
+            return None, [], nonblank
         try:
             try:
                 table, invalid = _read_csv(text, unit, plan, fast=True)
@@ -719,6 +819,8 @@ def parse_csv(unit: CsvUnit, plan: ReadPlan) -> tuple[ParsedChunk, BlockReport]:
                               "unterminated quoted field (an odd number of '\"'); a record cannot span lines")
     table, invalid, nonblank = _parse_lines(block, lines, structural, reasons_of, unit, plan)
     bad = structural.copy()
+    if table is None:  # every line is blank or structurally bad
+        return _empty_chunk(path, unit.file_index, plan), _block_report(block, lines, bad, reasons_of)
     wrong_count = nonblank[np.array([number for number, _, _ in invalid], np.int64) - 1]
     for i, (_, _, text) in zip(wrong_count, invalid, strict=True):
         line = lines.buf[lines.start[i]:lines.end[i]].tobytes()
@@ -865,13 +967,18 @@ def parse_libsvm(unit: LibsvmUnit, plan: ReadPlan) -> tuple[ParsedChunk, BlockRe
     reasons_of = {int(i): f"incomplete last line: {block.truncated}" if cut[i] else
                   "stray carriage return (\\r) inside the line" for i in np.flatnonzero(structural)[:MAX_REPORTED]}
 
-    # Labels: the first token of each line.
+    # Labels: the first token of each line; a first token with a ':' is a feature (the line has no label).
+    colons = np.flatnonzero(buf == _COLON)
     label_lines = np.flatnonzero(~blank)
     label_tok = first_tok[label_lines]
     label_array = _gather_bytes(buf, tok_start[label_tok], tok_end[label_tok])
-    label_values, label_checks = _label_checks(label_array, plan, name="label")
+    no_label = _count_between(colons, tok_start[label_tok], tok_end[label_tok]) > 0
+    label = _label_column(label_array, plan, name="label")
+    label = dataclasses.replace(label, unknown=label.unknown & ~no_label)
+    label_checks = [_Check(no_label, lambda k: f"the line has no label: its first token {_text(label_array, k)} is "
+                                               "a feature")] + label.checks
     labels = np.zeros(count, np.float32)
-    labels[label_lines] = label_values
+    labels[label_lines] = label.labels
     label_bad = np.zeros(label_lines.size, bool)
     for check in label_checks:
         label_bad |= check.bad
@@ -879,6 +986,8 @@ def parse_libsvm(unit: LibsvmUnit, plan: ReadPlan) -> tuple[ParsedChunk, BlockRe
         reasons_of[int(label_lines[k])] = next(c for c in label_checks if c.bad[k]).explain(int(k))
     bad = structural.copy()
     bad[label_lines[label_bad]] = True
+    unknown = np.zeros(count, bool)  # no bad line: the label's values are listed once every file is read
+    unknown[label_lines[label.unknown]] = True
 
     # Feature tokens: index:value (or field:index:value). Indices by digit arithmetic; values "0" / "1" directly,
     # anything else through pyarrow.
@@ -886,7 +995,6 @@ def parse_libsvm(unit: LibsvmUnit, plan: ReadPlan) -> tuple[ParsedChunk, BlockRe
     is_feature[label_tok] = False
     feat = np.flatnonzero(is_feature)
     f_start, f_end, f_line = tok_start[feat], tok_end[feat], tok_line[feat]
-    colons = np.flatnonzero(buf == _COLON)
     first_colon = np.searchsorted(colons, f_start)
     shape_ok = np.searchsorted(colons, f_end) - first_colon == (2 if ffm else 1)
     last = max(colons.size - 1, 0)
@@ -901,14 +1009,20 @@ def parse_libsvm(unit: LibsvmUnit, plan: ReadPlan) -> tuple[ParsedChunk, BlockRe
     value = np.where(one_char & (first_char == ord("1")), 1.0, 0.0)
     other = np.flatnonzero(shape_ok & ~(one_char & ((first_char == ord("1")) | (first_char == ord("0")))))
     value_bad = np.zeros(feat.size, bool)
+    value_nan = np.zeros(feat.size, bool)
     if other.size:
-        numbers, missing, not_number = _numbers(_gather_bytes(buf, value_start[other], f_end[other]))
+        numbers, missing, not_number, nan = _numbers(_gather_bytes(buf, value_start[other], f_end[other]))
         value[other] = numbers
         value_bad[other] = missing | not_number | np.isinf(numbers)
+        value_nan[other] = nan
     dense_of = plan.dense_indices
     is_dense = index_ok & np.isin(index, np.array(sorted(dense_of), np.int64))
+    # A NaN value of a dense index follows data.dense.nan (imputed like an absent index, or a bad line); any other
+    # index's value is 0 or 1.
+    nan_skipped = value_nan & is_dense & (plan.nan == "skip")
+    value_bad |= value_nan & ~is_dense
     not_binary = ~is_dense & ~value_bad & (value != 0) & (value != 1)
-    token_bad = ~shape_ok | ~field_ok | ~index_ok | value_bad | not_binary
+    token_bad = ~shape_ok | ~field_ok | ~index_ok | value_bad | nan_skipped | not_binary
     # A dense index twice in a line, or (ffm) a field twice, is ambiguous.
     slot_kind = np.where(is_dense, 1, np.where(ffm & ~token_bad, 2, 0))
     dup = np.zeros(feat.size, bool)
@@ -930,6 +1044,8 @@ def parse_libsvm(unit: LibsvmUnit, plan: ReadPlan) -> tuple[ParsedChunk, BlockRe
             return f"token {text}: the index is not a non-negative integer of at most {MAX_INDEX_DIGITS} digits"
         if value_bad[t]:
             return f"token {text}: the value is not a finite number"
+        if nan_skipped[t]:
+            return nan_reason(f"token {text}: dense index {index[t]}", plan)
         if not_binary[t]:
             return (f"token {text}: index {index[t]} has a value other than 0 or 1; list the index in "
                     "data.libsvm.dense_indices if it is a dense feature")
@@ -955,12 +1071,15 @@ def parse_libsvm(unit: LibsvmUnit, plan: ReadPlan) -> tuple[ParsedChunk, BlockRe
 
     # Dense values: absent -> missing; then the transforms (a log1p domain error is a bad line too).
     dense = np.full((count, len(plan.dense)), np.nan)
+    nan_cells = np.zeros((count, len(plan.dense)), bool)
     dense_tok = np.flatnonzero(is_dense & ~token_bad)
     if dense_tok.size:
         dense_index = np.array(sorted(dense_of), np.int64)  # ascending dense indices and their dense columns
         dense_column = np.array([dense_of[int(k)] for k in dense_index], np.int64)
         column = dense_column[np.searchsorted(dense_index, index[dense_tok])]
         dense[f_line[dense_tok], column] = value[dense_tok]
+        nan_cells[f_line[dense_tok], column] = value_nan[dense_tok]
+    missing_cells = np.isnan(dense) & ~nan_cells
     dense_out = np.zeros((count, len(plan.dense)), np.float32)
     for j, spec in enumerate(plan.dense):
         values, bad_log = transform_dense(dense[:, j], spec, plan)
@@ -970,7 +1089,7 @@ def parse_libsvm(unit: LibsvmUnit, plan: ReadPlan) -> tuple[ParsedChunk, BlockRe
                                   f"the missing value is {plan.missing}); set data.dense.clip_min or drop log1p")
         bad |= bad_log & ~blank
 
-    good = ~blank & ~bad
+    good = ~blank & ~bad & ~unknown
     rows = np.flatnonzero(good)
     n = rows.size
     row_of_line = np.full(count, -1, np.int64)
@@ -999,7 +1118,11 @@ def parse_libsvm(unit: LibsvmUnit, plan: ReadPlan) -> tuple[ParsedChunk, BlockRe
         distinct, inverse = np.unique(values, return_inverse=True)
         sparse = {"features": SparseValues(distinct, inverse.astype(np.int32), lengths, truncated)}
 
-    chunk = ParsedChunk(path, unit.file_index, lines.number[rows], labels[rows], dense_out[rows], None, sparse)
+    unknown_labels = label.unknown_counts()
+    chunk = ParsedChunk(path, unit.file_index, lines.number[rows], labels[rows], dense_out[rows], None, sparse,
+                        dense_missing=missing_cells[rows].sum(axis=0), dense_nan=nan_cells[rows].sum(axis=0),
+                        label_values=label.value_counts(good[label_lines]), unknown_labels=unknown_labels,
+                        unknown_label_at=int(lines.number[np.argmax(unknown)]) if unknown_labels else None)
     return chunk, _block_report(block, dataclasses.replace(lines, blank=blank), bad & ~blank, reasons_of)
 
 
@@ -1027,8 +1150,8 @@ def parse_unit(unit, plan: ReadPlan) -> tuple[ParsedChunk, BlockReport]:
 
 
 __all__ = [
-    "DENSE_STEPS", "MISSING_INDEX_KEY", "MISSING_STRING_KEY", "NULL_MARKERS", "CsvUnit", "DenseColumn", "LibsvmUnit",
-    "ParquetUnit", "ParsedChunk", "ReadPlan", "SparseValues", "bag_positions", "check_columns", "columns_to_chunk",
-    "csv_units", "libsvm_units", "parquet_units", "parse_csv", "parse_libsvm", "parse_parquet", "parse_unit",
-    "time_values", "transform_dense", "units",
+    "DENSE_NAN", "DENSE_STEPS", "MISSING_INDEX_KEY", "MISSING_MARKERS", "MISSING_STRING_KEY", "NAN_MARKERS",
+    "NULL_MARKERS", "CsvUnit", "DenseColumn", "LibsvmUnit", "ParquetUnit", "ParsedChunk", "ReadPlan", "SparseValues",
+    "bag_positions", "check_columns", "columns_to_chunk", "csv_units", "libsvm_units", "nan_reason", "parquet_units",
+    "parse_csv", "parse_libsvm", "parse_parquet", "parse_unit", "time_values", "transform_dense", "units",
 ]

@@ -98,6 +98,7 @@ class BlockReport:
     truncated: str | None = None
     cut_line: int | None = None  # the incomplete line a truncated stream ends in, if any
     empty_file: bool = False
+    last_complete_line: int | None = None  # truncated: the last line read whole (None: cut_line - 1, if known)
 
 
 def merge_report(report: ParseReport, block: BlockReport, rows: int, *, strict: bool, expected: str,
@@ -113,9 +114,12 @@ def merge_report(report: ParseReport, block: BlockReport, rows: int, *, strict: 
             raise DataError(f"{block.path}: the file is empty; expected {expected}. Remove the file, or "
                              f"{lenient_hint} to skip it and list it in the parse report")
         report.empty_files.append(block.path)
+    last = block.last_complete_line if block.last_complete_line is not None else (
+        block.cut_line - 1 if block.cut_line else None)
+    after = f": the file is truncated after {line_word} {last}" if last is not None else ""
     if strict and block.truncated and (block.bad.size == 0 or block.bad[0] == block.cut_line):
         where = f" (in {line_word} {block.cut_line})" if block.cut_line else ""
-        raise DataError(f"{block.path}: {block.truncated}{where}; re-download or re-compress the file, or "
+        raise DataError(f"{block.path}: {block.truncated}{where}{after}; re-download or re-compress the file, or "
                          f"{lenient_hint} to keep the {line_word}s before the cut")
     if strict and block.bad.size:
         raise DataError(f"{block.path}: {line_word} {block.bad[0]}: {block.reasons[0]}; fix or remove the "
@@ -130,7 +134,8 @@ def merge_report(report: ParseReport, block: BlockReport, rows: int, *, strict: 
     room = MAX_REPORTED - len(report.first_blank)
     report.first_blank += [(block.path, int(n)) for n in block.blank[:room]]
     if block.truncated:
-        report.truncated_files.append((block.path, block.truncated))
+        report.truncated_files.append((block.path, block.truncated + (
+            f"; the last complete {line_word} is {last}" if last is not None else "")))
 
 
 def show_value(field: bytes | str, limit: int = 24) -> str:

@@ -25,12 +25,12 @@ AVAZU = ["id", "click", "hour", "C1", "banner_pos", "site_id", "site_domain", "s
 CSV_HEADER = AVAZU + ["price", "tags"]
 BAD_CSV_LINES = {  # line: what is wrong (the header is line 1)
     9: "wrong field count", 13: "empty label", 17: "price 'abc'", 21: "price 'inf'", 25: "unterminated quote",
-    30: "label 'x'",
+    30: "label 'nan'",
 }
 BLANK_CSV_LINES = (6,)
 BAD_TSV_LINES = {4: "wrong field count", 10: "visits '12x'", 20: "empty label"}
 BLANK_TSV_LINES = (15,)
-BAD_LIBFM_LINES = {5: "9 pairs", 11: "token without ':'", 16: "value 0.5", 20: "label 'abc'"}
+BAD_LIBFM_LINES = {5: "9 pairs", 11: "token without ':'", 16: "value 0.5", 20: "label 'nan'"}
 BAD_FFM_LINES = {3: "token '0:5'", 8: "field 1 twice", 12: "no label"}
 
 
@@ -63,8 +63,8 @@ def clicks_csv(rng: random.Random) -> str:
         problem = BAD_CSV_LINES.get(number)
         if problem == "empty label":
             row["click"] = ""
-        elif problem == "label 'x'":
-            row["click"] = "x"
+        elif problem == "label 'nan'":
+            row["click"] = "nan"
         elif problem == "price 'abc'":
             row["price"] = "abc"
         elif problem == "price 'inf'":
@@ -121,8 +121,8 @@ def frappe(rng: random.Random, lines: int, bad: dict[int, str]) -> str:
             tokens[3] = tokens[3].split(":")[0]
         elif problem == "value 0.5":
             tokens[2] = tokens[2].split(":")[0] + ":0.5"
-        elif problem == "label 'abc'":
-            tokens[0] = "abc"
+        elif problem == "label 'nan'":
+            tokens[0] = "nan"
         out.append(" ".join(tokens))
     return "\n".join(out) + "\n"
 
