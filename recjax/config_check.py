@@ -25,7 +25,7 @@ DECAYS = ("none", "cosine")
 SELECT_ON = ("auc", "logloss")
 POOLINGS = ("sum", "mean")
 TRAIN_KEYS = {"batch_size", "steps", "epochs", "eval_every", "log_every", "early_stopping_patience", "select_on",
-              "progress_bar"}
+              "selection_logloss_tolerance", "selection_auc_tolerance", "progress_bar"}
 EPOCH_EVERY = re.compile(r"^\s*(\d*\.?\d*)\s*epochs?\s*$")  # "epoch", "0.25epoch", "2 epochs"
 
 
@@ -173,6 +173,8 @@ def check_train(config: Mapping) -> None:
     integer(config, "train.log_every", 1)
     integer(config, "train.early_stopping_patience", 0)
     choice(config, "train.select_on", SELECT_ON)
+    number(config, "train.selection_logloss_tolerance", at_least=0)
+    number(config, "train.selection_auc_tolerance", at_least=0)
     boolean(config, "train.progress_bar")
     if _get(config, "data.name") == "synthetic" and (epochs is not None or unit == "epochs"):
         raise ConfigError("train.epochs" if epochs is not None else "train.eval_every",
