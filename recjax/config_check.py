@@ -251,6 +251,32 @@ def check_model(config: Mapping) -> None:
             integer(config, f"model.wukong.{field}", 1)
     if name == "fm" and dim < 2:
         raise ConfigError("embedding.dim", f"fm needs embedding.dim >= 2 (an id's weight plus >= 1 factor), got {dim}")
+    if "tuned_for" in _get(config, "model"):
+        choice(config, "model.tuned_for", MODEL_NAMES)
+
+
+def _leaves(section: Mapping, prefix: str = "") -> Iterator[str]:
+    for key, value in section.items():
+        if hasattr(value, "items"):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
+
+
+def check_model_defaults(config: Mapping) -> None:
+    """`model_defaults` (optional; experiments/configs/common.py:model_defaults): model families, each with values
+    for keys the config has."""
+    if "model_defaults" not in config:
+        return
+    for family, entry in _get(config, "model_defaults").items():
+        if family not in MODEL_NAMES:
+            raise ConfigError(f"model_defaults.{family}", f"is not a model family; use some of {list(MODEL_NAMES)}")
+        for key in _leaves(entry):
+            node: Any = config
+            for part in key.split("."):
+                if key.startswith("model_defaults.") or not hasattr(node, "keys") or part not in node:
+                    raise ConfigError(f"model_defaults.{family}.{key}", f"sets {key}, which the config does not have")
+                node = node[part]
 
 
 def check_sharding(config: Mapping) -> None:
@@ -301,5 +327,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     check_optimizer(config)
     check_embedding(config)
     check_model(config)
+    check_model_defaults(config)
     check_sharding(config)
     check_data(config)
