@@ -25,7 +25,7 @@ DECAYS = ("none", "cosine")
 SELECT_ON = ("auc", "logloss")
 POOLINGS = ("sum", "mean")
 TRAIN_KEYS = {"batch_size", "steps", "epochs", "eval_every", "log_every", "early_stopping_patience", "select_on",
-              "progress_bar"}
+              "selection_logloss_tolerance", "selection_auc_tolerance", "progress_bar"}
 EPOCH_EVERY = re.compile(r"^\s*(\d*\.?\d*)\s*epochs?\s*$")  # "epoch", "0.25epoch", "2 epochs"
 
 
@@ -173,6 +173,8 @@ def check_train(config: Mapping) -> None:
     integer(config, "train.log_every", 1)
     integer(config, "train.early_stopping_patience", 0)
     choice(config, "train.select_on", SELECT_ON)
+    number(config, "train.selection_logloss_tolerance", at_least=0)
+    number(config, "train.selection_auc_tolerance", at_least=0)
     boolean(config, "train.progress_bar")
     if _get(config, "data.name") == "synthetic" and (epochs is not None or unit == "epochs"):
         raise ConfigError("train.epochs" if epochs is not None else "train.eval_every",
@@ -249,6 +251,32 @@ def check_model(config: Mapping) -> None:
             integer(config, f"model.wukong.{field}", 1)
     if name == "fm" and dim < 2:
         raise ConfigError("embedding.dim", f"fm needs embedding.dim >= 2 (an id's weight plus >= 1 factor), got {dim}")
+    if "tuned_for" in _get(config, "model"):
+        choice(config, "model.tuned_for", MODEL_NAMES)
+
+
+def _leaves(section: Mapping, prefix: str = "") -> Iterator[str]:
+    for key, value in section.items():
+        if hasattr(value, "items"):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
+
+
+def check_model_defaults(config: Mapping) -> None:
+    """`model_defaults` (optional; experiments/configs/common.py:model_defaults): model families, each with values
+    for keys the config has."""
+    if "model_defaults" not in config:
+        return
+    for family, entry in _get(config, "model_defaults").items():
+        if family not in MODEL_NAMES:
+            raise ConfigError(f"model_defaults.{family}", f"is not a model family; use some of {list(MODEL_NAMES)}")
+        for key in _leaves(entry):
+            node: Any = config
+            for part in key.split("."):
+                if key.startswith("model_defaults.") or not hasattr(node, "keys") or part not in node:
+                    raise ConfigError(f"model_defaults.{family}.{key}", f"sets {key}, which the config does not have")
+                node = node[part]
 
 
 def check_sharding(config: Mapping) -> None:
@@ -299,5 +327,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     check_optimizer(config)
     check_embedding(config)
     check_model(config)
+    check_model_defaults(config)
     check_sharding(config)
     check_data(config)

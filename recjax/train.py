@@ -12,9 +12,10 @@ are updated in place:
 
 Model selection is honest: the budget is `train.steps` or `train.epochs`; every `train.eval_every` steps (or
 epoch) the model is scored on the validation split, and the test split is scored only at steps that improve the
-validation metric (`train.select_on`), so test numbers never steer anything. The summary reports the test metrics
-of the best validation step; `train.early_stopping_patience` stops a run after that many evaluations without
-improvement.
+validation metric (`train.select_on`) or the other tracked one (AUC and logloss), so test numbers never steer
+anything. The summary reports the test metrics of the best validation step, and those at the other metric's best
+step (`selection`), with a warning when the two steps disagree by more than `train.selection_*_tolerance`;
+`train.early_stopping_patience` stops a run after that many evaluations without improvement of `select_on`.
 """
 
 import collections
@@ -359,10 +360,25 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+# Validation metrics whose best step is tracked (and test scored at it), whichever one `train.select_on` names.
+TRACKED = ("auc", "logloss")
+
+
+def _better(metric: str, new: float, best: float) -> bool:
+    return new > best if metric == "auc" else new < best
+
+
 @dataclasses.dataclass
 class Selection:
     """Best-step selection on the validation split, with early stopping after `patience` evaluations without
-    improvement (0 = never stop early)."""
+    improvement (0 = never stop early).
+
+    The step `select_on` picks is the run's (its test metrics are the headline); besides it, `by_metric` keeps the
+    best validation step of every TRACKED metric with its test metrics, {metric: {"step", "validation", "test"}}:
+    AUC can keep rising while the probabilities are already overconfident and the logloss rises past its minimum,
+    and a user reading only the AUC-selected logloss would not know what selecting on logloss gives. Test is scored
+    only at steps that improve some tracked metric, so it still steers nothing.
+    """
 
     select_on: str
     patience: int
@@ -373,15 +389,16 @@ class Selection:
     last_validation: dict = dataclasses.field(default_factory=dict)
     evals_without_improvement: int = 0
     warnings: list[str] = dataclasses.field(default_factory=list)
+    by_metric: dict = dataclasses.field(default_factory=dict)
 
     def improves(self, validation: dict) -> bool:
         if not self.best_validation:
             return True
-        new, best = validation[self.select_on], self.best_validation[self.select_on]
-        return new > best if self.select_on == "auc" else new < best
+        return _better(self.select_on, validation[self.select_on], self.best_validation[self.select_on])
 
     def record(self, step: int, validation: dict) -> bool:
-        """Note an evaluation; True if it is the new best step (then score test for it)."""
+        """Note an evaluation; True if it is the best step so far of `select_on` or of another tracked metric (then
+        score test and pass it to `record_test`)."""
         if self.select_on == "auc" and not np.isfinite(validation["auc"]):
             # One class only (e.g. a tiny validation split without clicks): AUC is undefined, logloss is not.
             self.select_on = "logloss"
@@ -392,11 +409,45 @@ class Selection:
         self.last_validation = validation
         if step < self.selectable_from:
             return False
+        improved = False
+        for metric in TRACKED:  # a NaN (one-class) metric never becomes a best
+            value, best = validation[metric], self.by_metric.get(metric)
+            if np.isfinite(value) and (best is None or _better(metric, value, best["validation"][metric])):
+                self.by_metric[metric] = {"step": step, "validation": validation, "test": {}}
+                improved = True
         if self.improves(validation):
             self.best_step, self.best_validation, self.evals_without_improvement = step, validation, 0
             return True
         self.evals_without_improvement += 1
-        return False
+        return improved
+
+    def record_test(self, step: int, test: dict) -> None:
+        """The test metrics of `step`, an evaluation `record` said to score: kept for every metric it is best on."""
+        if step == self.best_step:
+            self.test = test
+        for best in self.by_metric.values():
+            if best["step"] == step:
+                best["test"] = test
+
+    def disagreement(self, logloss_tolerance: float, auc_tolerance: float) -> str | None:
+        """A warning when the selected step is far from another tracked metric's best validation step: its
+        validation logloss more than `logloss_tolerance` (relative) above the lowest, or its validation AUC more
+        than `auc_tolerance` (absolute) below the highest; None when they agree within those."""
+        other = "auc" if self.select_on == "logloss" else "logloss"
+        if other not in self.by_metric:
+            return None
+        chosen, best = self.best_validation[other], self.by_metric[other]["validation"][other]
+        if other == "logloss" and chosen > best * (1.0 + logloss_tolerance):
+            text = f"validation logloss {chosen:.4f} is {100 * (chosen / best - 1):.1f} % above its lowest, {best:.4f}"
+        elif other == "auc" and chosen < best - auc_tolerance:
+            text = f"validation auc {chosen:.4f} is {best - chosen:.4f} below its highest, {best:.4f}"
+        else:
+            return None
+        step = self.by_metric[other]["step"]
+        test = lambda t: f"auc {t['auc']:.4f}, logloss {t['logloss']:.4f}"  # noqa: E731
+        return (f"selecting on validation {self.select_on} picked step {self.best_step:,}, whose {text} (step "
+                f"{step:,}); test at step {self.best_step:,}: {test(self.test)}, at step {step:,}: "
+                f"{test(self.by_metric[other]['test'])} (summary.json: selection)")
 
     @property
     def should_stop(self) -> bool:
@@ -625,12 +676,13 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
             log_row({"step": step, "split": "train", "loss": loss, "examples_per_sec": window_examples / elapsed,
                      "elapsed_s": time.perf_counter() - run_start})
             if evaluate_now and selection.record(step, scored("validation", step)):
-                selection.test = scored("test", step)
-                if not np.isfinite(selection.test["auc"]) and not test_warned:
+                test = scored("test", step)
+                selection.record_test(step, test)
+                if not np.isfinite(test["auc"]) and not test_warned:
                     test_warned = True
                     selection.warnings.append(
-                        f"the test split has one class only (click rate {selection.test['eval_ctr']:g} over "
-                        f"{selection.test['eval_examples']} examples): its AUC is undefined (NaN in the summary)")
+                        f"the test split has one class only (click rate {test['eval_ctr']:g} over "
+                        f"{test['eval_examples']} examples): its AUC is undefined (NaN in the summary)")
                     print(f"WARNING: {selection.warnings[-1]}", flush=True)
             postfix = {"loss": f"{loss:.4f}"}
             if selection.best_validation:  # keep showing the best so far between evaluations
@@ -657,6 +709,11 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
           f"{selection.best_validation[selection.select_on]:.4f})"
           + (f"; stopped early at step {step:,} after {selection.patience} evaluations without improvement"
              if stopped_early else ""), flush=True)
+    # Not kept in `selection`: a run resumed from its final checkpoint (saved above) computes it again.
+    disagreement = selection.disagreement(float(train_cfg.selection_logloss_tolerance),
+                                          float(train_cfg.selection_auc_tolerance))
+    if disagreement:
+        print(f"WARNING: {disagreement}", flush=True)
 
     # --- summary --------------------------------------------------------------------------------
     test = selection.test
@@ -670,8 +727,12 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
         "last_validation": {k: selection.last_validation[k] for k in METRICS},
         "selected_step": selection.best_step,
         "select_on": selection.select_on,
+        # The best validation step of each tracked metric and the test split there (the headline is select_on's).
+        "selection": {metric: {"step": best["step"], "validation": {k: best["validation"][k] for k in METRICS},
+                               "test": {k: best["test"][k] for k in METRICS}}
+                      for metric, best in selection.by_metric.items()},
         "stopped_early": stopped_early,
-        "warnings": selection.warnings,
+        "warnings": selection.warnings + ([disagreement] if disagreement else []),
         **dataset.info(),
         "params": dense_params + accounting["params"],
         "dense_params": dense_params,
