@@ -7,12 +7,13 @@ results_summary.csv.
         --grid=optimizer.sparse.weight_decay=0,0.001,0.003 --workdir=runs/ml100k_models
 
 The dataset config gives everything but the model: `model.name` is swapped per run (each family's knobs come from
-the config's `model.<name>` section; `lr` embeds ids in 1 dimension, `fm` uses embedding.dim as weight + factors),
-and any `--config.*` override applies to every run. Each `--grid=KEY=V1,V2,...` (repeatable; values are Python
-literals) multiplies the runs: every (model, seed) trains at each combination and keeps the run with the best
-validation metric (`train.select_on`), so each family gets its own learning rates and regularisation and the test
-split never chooses anything. Runs go to `<workdir>/<model>[_<knob><value>...]_seed<s>/` and resume as in every
-sweep (experiments/runs.py).
+the config's `model.<name>` section; `lr` embeds ids in 1 dimension, `fm` uses embedding.dim as weight + factors;
+the learning rates and regularisation the config tuned for that family come from its `model_defaults`,
+experiments/configs/common.py:swap_model), and any `--config.*` override applies to every run (and wins). Each
+`--grid=KEY=V1,V2,...` (repeatable; values are Python literals) multiplies the runs: every (model, seed) trains at
+each combination and keeps the run with the best validation metric (`train.select_on`), so each family gets its own
+learning rates and regularisation and the test split never chooses anything. Runs go to
+`<workdir>/<model>[_<knob><value>...]_seed<s>/` and resume as in every sweep (experiments/runs.py).
 
 Outputs in --workdir:
   results.csv           one row per run: model, seed, the grid's values (`setting`), kept (the (model, seed)'s
@@ -28,12 +29,14 @@ import itertools
 import pathlib
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import ml_collections
 from absl import flags
+from ml_collections import config_flags
 
+from experiments.configs.common import swap_model
 from experiments.runs import keep_or_remove_on_failure, open_workdir, train_or_resume, write_csv
 from recjax import cli
 from recjax.errors import ConfigError
@@ -69,12 +72,14 @@ def grid_settings(grid: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
     return [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
 
 
-def run_config(base: ml_collections.ConfigDict, model: str, seed: int, setting: Mapping[str, Any]
-               ) -> ml_collections.ConfigDict:
+def run_config(base: ml_collections.ConfigDict, model: str, seed: int, setting: Mapping[str, Any],
+               explicit: Collection[str] = (), log: Callable[[str], None] | None = None) -> ml_collections.ConfigDict:
+    """`base` swapped to `model` (with the learning rates and regularisation the config tuned for it, but for the
+    `explicit` keys: the command line's overrides and the grid's keys win), `seed` and the grid's `setting`; the
+    swap's console lines go to `log`."""
     if model not in MODELS:
         raise ConfigError("--models", f"unknown model '{model}'; use some of {list(MODELS)}")
     config = copy.deepcopy(base)  # keeps the flexible (object-typed) budget fields of experiments/configs/common.py
-    config.model.name = model
     config.seed = seed
     for key, value in setting.items():
         *parents, leaf = key.split(".")
@@ -86,6 +91,9 @@ def run_config(base: ml_collections.ConfigDict, model: str, seed: int, setting: 
         if leaf not in node:
             raise ConfigError("--grid", f"the config has no field '{key}'")
         node[leaf] = value
+    for line in swap_model(config, model, {*explicit, *setting}):
+        if log is not None:
+            log(line)
     config.train.progress_bar = False
     return config
 
@@ -129,13 +137,18 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_sweep(base: ml_collections.ConfigDict, workdir: str | pathlib.Path, models: Sequence[str],
               seeds: Sequence[int], grid: Mapping[str, Sequence[Any]] | None = None,
-              log: Callable[[str], None] = print) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Train every run not trained yet; write results.csv and results_summary.csv; return (rows, summary)."""
+              log: Callable[[str], None] = print, explicit: Collection[str] = ()
+              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Train every run not trained yet; write results.csv and results_summary.csv; return (rows, summary).
+    `explicit`: the keys of `base` the user set (they win over a model swap's defaults, as the grid's keys do)."""
     if not models or not seeds:
         raise ConfigError("--models", "the sweep has no runs: give at least one model and one seed")
     settings = grid_settings(grid or {})
     runs = [(model, int(seed), setting) for model in models for seed in seeds for setting in settings]
-    configs = [run_config(base, *run) for run in runs]  # every grid key is checked before anything trains
+    # Every grid key is checked before anything trains; each model's swap is printed once.
+    first = runs[0][1:]
+    configs = [run_config(base, model, seed, setting, explicit, log if (seed, setting) == first else None)
+               for model, seed, setting in runs]
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -198,7 +211,8 @@ def main(argv: Sequence[str]) -> None:
     workdir = open_workdir(args.workdir, "recjax_models_", args.compilation_cache)
     t0 = time.perf_counter()
     with keep_or_remove_on_failure(workdir, chosen=bool(args.workdir)):
-        rows, summary_rows = run_sweep(base, workdir, models, seeds, grid, log=lambda line: print(line, flush=True))
+        rows, summary_rows = run_sweep(base, workdir, models, seeds, grid, log=lambda line: print(line, flush=True),
+                                       explicit=config_flags.get_override_values(args["config"]))
     print(f"{len(rows)} runs in {time.perf_counter() - t0:.0f} s; test metrics at each kept run's selected step, "
           f"mean ± std over seeds {seeds}:")
     for line in format_table(summary_rows):

@@ -8,7 +8,9 @@ r"""Train and evaluate one configuration.
 
 Writes to --workdir: TensorBoard events, metrics.csv, config.json, summary.json and checkpoints/; the same command
 with the same --workdir resumes from the latest complete checkpoint (or says the run is complete). A config mistake
-is one `error: ...` line and exit status 2 (`--debug` shows the traceback).
+is one `error: ...` line and exit status 2 (`--debug` shows the traceback). `--config.model.name` swaps the model
+with the learning rates and regularisation the config tuned for it (experiments/configs/common.py:swap_model); the
+other `--config.*` values given win.
 """
 
 import json
@@ -17,7 +19,9 @@ import shutil
 import tempfile
 
 from absl import flags
+from ml_collections import config_flags
 
+from experiments.configs import common
 from recjax import cli
 
 _DEFAULT_CONFIG = pathlib.Path(__file__).parent / "configs" / "dlrm_synthetic.py"
@@ -49,9 +53,14 @@ def main(argv):
     multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)  # before JAX's first use
     from recjax.train import train_and_evaluate
 
+    config = _CONFIG.value
+    explicit = config_flags.get_override_values(flags.FLAGS["config"])  # {dotted key: value} set on the command line
+    if "model.name" in explicit:
+        for line in common.swap_model(config, config.model.name, explicit):
+            print(line, flush=True)
     workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="recjax_")
     try:
-        summary = train_and_evaluate(_CONFIG.value, workdir)
+        summary = train_and_evaluate(config, workdir)
     except BaseException:
         if not _WORKDIR.value:  # a temp workdir of a failed run holds nothing worth keeping
             shutil.rmtree(workdir, ignore_errors=True)

@@ -15,7 +15,7 @@ from recjax.checkpoint import check_checkpoint_config
 from recjax.data import check_data_config
 from recjax.embedding import check_embedding
 from recjax.evaluation import check_train
-from recjax.models import check_model
+from recjax.models import check_model, check_model_defaults
 from recjax.sharding import check_sharding
 from recjax.task import check_optimizer
 from recjax.validation import get, integer
@@ -29,5 +29,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     check_optimizer(config)
     check_embedding(config)
     check_model(config)
+    check_model_defaults(config)
     check_sharding(config)
     check_data_config(get(config, "data"))

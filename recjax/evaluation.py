@@ -2,8 +2,9 @@
 
 `Budget` (from `train.steps` or `train.epochs`, and `train.eval_every`) says when to evaluate; `evaluate` scores a
 split exactly (every example once, the short last batch padded); `Selection` keeps the best validation step and the
-test metrics scored at it -- test is scored only at steps that improve validation, so it never steers anything --
-and stops a run after `train.early_stopping_patience` evaluations without improvement. `check_train` validates the
+test metrics scored at it (and the best step of the other tracked metric, AUC or logloss, with its test metrics) --
+test is scored only at steps that improve a validation metric, so it never steers anything -- and stops a run after
+`train.early_stopping_patience` evaluations without improvement of `train.select_on`. `check_train` validates the
 `train` section.
 """
 
@@ -27,7 +28,7 @@ from recjax.validation import boolean, choice, get, integer, known_keys, number
 
 SELECT_ON = ("auc", "logloss")
 TRAIN_KEYS = {"batch_size", "steps", "epochs", "eval_every", "log_every", "early_stopping_patience", "select_on",
-              "progress_bar"}
+              "selection_logloss_tolerance", "selection_auc_tolerance", "progress_bar"}
 EPOCH_EVERY = re.compile(r"^\s*(\d*\.?\d*)\s*epochs?\s*$")  # "epoch", "0.25epoch", "2 epochs"
 
 
@@ -67,6 +68,8 @@ def check_train(config: Mapping) -> None:
     integer(config, "train.log_every", 1)
     integer(config, "train.early_stopping_patience", 0)
     choice(config, "train.select_on", SELECT_ON)
+    number(config, "train.selection_logloss_tolerance", at_least=0)
+    number(config, "train.selection_auc_tolerance", at_least=0)
     boolean(config, "train.progress_bar")
     if get(config, "data.name") == "synthetic" and (epochs is not None or unit == "epochs"):
         raise ConfigError("train.epochs" if epochs is not None else "train.eval_every",
@@ -158,10 +161,25 @@ def evaluate(task: Task, predict_step, state: TrainState, dataset, batch_size: i
 
 
 # ------------------------------------------------------------------------------------------ selection
+# Validation metrics whose best step is tracked (and test scored at it), whichever one `train.select_on` names.
+TRACKED = ("auc", "logloss")
+
+
+def _better(metric: str, new: float, best: float) -> bool:
+    return new > best if metric == "auc" else new < best
+
+
 @dataclasses.dataclass
 class Selection:
     """Best-step selection on the validation split, with early stopping after `patience` evaluations without
-    improvement (0 = never stop early)."""
+    improvement (0 = never stop early).
+
+    The step `select_on` picks is the run's (its test metrics are the headline); besides it, `by_metric` keeps the
+    best validation step of every TRACKED metric with its test metrics, {metric: {"step", "validation", "test"}}:
+    AUC can keep rising while the probabilities are already overconfident and the logloss rises past its minimum,
+    and a user reading only the AUC-selected logloss would not know what selecting on logloss gives. Test is scored
+    only at steps that improve some tracked metric, so it still steers nothing.
+    """
 
     select_on: str
     patience: int
@@ -172,15 +190,16 @@ class Selection:
     last_validation: dict = dataclasses.field(default_factory=dict)
     evals_without_improvement: int = 0
     warnings: list[str] = dataclasses.field(default_factory=list)
+    by_metric: dict = dataclasses.field(default_factory=dict)
 
     def improves(self, validation: dict) -> bool:
         if not self.best_validation:
             return True
-        new, best = validation[self.select_on], self.best_validation[self.select_on]
-        return new > best if self.select_on == "auc" else new < best
+        return _better(self.select_on, validation[self.select_on], self.best_validation[self.select_on])
 
     def record(self, step: int, validation: dict) -> bool:
-        """Note an evaluation; True if it is the new best step (then score test for it)."""
+        """Note an evaluation; True if it is the best step so far of `select_on` or of another tracked metric (then
+        score test and pass it to `record_test`)."""
         if self.select_on == "auc" and not np.isfinite(validation["auc"]):
             # One class only (e.g. a tiny validation split without clicks): AUC is undefined, logloss is not.
             self.select_on = "logloss"
@@ -191,11 +210,45 @@ class Selection:
         self.last_validation = validation
         if step < self.selectable_from:
             return False
+        improved = False
+        for metric in TRACKED:  # a NaN (one-class) metric never becomes a best
+            value, best = validation[metric], self.by_metric.get(metric)
+            if np.isfinite(value) and (best is None or _better(metric, value, best["validation"][metric])):
+                self.by_metric[metric] = {"step": step, "validation": validation, "test": {}}
+                improved = True
         if self.improves(validation):
             self.best_step, self.best_validation, self.evals_without_improvement = step, validation, 0
             return True
         self.evals_without_improvement += 1
-        return False
+        return improved
+
+    def record_test(self, step: int, test: dict) -> None:
+        """The test metrics of `step`, an evaluation `record` said to score: kept for every metric it is best on."""
+        if step == self.best_step:
+            self.test = test
+        for best in self.by_metric.values():
+            if best["step"] == step:
+                best["test"] = test
+
+    def disagreement(self, logloss_tolerance: float, auc_tolerance: float) -> str | None:
+        """A warning when the selected step is far from another tracked metric's best validation step: its
+        validation logloss more than `logloss_tolerance` (relative) above the lowest, or its validation AUC more
+        than `auc_tolerance` (absolute) below the highest; None when they agree within those."""
+        other = "auc" if self.select_on == "logloss" else "logloss"
+        if other not in self.by_metric:
+            return None
+        chosen, best = self.best_validation[other], self.by_metric[other]["validation"][other]
+        if other == "logloss" and chosen > best * (1.0 + logloss_tolerance):
+            text = f"validation logloss {chosen:.4f} is {100 * (chosen / best - 1):.1f} % above its lowest, {best:.4f}"
+        elif other == "auc" and chosen < best - auc_tolerance:
+            text = f"validation auc {chosen:.4f} is {best - chosen:.4f} below its highest, {best:.4f}"
+        else:
+            return None
+        step = self.by_metric[other]["step"]
+        test = lambda t: f"auc {t['auc']:.4f}, logloss {t['logloss']:.4f}"  # noqa: E731
+        return (f"selecting on validation {self.select_on} picked step {self.best_step:,}, whose {text} (step "
+                f"{step:,}); test at step {self.best_step:,}: {test(self.test)}, at step {step:,}: "
+                f"{test(self.by_metric[other]['test'])} (summary.json: selection)")
 
     @property
     def should_stop(self) -> bool:

@@ -8,8 +8,10 @@ recjax/evaluation.py; what the run writes as it goes is recjax/metric_log.py. Th
     for each step: train step -> (dynamic tables: adjust) -> at log points: loss, at eval points: validation, and
     test when validation improved -> early stop? -> checkpoint when due
 
-Model selection is honest: the test split is scored only at steps that improve the validation metric, so test
-numbers never steer anything; the summary reports the test metrics of the best validation step.
+Model selection is honest: the test split is scored only at steps that improve a validation metric (AUC or
+logloss), so test numbers never steer anything; the summary reports the test metrics of the best validation step of
+`train.select_on`, those at the other metric's best step, and a warning when the two disagree by more than
+`train.selection_*_tolerance`.
 """
 
 import collections
@@ -245,7 +247,12 @@ class Run:
               f"{selection.best_validation[selection.select_on]:.4f})"
               + (f"; stopped early at step {step:,} after {selection.patience} evaluations without improvement"
                  if step < budget.steps else ""), flush=True)
-        summary = self.summary(step)
+        # Not kept in `selection`: a run resumed from its final checkpoint (saved above) computes it again.
+        disagreement = selection.disagreement(float(self.config.train.selection_logloss_tolerance),
+                                              float(self.config.train.selection_auc_tolerance))
+        if disagreement:
+            print(f"WARNING: {disagreement}", flush=True)
+        summary = self.summary(step, disagreement)
         if jax.process_index() == 0:  # multi-host: one summary
             (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
@@ -288,12 +295,13 @@ class Run:
         selection = self.loop.selection
         if not selection.record(step, self._score("validation", step)):
             return
-        selection.test = self._score("test", step)
-        if not np.isfinite(selection.test["auc"]) and not self.loop.test_warned:
+        test = self._score("test", step)
+        selection.record_test(step, test)
+        if not np.isfinite(test["auc"]) and not self.loop.test_warned:
             self.loop.test_warned = True
             selection.warnings.append(
-                f"the test split has one class only (click rate {selection.test['eval_ctr']:g} over "
-                f"{selection.test['eval_examples']} examples): its AUC is undefined (NaN in the summary)")
+                f"the test split has one class only (click rate {test['eval_ctr']:g} over "
+                f"{test['eval_examples']} examples): its AUC is undefined (NaN in the summary)")
             print(f"WARNING: {selection.warnings[-1]}", flush=True)
 
     def _loop_saved(self) -> dict:
@@ -309,8 +317,9 @@ class Run:
         self.window_start += time.perf_counter() - saving  # the save's stall is not training time
 
     # ---------------------------------------------------------------------------------------------- summary
-    def summary(self, step: int) -> dict:
-        """What summary.json holds: the test split at the selected step, the run's costs and sizes."""
+    def summary(self, step: int, disagreement: str | None = None) -> dict:
+        """What summary.json holds: the test split at the selected step (and at the other tracked metric's best
+        step), the run's costs and sizes."""
         selection, budget, batch_size = self.loop.selection, self.budget, self.budget.batch_size
         test = selection.test
         # The tables as they end (dynamic pools compacted to their budget).
@@ -323,8 +332,12 @@ class Run:
             "last_validation": {k: selection.last_validation[k] for k in METRICS},
             "selected_step": selection.best_step,
             "select_on": selection.select_on,
+            # The best validation step of each tracked metric and the test split there (the headline is select_on's).
+            "selection": {metric: {"step": best["step"], "validation": {k: best["validation"][k] for k in METRICS},
+                                   "test": {k: best["test"][k] for k in METRICS}}
+                          for metric, best in selection.by_metric.items()},
             "stopped_early": step < budget.steps,
-            "warnings": selection.warnings,
+            "warnings": selection.warnings + ([disagreement] if disagreement else []),
             **self.dataset.info(),
             "params": self.dense_params + accounting["params"],
             "dense_params": self.dense_params,

@@ -94,3 +94,86 @@ def test_a_one_class_validation_split_selects_on_logloss_with_a_warning(capsys):
     assert selection.record(3, {"auc": float("nan"), "logloss": 0.4, **one_class})
     assert selection.select_on == "logloss" and selection.best_step == 3
     assert "one class only" in selection.warnings[0] and "WARNING: the validation split" in capsys.readouterr().out
+
+
+def brute_force_selection(history, patience):
+    """The oracle: first best step of each metric over the evaluations up to an early stop on AUC, and the steps whose
+    test is scored (each one improves AUC or logloss over all earlier evaluations)."""
+    scored, stop, since = [], len(history), 0
+    for i, (step, auc, loss) in enumerate(history):
+        earlier = history[:i]
+        if not earlier or auc > max(h[1] for h in earlier) or loss < min(h[2] for h in earlier):
+            scored.append(step)
+        since = 0 if not earlier or auc > max(h[1] for h in earlier) else since + 1
+        if patience and since >= patience:
+            stop = i + 1
+            break
+    seen = history[:stop]
+    best_auc = max(seen, key=lambda h: (h[1], -h[0]))[0]
+    best_loss = min(seen, key=lambda h: (h[2], h[0]))[0]
+    return best_auc, best_loss, scored, seen[-1][0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_selection_tracks_both_metrics_and_scores_test_only_where_one_improves(seed):
+    """Random validation curves (ties included): the AUC-selected step, the logloss-best step, the steps where test is
+    scored and the early stop (on AUC only) all match a brute-force pass; each best keeps its own step's test."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    history = [(10 * (i + 1), round(float(rng.uniform(0.6, 0.8)), 2), round(float(rng.uniform(0.4, 0.6)), 2))
+               for i in range(12)]
+    patience = seed % 3 * 2  # 0 (no early stop), 2, 4
+    selection = Selection("auc", patience=patience)
+    scored, last = [], None
+    for step, auc, loss in history:
+        last = step
+        if selection.record(step, {"auc": auc, "logloss": loss}):
+            scored.append(step)
+            selection.record_test(step, {"auc": step / 1000, "logloss": step / 100})  # test that names its step
+        if selection.should_stop:
+            break
+    best_auc, best_loss, expected_scored, expected_last = brute_force_selection(history, patience)
+    assert (selection.best_step, scored, last) == (best_auc, expected_scored, expected_last)
+    assert selection.by_metric["auc"]["step"] == best_auc and selection.by_metric["logloss"]["step"] == best_loss
+    assert selection.test == {"auc": best_auc / 1000, "logloss": best_auc / 100}
+    assert selection.by_metric["logloss"]["test"] == {"auc": best_loss / 1000, "logloss": best_loss / 100}
+    assert selection.by_metric["logloss"]["validation"]["logloss"] == min(h[2] for h in history if h[0] <= last)
+
+
+def test_selection_on_auc_past_the_logloss_minimum_warns_with_both_tests():
+    """The issue's case: AUC still rising while the validation logloss is well past its minimum (0.343 vs 0.291)."""
+    selection = Selection("auc", patience=0)
+    history = [(100, 0.80, 0.300), (200, 0.82, 0.291), (300, 0.83, 0.320), (400, 0.84, 0.343)]
+    for step, auc, loss in history:
+        if selection.record(step, {"auc": auc, "logloss": loss}):
+            selection.record_test(step, {"auc": auc - 0.01, "logloss": loss + 0.01})
+    assert selection.best_step == 400 and selection.by_metric["logloss"]["step"] == 200
+    warning = selection.disagreement(logloss_tolerance=0.02, auc_tolerance=0.002)
+    # 0.343 / 0.291 - 1 = 17.9 %
+    assert warning == ("selecting on validation auc picked step 400, whose validation logloss 0.3430 is 17.9 % above "
+                       "its lowest, 0.2910 (step 200); test at step 400: auc 0.8300, logloss 0.3530, at step 200: "
+                       "auc 0.8100, logloss 0.3010 (summary.json: selection)")
+    assert selection.disagreement(logloss_tolerance=0.18, auc_tolerance=0.002) is None  # within 18 %
+
+
+def test_selection_on_logloss_warns_when_its_auc_falls_short():
+    selection = Selection("logloss", patience=0)
+    for step, auc, loss in [(1, 0.70, 0.50), (2, 0.75, 0.45), (3, 0.78, 0.44), (4, 0.79, 0.46)]:
+        if selection.record(step, {"auc": auc, "logloss": loss}):
+            selection.record_test(step, {"auc": auc, "logloss": loss})
+    assert selection.best_step == 3 and selection.by_metric["auc"]["step"] == 4
+    assert "validation auc 0.7800 is 0.0100 below its highest, 0.7900 (step 4)" in selection.disagreement(0.02, 0.002)
+    assert selection.disagreement(0.02, 0.01) is None  # 0.01 below: not more than the tolerance
+    agreeing = Selection("auc", patience=0)
+    agreeing.record(1, {"auc": 0.7, "logloss": 0.5})
+    agreeing.record_test(1, {"auc": 0.7, "logloss": 0.5})
+    assert agreeing.disagreement(0.0, 0.0) is None
+
+
+def test_a_nan_auc_is_never_a_tracked_best():
+    selection = Selection("auc", patience=0)
+    one_class = {"eval_ctr": 0.0, "eval_examples": 4}
+    selection.record(1, {"auc": float("nan"), "logloss": 0.5, **one_class})
+    selection.record(2, {"auc": float("nan"), "logloss": 0.4, **one_class})
+    assert sorted(selection.by_metric) == ["logloss"] and selection.by_metric["logloss"]["step"] == 2

@@ -150,6 +150,40 @@ def test_prepared_data_resumes_exactly(tmp_path, monkeypatch):
     assert_same_run(tmp_path / "a", tmp_path / "b")
 
 
+def test_both_metrics_selections_resume_exactly_and_their_disagreement_warns(tmp_path, monkeypatch, capsys):
+    """Learning rates of 0.1 make validation AUC peak at step 10 and logloss at step 5; a run killed after the save
+    of step 5 must resume knowing step 5 was the logloss-best (only the checkpoint's loop state says so). The summary
+    reports the test metrics at both steps; metrics.csv is the oracle: test scored exactly at the evaluations that
+    improved AUC or logloss, the bests its arg-extremes."""
+    import csv
+
+    config = tiny(steps=20, every_steps=5, policy="full")
+    config.train.eval_every = 5
+    config.optimizer.dense.learning_rate = config.optimizer.sparse.learning_rate = 0.1
+    config.train.selection_logloss_tolerance = 0.001  # the curves' gap is 0.24 %: warn above 0.1 %
+    a = train_and_evaluate(config, tmp_path / "a")
+    out = capsys.readouterr().out
+    rows = list(csv.DictReader((tmp_path / "a" / "metrics.csv").open()))
+    validation = [(int(r["step"]), float(r["auc"]), float(r["logloss"])) for r in rows if r["split"] == "validation"]
+    test = {int(r["step"]): (float(r["auc"]), float(r["logloss"])) for r in rows if r["split"] == "test"}
+    improving = [v[0] for i, v in enumerate(validation) if i == 0 or v[1] > max(u[1] for u in validation[:i])
+                 or v[2] < min(u[2] for u in validation[:i])]
+    assert sorted(test) == improving
+    best_auc = max(validation, key=lambda v: (v[1], -v[0]))[0]
+    best_loss = min(validation, key=lambda v: (v[2], v[0]))[0]
+    assert best_loss < 5 + 1 < best_auc, (best_loss, best_auc)  # the precondition of the resume below
+    assert a["selected_step"] == a["selection"]["auc"]["step"] == best_auc
+    assert a["selection"]["logloss"]["step"] == best_loss
+    for metric, step in (("auc", best_auc), ("logloss", best_loss)):
+        assert (a["selection"][metric]["test"]["auc"], a["selection"][metric]["test"]["logloss"]) == test[step]
+    assert (a["auc"], a["logloss"]) == test[best_auc]  # the headline stays select_on's
+    assert f"WARNING: selecting on validation auc picked step {best_auc}" in out
+    assert a["warnings"][-1].startswith(f"selecting on validation auc picked step {best_auc}")
+
+    interrupted_run(config, tmp_path / "b", monkeypatch, at_step=5)
+    assert_same_run(tmp_path / "a", tmp_path / "b")
+
+
 # ------------------------------------------------------------------------------------------ policies
 def test_consecutive_deltas_chain_from_one_baseline(reference):
     """The reference: one baseline, then a chain of deltas that every restore point reads in order (resumes from

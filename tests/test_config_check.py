@@ -1,6 +1,7 @@
 """Every config mistake is a ConfigError naming its key, found before any work; the launcher prints it as one line
 and exits with status 2."""
 
+import copy
 import os
 import pathlib
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import pytest
 
 from experiments.configs import (
+    common,
     dcnv2_synthetic,
     dlrm_criteo_kaggle,
     dlrm_movielens,
@@ -54,6 +56,8 @@ BAD = [
     ("synthetic", "train.log_every", 0, "train.log_every", ">= 1"),
     ("synthetic", "train.early_stopping_patience", -1, "train.early_stopping_patience", ">= 0"),
     ("synthetic", "train.select_on", "accuracy", "train.select_on", "'auc', 'logloss'"),
+    ("synthetic", "train.selection_logloss_tolerance", -0.01, "train.selection_logloss_tolerance", ">= 0"),
+    ("synthetic", "train.selection_auc_tolerance", float("inf"), "train.selection_auc_tolerance", "finite number"),
     ("synthetic", "optimizer.dense.learning_rate", -0.1, "optimizer.dense.learning_rate", "> 0"),
     ("synthetic", "optimizer.dense.learning_rate", 0.0, "optimizer.dense.learning_rate", "> 0"),
     ("synthetic", "optimizer.sparse.learning_rate", float("nan"), "optimizer.sparse.learning_rate", "finite"),
@@ -67,6 +71,7 @@ BAD = [
     ("synthetic", "embedding.method", "pq", "embedding.method", "'qr'"),
     ("synthetic", "embedding.pooling", "max", "embedding.pooling", "'sum', 'mean'"),
     ("synthetic", "model.name", "transformer", "model.name", "'dlrm', 'dcnv2', 'wukong', 'lr', 'fm'"),
+    ("synthetic", "model.tuned_for", "svm", "model.tuned_for", "'dlrm', 'dcnv2', 'wukong', 'lr', 'fm'"),
     ("synthetic", "model.dlrm.bottom_mlp", (64, 8), "model.dlrm.bottom_mlp", "equal embedding.dim (16)"),
     ("synthetic", "model.dlrm.top_mlp", (64, 2), "model.dlrm.top_mlp", "must end in 1"),
     ("synthetic", "model.dlrm.top_mlp", (64, 0, 1), "model.dlrm.top_mlp", "widths >= 1"),
@@ -151,16 +156,72 @@ def test_every_shipped_config_and_every_model_swap_validates(tmp_path):
     for config in configs:
         validate_config(config)
         for name in ("dlrm", "dcnv2", "wukong", "lr", "fm"):
-            config.model.name = name
-            if name == "dlrm" and config.model.dlrm.bottom_mlp[-1] != config.embedding.dim:
-                continue  # fm_movielens' dim 9 is an FM's; DLRM's dot interaction needs its bottom MLP to match
-            validate_config(config)
+            swapped = copy.deepcopy(config)
+            common.swap_model(swapped, name, {"model.name"})
+            validate_config(swapped)
             # What passed validation also builds: the family's module from its own sub-config.
-            model = make_model(config.model, embedding_dim(config))
+            model = make_model(swapped.model, embedding_dim(swapped))
             assert isinstance(model, MODELS[name]), (name, type(model))
-            assert name != "fm" or model.factor_dim == config.embedding.dim - 1
+            assert name != "fm" or model.factor_dim == swapped.embedding.dim - 1
             checked += 1
-    assert checked == 5 * len(configs) - 1  # every swap but DLRM on fm_movielens' 9-wide embeddings
+    # Every swap, DLRM on fm_movielens too: the swap brings DLRM's 16-wide embeddings back for its dot interaction.
+    assert checked == 5 * len(configs)
+
+
+def test_a_model_swap_brings_the_values_the_config_tuned_for_that_family():
+    """dlrm_movielens.py tunes a row L2 of 3e-3 for DLRM; logistic regression lost ~0.045 AUC keeping it. A swap now
+    brings the values the config tuned for the new family (the hand-written values lr_movielens.py used to set),
+    explicit values win, a swap back restores the original, and a family without tuned values gets a WARNING naming
+    what it inherits."""
+    config = dlrm_movielens.get_config()
+    config.optimizer.sparse.learning_rate = 0.05  # as if given on the command line
+    lines = common.swap_model(config, "lr", {"model.name", "optimizer.sparse.learning_rate"})
+    assert (config.model.name, config.model.tuned_for) == ("lr", "lr")
+    assert config.optimizer.sparse.weight_decay == 0.0 and config.optimizer.dense.learning_rate == 0.01
+    assert config.train.batch_size == 256 and config.train.epochs == 20
+    assert config.optimizer.sparse.learning_rate == 0.05  # explicit: kept
+    assert config.optimizer.dense.weight_decay == 0.0 and config.optimizer.sparse.name == "adagrad"  # untouched
+    assert lines == ["model.name=lr: this config's lr defaults replace those it tuned for dlrm (config.model_defaults"
+                     ".lr): optimizer.dense.learning_rate 0.003 -> 0.01, optimizer.sparse.weight_decay 0.003 -> 0.0, "
+                     "train.batch_size 512 -> 256, train.epochs 10 -> 20; kept as set explicitly: "
+                     "optimizer.sparse.learning_rate=0.05"]
+
+    fm = dlrm_movielens.get_config()
+    common.swap_model(fm, "fm", {"model.name"})
+    assert (fm.embedding.dim, fm.optimizer.sparse.weight_decay, fm.train.batch_size, fm.train.epochs) == (
+        9, 1e-3, 256, 10)
+    assert fm.to_dict() == fm_movielens.get_config().to_dict()
+    # lr_movielens.py swapped to DLRM is dlrm_movielens.py again, every value; fm's 9-wide embeddings go back to 16.
+    for module in (lr_movielens, fm_movielens):
+        back = module.get_config()
+        common.swap_model(back, "dlrm", {"model.name"})
+        assert back.to_dict() == dlrm_movielens.get_config().to_dict(), module.__name__
+    unchanged = dlrm_movielens.get_config()
+    assert common.swap_model(unchanged, "dlrm", {"model.name"}) == []  # its own family: nothing to do
+    assert unchanged.to_dict() == dlrm_movielens.get_config().to_dict()
+
+    wukong = dlrm_movielens.get_config()
+    [warning] = common.swap_model(wukong, "wukong", {"model.name", "train.batch_size"})
+    assert warning.startswith("WARNING: model.name=wukong: this config's learning rates and regularisation were "
+                              "tuned for dlrm and it has no wukong defaults (config.model_defaults), so wukong trains "
+                              "with dlrm's optimizer.dense.learning_rate=0.003, optimizer.dense.weight_decay=0.0, "
+                              "optimizer.sparse.learning_rate=0.1, optimizer.sparse.weight_decay=0.003, "
+                              "embedding.dim=16, train.epochs=10;"), warning  # batch_size: explicit, not listed
+    assert (wukong.model.tuned_for, wukong.optimizer.sparse.weight_decay) == ("dlrm", 3e-3)
+    [warning] = common.swap_model(dlrm_synthetic.get_config(), "lr", {"model.name"})
+    assert "tuned for dlrm" in warning and "optimizer.sparse.learning_rate=0.003" in warning
+
+
+def test_model_defaults_must_name_families_and_keys_the_config_has(tmp_path):
+    config = movielens(tmp_path)
+    config.model_defaults.lr.optimizer.sparse.momentum = 0.9
+    with pytest.raises(ConfigError, match=r"^model_defaults.lr.optimizer.sparse.momentum: sets optimizer.sparse."
+                                          r"momentum, which the config does not have"):
+        validate_config(config)
+    config = movielens(tmp_path)
+    config.model_defaults.svm = {"optimizer": {"sparse": {"weight_decay": 0.0}}}
+    with pytest.raises(ConfigError, match=r"^model_defaults.svm: is not a model family"):
+        validate_config(config)
 
 
 # ------------------------------------------------------------------------------------------------- the CLI
@@ -189,6 +250,33 @@ def test_launcher_prints_one_line_and_exits_2(args, message, tmp_path):
     assert lines[0].startswith(message), result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert len(lines) <= 8, result.stderr  # the message (data.dir errors add the download instructions)
+
+
+def test_launcher_swaps_the_model_with_its_tuned_values_and_keeps_the_command_lines(tmp_path):
+    """`--config.model.name=lr` on dlrm_movielens.py: the launcher prints what the swap changed, and config.json (the
+    resolved config, written before the data is read; the empty data files then stop the run) holds lr's values but
+    for the one given on the command line. A family without tuned values gets the WARNING."""
+    import json
+
+    data = movielens(tmp_path).data.dir
+    common_args = ["--config=experiments/configs/dlrm_movielens.py", f"--config.data.dir={data}",
+                   f"--config.data.prepared_dir={tmp_path / 'prepared'}"]
+    result = launch(f"--workdir={tmp_path / 'lr'}", *common_args, "--config.model.name=lr",
+                    "--config.optimizer.sparse.learning_rate=0.05")
+    assert result.stdout.splitlines()[0] == (
+        "model.name=lr: this config's lr defaults replace those it tuned for dlrm (config.model_defaults.lr): "
+        "optimizer.dense.learning_rate 0.003 -> 0.01, optimizer.sparse.weight_decay 0.003 -> 0.0, train.batch_size "
+        "512 -> 256, train.epochs 10 -> 20; kept as set explicitly: optimizer.sparse.learning_rate=0.05"), result.stdout
+    resolved = json.loads((tmp_path / "lr" / "config.json").read_text())
+    assert resolved["model"]["name"] == resolved["model"]["tuned_for"] == "lr"
+    assert resolved["optimizer"]["sparse"] == {**resolved["optimizer"]["sparse"], "weight_decay": 0.0,
+                                               "learning_rate": 0.05}
+    assert (resolved["optimizer"]["dense"]["learning_rate"], resolved["train"]["batch_size"],
+            resolved["train"]["epochs"]) == (0.01, 256, 20)
+    result = launch(f"--workdir={tmp_path / 'wukong'}", *common_args, "--config.model.name=wukong")
+    assert result.stdout.startswith("WARNING: model.name=wukong: this config's learning rates and regularisation were "
+                                    "tuned for dlrm"), result.stdout
+    assert not launch(f"--workdir={tmp_path / 'dlrm'}", *common_args).stdout.startswith(("model.name", "WARNING"))
 
 
 def test_debug_shows_the_traceback_and_a_failed_temp_workdir_is_removed(tmp_path):

@@ -311,24 +311,31 @@ def test_directory_errors_point_at_the_right_files(tmp_path):
 
 # --------------------------------------------------------------------------------------------- end to end
 def check_selection(summary: dict, metrics_csv: pathlib.Path, patience: int) -> None:
-    """The summary's selected step is the first best validation AUC in metrics.csv; test was scored exactly at the
-    steps that improved validation, and the summary reports the selected one; an early stop came after `patience`
-    evaluations without improvement."""
+    """The summary's selected step is the first best validation AUC in metrics.csv, its `selection.logloss` the first
+    lowest validation logloss; test was scored exactly at the steps that improved either, and the summary reports it
+    at both; an early stop came after `patience` evaluations without an AUC improvement."""
     import csv
 
     rows = list(csv.DictReader(metrics_csv.open()))
-    validation = [(int(r["step"]), float(r["auc"])) for r in rows if r["split"] == "validation"]
-    test = {int(r["step"]): float(r["auc"]) for r in rows if r["split"] == "test"}
-    improving, best = [], -1.0
-    for step, auc in validation:
+    validation = [(int(r["step"]), float(r["auc"]), float(r["logloss"])) for r in rows if r["split"] == "validation"]
+    test = {int(r["step"]): (float(r["auc"]), float(r["logloss"])) for r in rows if r["split"] == "test"}
+    improving, scored, best, lowest = [], [], -1.0, float("inf")
+    for step, auc, loss in validation:
+        if auc > best or loss < lowest:
+            scored.append(step)
         if auc > best:
             improving.append(step)
             best = auc
+        if loss < lowest:
+            lowest_step, lowest = step, loss
     assert summary["selected_step"] == improving[-1] and summary["validation"]["auc"] == best
-    assert sorted(test) == improving and summary["auc"] == test[improving[-1]]
+    assert sorted(test) == scored and summary["auc"] == test[improving[-1]][0]
+    chosen = summary["selection"]["logloss"]
+    assert chosen["step"] == lowest_step and chosen["validation"]["logloss"] == lowest
+    assert (chosen["test"]["auc"], chosen["test"]["logloss"]) == test[lowest_step]
     if summary["stopped_early"]:
         assert summary["steps"] < summary["budget_steps"]
-        assert [step for step, _ in validation][-patience - 1] == improving[-1]
+        assert [v[0] for v in validation][-patience - 1] == improving[-1]
     else:
         assert summary["steps"] == summary["budget_steps"]
 

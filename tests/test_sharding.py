@@ -215,6 +215,25 @@ def test_plan_overrides_and_their_errors():
         make_plan(tables(state=1), MESH, 64, plan="column", device_memory_bytes=2**30)
 
 
+def test_a_table_placed_twice_is_refused_naming_it():
+    """The last entry used to win silently; each physical table now takes one entry, whether the same name is given
+    twice or a feature is named beside one of its own physical tables (a feature's name covers all of them)."""
+    qr = tables()[:2] + [TableInfo("C7/q", "C7", "qr", 100, 16, 1, 32), TableInfo("C7/r", "C7", "qr", 10, 16, 1, 32)]
+    cases = [
+        ("C1=row,C1=column", r"table 'C1' is named twice \('C1=row' and 'C1=column'\)"),
+        ("C1=table:2, C1=table:2", r"table 'C1' is named twice"),  # even with the same placement
+        ("C7=row,C7/q=column", r"'C7/q=column' and 'C7=row' both place physical table 'C7/q'"),
+        ("C7/r=replicated,C0=row,C7=row", r"'C7/r=replicated' and 'C7=row' both place physical table 'C7/r'"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError, match=rf"^sharding.tables: {message}"):
+            make_plan(qr, MESH, 64, overrides=overrides, device_memory_bytes=2**30)
+    # Distinct physical tables of one feature, each named once, are fine.
+    plan = make_plan(qr, MESH, 64, overrides="C7/q=row,C7/r=replicated,C1=table:3", device_memory_bytes=2**30)
+    assert [(p.sharding, p.devices) for p in plan.placements[1:]] == [
+        ("table", (3,)), ("row", tuple(range(8))), ("replicated", ())]
+
+
 def test_mesh_shape_and_its_errors():
     assert parse_mesh_shape("") == {}
     assert mesh_shape("", 8) == {"data": 8, "model": 1}

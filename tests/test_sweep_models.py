@@ -34,7 +34,28 @@ def test_sweep_keeps_the_best_validation_run_and_summarizes_test(tmp_path):
     # Resumed: every run is read back, nothing trains.
     messages = []
     again, _ = sm.run_sweep(base, tmp_path, ["lr"], [0, 1], grid, log=messages.append)
-    assert all("done before" in m for m in messages) and [r["auc"] for r in again] == [r["auc"] for r in rows]
+    swap, *runs = messages  # the synthetic config has no lr defaults: one warning for the model, then the runs
+    assert swap.startswith("WARNING: model.name=lr: this config's learning rates and regularisation were tuned")
+    assert all("done before" in m for m in runs) and [r["auc"] for r in again] == [r["auc"] for r in rows]
+
+
+def test_each_family_gets_the_values_its_config_tuned_for_it_but_the_users_and_the_grids_win():
+    from experiments.configs import dlrm_movielens
+
+    base = dlrm_movielens.get_config()
+    base.optimizer.dense.learning_rate = 0.002  # as given on the command line
+    lines = []
+    config = sm.run_config(base, "lr", 1, {"optimizer.sparse.weight_decay": 1e-4}, {"optimizer.dense.learning_rate"},
+                           lines.append)
+    assert (config.seed, config.model.name, config.optimizer.sparse.weight_decay) == (1, "lr", 1e-4)  # the grid's
+    assert config.optimizer.dense.learning_rate == 0.002  # the user's
+    assert (config.optimizer.sparse.learning_rate, config.train.batch_size, config.train.epochs) == (0.1, 256, 20)
+    assert lines == ["model.name=lr: this config's lr defaults replace those it tuned for dlrm (config.model_defaults"
+                     ".lr): train.batch_size 512 -> 256, train.epochs 10 -> 20; kept as set explicitly: "
+                     "optimizer.dense.learning_rate=0.002, optimizer.sparse.weight_decay=0.0001"]
+    dlrm = sm.run_config(base, "dlrm", 1, {}, (), lines.append)  # the config's own family: nothing to swap
+    base.seed, base.train.progress_bar = 1, False  # what run_config sets for every run
+    assert dlrm.to_dict() == base.to_dict() and len(lines) == 1
 
 
 def test_unknown_models_and_empty_sweeps_are_refused(tmp_path):

@@ -1,16 +1,27 @@
 """The config sections every dataset config shares: embeddings, every model family, optimizers and the budget.
 
 Each dataset config (`dlrm_movielens.py`, `dlrm_criteo_kaggle.py`, ...) builds its sections with these functions
-and overrides what its data needs, so `--config.model.name=lr` (or fm, dcnv2, wukong) works on every config and
+and overrides what its data needs, so `--config.model.name=lr` (or fm, dcnv2, wukong) runs on every config and
 every knob has one name everywhere. `recjax/config_check.py` validates the result before a run starts.
+
+Learning rates and regularisation are tuned for one model family (`model.tuned_for`): a row L2 that DLRM needs on
+MovieLens costs logistic regression 0.045 AUC. So a model swap goes through `swap_model`, which brings the values the
+config tuned for the new family (`config.model_defaults`, built by `model_defaults`), or says which values were
+tuned for another family when the config has none for it.
 """
+
+from collections.abc import Collection, Mapping
+from typing import Any
 
 import ml_collections
 from ml_collections import config_dict
 
 from compression.plan import option_placeholders
 
-MODEL_NAMES = ("dlrm", "dcnv2", "wukong", "lr", "fm")
+# What a config tunes per model family: `model_defaults` records these (and any key another family's entry sets) for
+# the config's own family, and a swap to a family without an entry names them.
+FAMILY_KEYS = ("optimizer.dense.learning_rate", "optimizer.dense.weight_decay", "optimizer.sparse.learning_rate",
+               "optimizer.sparse.weight_decay")
 
 
 def flexible(value=None) -> config_dict.FieldReference:
@@ -70,6 +81,9 @@ def model_config(name: str, dim: int) -> ml_collections.ConfigDict:
     dim `dim` (DLRM's dot interaction needs the bottom MLP to end in `dim`)."""
     model = ml_collections.ConfigDict()
     model.name = name  # "dlrm", "dcnv2", "wukong", "lr" (logistic regression) or "fm" (factorization machine)
+    # The family the config's learning rates and regularisation were tuned for; a --config.model.name swap to another
+    # brings config.model_defaults' values for it (`swap_model`).
+    model.tuned_for = name
 
     model.dlrm = ml_collections.ConfigDict()
     model.dlrm.bottom_mlp = (64, dim)  # widths on the dense features; the last must equal embedding.dim (dot)
@@ -132,6 +146,12 @@ def train_config(*, batch_size: int, steps: int | None = None, epochs: float | N
     # Either way the reported test metrics are those of the step with the best validation metric.
     train.early_stopping_patience = patience
     train.select_on = "auc"  # validation metric that picks the best step: "auc" (higher) or "logloss" (lower)
+    # The other metric's best step is tracked too (summary.json `selection`). Warn when the selected step's validation
+    # logloss is more than this fraction above the lowest (selecting on auc; 1 % = 0.0044 at Criteo's 0.44, a few
+    # times the 0.001 that Wang et al. 2017, DCN, call significant) ...
+    train.selection_logloss_tolerance = 0.01
+    # ... or its validation AUC more than this below the highest (selecting on logloss; 2x that 0.001).
+    train.selection_auc_tolerance = 0.002
     train.progress_bar = True
     return train
 
@@ -157,3 +177,91 @@ def checkpoint_config() -> ml_collections.ConfigDict:
     checkpoint.quantize_bits = 0
     checkpoint.restore = ""  # start from another run's checkpoint: its checkpoints dir or one step's dir in it
     return checkpoint
+
+
+# ------------------------------------------------------------------------------------------------ model swaps
+def _flat(section: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"optimizer": {"sparse": {"weight_decay": 0.0}}} -> {"optimizer.sparse.weight_decay": 0.0}."""
+    out = {}
+    for key, value in section.items():
+        if hasattr(value, "items"):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _get(config: ml_collections.ConfigDict, key: str) -> Any:
+    node = config
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def _set(config: ml_collections.ConfigDict, key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = config
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
+
+
+def model_defaults(config: ml_collections.ConfigDict, **families: Mapping[str, Any]) -> ml_collections.ConfigDict:
+    """`config.model_defaults`: {family: {dotted key: value}} as nested sections, the values this config tuned for
+    each family, e.g. `model_defaults(config, lr={"optimizer.sparse.weight_decay": 0.0})`. Every entry covers the
+    same keys, FAMILY_KEYS and every key some family sets: what a family does not set is the config's current value,
+    and the config's own family (`model.tuned_for`) gets all its current values, so a config derived from this one
+    for another family swaps back to exactly this one."""
+    keys = dict.fromkeys([*FAMILY_KEYS, *(key for entry in families.values() for key in entry)])
+    own = {key: _get(config, key) for key in keys}
+    defaults = ml_collections.ConfigDict()
+    for family, entry in {config.model.tuned_for: {}, **families}.items():
+        defaults[family] = ml_collections.ConfigDict()
+        for key, value in {**own, **entry}.items():
+            node = defaults[family]
+            *parents, leaf = key.split(".")
+            for part in parents:
+                if part not in node:
+                    node[part] = ml_collections.ConfigDict()
+                node = node[part]
+            node[leaf] = value
+    return defaults
+
+
+def _explicit(key: str, explicit: Collection[str]) -> bool:
+    return any(key == e or key.startswith(f"{e}.") for e in explicit)
+
+
+def swap_model(config: ml_collections.ConfigDict, name: str, explicit: Collection[str] = ()) -> list[str]:
+    """Make `name` the model of `config`, with the learning rates and regularisation the config tuned for it.
+
+    If `name` is not the family the config was tuned for (`model.tuned_for`) and `config.model_defaults` has an entry
+    for it, the entry's values replace the config's, but for keys in `explicit` (what the user set: command-line
+    overrides, a sweep's grid), and `model.tuned_for` becomes `name`. Without an entry the values stay. Returns the
+    lines to print: what the swap changed and kept, or a WARNING naming the values tuned for another family (none
+    when `name` is the family the config was tuned for).
+    """
+    config.model.name = name
+    tuned_for = config.model.get("tuned_for", name)
+    if name == tuned_for:
+        return []
+    defaults = config.get("model_defaults") or {}
+    if name not in defaults:
+        keys = dict.fromkeys([*FAMILY_KEYS, *(k for entry in defaults.values() for k in _flat(entry))])
+        values = ", ".join(f"{k}={_get(config, k)!r}" for k in keys if not _explicit(k, explicit))
+        if not values:
+            return []
+        return [f"WARNING: model.name={name}: this config's learning rates and regularisation were tuned for "
+                f"{tuned_for} and it has no {name} defaults (config.model_defaults), so {name} trains with "
+                f"{tuned_for}'s {values}; set them on the command line or tune them (experiments.sweep_models --grid)"]
+    changed, kept = [], []
+    for key, value in _flat(defaults[name]).items():
+        if _explicit(key, explicit):
+            kept.append(f"{key}={_get(config, key)!r}")
+        elif _get(config, key) != value:
+            changed.append(f"{key} {_get(config, key)!r} -> {value!r}")
+            _set(config, key, value)
+    config.model.tuned_for = name
+    return [f"model.name={name}: this config's {name} defaults replace those it tuned for {tuned_for} "
+            f"(config.model_defaults.{name}): {', '.join(changed) or 'no value differs'}"
+            + (f"; kept as set explicitly: {', '.join(kept)}" if kept else "")]

@@ -1,22 +1,19 @@
-r"""A factorization machine on MovieLens: dlrm_movielens.py with `model.name = "fm"` and 8 factors per id.
+r"""A factorization machine on MovieLens: dlrm_movielens.py swapped to `model.name = "fm"`, with 8 factors per id
+and the learning rates and regularisation that config tuned for an FM (its `model_defaults.fm`).
 
     python -m experiments.train --config=experiments/configs/fm_movielens.py --config.data.dir=/path/to/ml-100k
 
 Each id's embedding holds its linear weight and its factor vector (embedding.dim = 1 + factors); the genres bag
-enters as one field whose vector is the sum of its genres'.
+enters as one field whose vector is the sum of its genres'. The same config as
+`dlrm_movielens.py --config.model.name=fm`.
 """
 
 import ml_collections
 
-from experiments.configs import dlrm_movielens
+from experiments.configs import common, dlrm_movielens
 
 
 def get_config() -> ml_collections.ConfigDict:
     config = dlrm_movielens.get_config()
-    config.model.name = "fm"
-    config.embedding.dim = 9  # the id's linear weight, then 8 factors
-    config.optimizer.dense.learning_rate = 0.01
-    config.optimizer.sparse.learning_rate = 0.1
-    config.optimizer.sparse.weight_decay = 1e-3  # best of 1e-3, 3e-3, 1e-2 on ML-100K's validation split
-    config.train.batch_size = 256
+    common.swap_model(config, "fm")
     return config

@@ -5,7 +5,8 @@ so every dataset config can swap models from the command line (`--config.model.n
 """
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import flax.linen as nn
 import ml_collections
@@ -73,6 +74,32 @@ def check_model(config: Mapping) -> None:
             integer(config, f"model.wukong.{field}", 1)
     if name == "fm" and dim < 2:
         raise ConfigError("embedding.dim", f"fm needs embedding.dim >= 2 (an id's weight plus >= 1 factor), got {dim}")
+    if "tuned_for" in get(config, "model"):
+        choice(config, "model.tuned_for", list(MODELS))
+
+
+def _leaves(section: Mapping, prefix: str = "") -> Iterator[str]:
+    for key, value in section.items():
+        if hasattr(value, "items"):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
+
+
+def check_model_defaults(config: Mapping) -> None:
+    """`model_defaults` (optional; experiments/configs/common.py:model_defaults): model families, each with values
+    for keys the config has."""
+    if "model_defaults" not in config:
+        return
+    for family, entry in get(config, "model_defaults").items():
+        if family not in MODELS:
+            raise ConfigError(f"model_defaults.{family}", f"is not a model family; use some of {list(MODELS)}")
+        for key in _leaves(entry):
+            node: Any = config
+            for part in key.split("."):
+                if key.startswith("model_defaults.") or not hasattr(node, "keys") or part not in node:
+                    raise ConfigError(f"model_defaults.{family}.{key}", f"sets {key}, which the config does not have")
+                node = node[part]
 
 
 def embedding_dim(config: ml_collections.ConfigDict) -> int:
@@ -92,4 +119,4 @@ def make_model(config: ml_collections.ConfigDict, embedding_dim: int) -> nn.Modu
 
 
 __all__ = ["DCNv2", "DLRM", "FactorizationMachine", "LogisticRegression", "MODELS", "Wukong", "check_model",
-           "embedding_dim", "make_model", "model_fields"]
+           "check_model_defaults", "embedding_dim", "make_model", "model_fields"]

@@ -234,13 +234,16 @@ def minimum_exchange_bytes(plan: "ShardingPlan", itemsize: int = 4) -> float:
 def parse_overrides(text: str, tables: Sequence[TableInfo]) -> dict[str, tuple[str, int | None]]:
     """`sharding.tables` = "C3=row,C4=table:2,C5/q=replicated" -> {physical table: (sharding, device or None)}.
 
-    A logical (feature) name applies to all of that feature's physical tables.
+    A logical (feature) name applies to all of that feature's physical tables. Each physical table takes at most one
+    entry: a name given twice, or a feature named beside one of its own physical tables ("C7=row,C7/q=column"), is an
+    error rather than "the last entry wins", which would silently drop what the user asked for first.
     """
     if not isinstance(text, str):
         raise ConfigError("sharding.tables", f"must be a string such as 'C3=row,C4=table:2', got {text!r}")
     names = {t.name for t in tables}
     features = {t.feature for t in tables}
     out: dict[str, tuple[str, int | None]] = {}
+    entry_of: dict[str, str] = {}  # physical table -> the entry that placed it
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, eq, value = part.partition("=")
         name, value = name.strip(), value.strip()
@@ -255,8 +258,21 @@ def parse_overrides(text: str, tables: Sequence[TableInfo]) -> dict[str, tuple[s
             raise ConfigError("sharding.tables", f"unknown table {name!r}; the tables are {sorted(features)} (and "
                                                  f"their physical tables {sorted(names - features)})")
         for target in targets:
+            if target in entry_of:
+                raise ConfigError("sharding.tables", _duplicate_entry(target, entry_of[target], part))
+            entry_of[target] = part
             out[target] = (kind, int(device) if device else None)
     return out
+
+
+def _duplicate_entry(table: str, first: str, second: str) -> str:
+    """Why `second` may not place `table` after `first` did, in one line."""
+    first_name, second_name = (entry.partition("=")[0].strip() for entry in (first, second))
+    if first_name == second_name:
+        return f"table {table!r} is named twice ({first!r} and {second!r}); give each table one entry"
+    feature, physical = (first, second) if first_name != table else (second, first)
+    return (f"{physical!r} and {feature!r} both place physical table {table!r} (a feature's name covers all its "
+            f"physical tables); name either the feature or its physical tables")
 
 
 def make_plan(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_size: int, *, plan: str = "auto",
