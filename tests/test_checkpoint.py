@@ -231,6 +231,46 @@ def test_corrupt_array_is_an_error_naming_step_and_file(reference, tmp_path):
         train_and_evaluate(reference_config(), run)
 
 
+def unchecked_item(checkpoints: pathlib.Path, step: int, item: str) -> dict:
+    """An item as Orbax and tensorstore decode it, without the sha256 comparison."""
+    point = checkpoint.open_checkpoint(checkpoints, step)
+    return checkpoint._flat(point.store.item(step, item))
+
+
+def test_flipped_byte_that_decodes_is_an_error(reference, tmp_path):
+    """One byte of one stored table value changed, re-encoded through tensorstore itself (the chunks are zstd
+    compressed, so a byte flipped in the file would most likely fail to decode): the array decodes cleanly to the
+    wrong value, and only the sha256 comparison can tell."""
+    import tensorstore as ts
+
+    run = copy_run(reference, tmp_path)
+    item = run / "checkpoints" / "10" / "state"  # the chain's baseline: every later step reads its tables
+    spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{item}/", "path": "tables.dim8/"}}
+    stored = ts.open(spec).result()
+    values = stored.read().result()
+    flipped = values.copy()
+    flipped.view(np.uint8).reshape(-1)[4 * 1234] ^= 0x01  # the lowest mantissa bit of one float: a 1e-7 change
+    stored.write(flipped).result()
+    decoded = unchecked_item(run / "checkpoints", 10, "state")["tables/dim8"]
+    assert np.count_nonzero(decoded.view(np.uint8) != values.view(np.uint8)) == 1
+    with pytest.raises(CheckpointError, match=r"checkpoint step 10: array state/tables/dim8 in .*checkpoints/10/state "
+                                              r"does not match the sha256"):
+        final_arrays(run)
+
+
+def test_item_copied_from_another_step_is_an_error(reference, tmp_path):
+    """Step 30's state item copied over step 40's: every file is valid and decodes, to step 30's values."""
+    run = copy_run(reference, tmp_path)
+    checkpoints = run / "checkpoints"
+    shutil.rmtree(checkpoints / "40" / "state")
+    shutil.copytree(checkpoints / "30" / "state", checkpoints / "40" / "state")
+    decoded, donor = (unchecked_item(checkpoints, s, "state") for s in (40, 30))
+    assert_same_arrays(decoded, donor)
+    with pytest.raises(CheckpointError, match=r"checkpoint step 40: array state/\S+ in .*checkpoints/40/state does "
+                                              r"not match the sha256"):
+        final_arrays(run)
+
+
 def test_missing_delta_is_an_error(reference, tmp_path):
     run = copy_run(reference, tmp_path)
     shutil.rmtree(run / "checkpoints" / "20")
