@@ -12,17 +12,18 @@ Its items, written by Orbax's handlers (arrays through tensorstore, JSON through
             or, quantized, "codes": u8[n, dim * bits / 8], "offset": f32[n], "scale": f32[n], "opt": {name:
             f32[n, ...]}}} -- the rows touched since the previous checkpoint (consecutive) or since the baseline
             (one-shot), with their sparse-optimizer rows. Groups without touched rows are left out.
-    meta/   JSON (Orbax's JSON handler, subclassed only to await the checksums in its background commit): the
+    meta/   JSON (Orbax's JSON handler, subclassed to await the checksums in its background commit): the
             format version, step, kind ("full" / "delta"), policy, `chain` (the steps whose tables this restore point
             reads, baseline first), quantize bits, byte counts, the sha256 of every array written, the dense
             leaves' tree paths, the trainer's loop state (selection, early stopping, metrics history, train time),
-            the resolved config and whether the run finished.
+            the resolved config and whether the run finished; and "sha256", the digest of all that (its canonical
+            JSON): the metadata is covered by its own digest, every array by the sha256 it records.
 
 Restore = the latest complete step: the baseline's tables, then each delta of its chain in order (rows replaced by
-id), then that step's dense state, step and RNG. Every array read is checked against its sha256; a missing or
-corrupt link of the chain is a `CheckpointError` naming the step and path. Data needs no saved position: step i's
-batch is a pure function of (seed, i) for synthetic and prepared data, so the trainer restarts the stream at the
-restored step.
+id), then that step's dense state, step and RNG. Every meta read (the chain's too) is checked against its own
+sha256 and every array read against the sha256 in its meta; a missing or corrupt link of the chain is a
+`CheckpointError` naming the step and path. Data needs no saved position: step i's batch is a pure function of
+(seed, i) for synthetic and prepared data, so the trainer restarts the stream at the restored step.
 
 Policies (Eisenman et al. 2022, "Check-N-Run", Sec. 4): "full" (every checkpoint a baseline), "one_shot" (one
 baseline, then cumulative deltas since it: each restore point reads 2 steps), "consecutive" (per-interval deltas;
@@ -55,6 +56,7 @@ background thread they crossed them and both processes waited forever).
 import concurrent.futures
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import pathlib
@@ -72,7 +74,8 @@ from recjax import quantize
 from recjax.config_check import _get, boolean, check_number, choice, integer, known_keys
 from recjax.errors import CheckpointError, ConfigError
 
-FORMAT_VERSION = 1
+# 2: meta holds its own sha256 (format 1 did not).
+FORMAT_VERSION = 2
 POLICIES = ("full", "one_shot", "consecutive", "intermittent")
 QUANTIZE_BITS = (0, 2, 4, 8)
 KEYS = {"enabled", "dir", "every_steps", "every_minutes", "keep", "async_save", "policy", "baseline_fraction",
@@ -85,6 +88,7 @@ _ITEMS = ("state", "rows", "meta", "digests")
 AGREE_EVERY_STEPS = 20
 BLOCKS = "blocks"  # meta["arrays"] marker: an array saved by blocks (each process its own), checked by digests
 DIGESTS = "digests"  # meta["arrays"] marker: the sha256s of those blocks (the `digests` item)
+META_DIGEST = "sha256"  # meta's own key: the sha256 of everything else in it (`_meta_digest`)
 
 
 def check_checkpoint_config(config: Mapping) -> None:
@@ -185,6 +189,14 @@ def _describe_arrays(item: str, tree: Mapping) -> dict[str, list]:
             [str(np.asarray(a).dtype), list(np.shape(a)), _sha256(np.asarray(a))] for p, a in _flat(tree).items()}
 
 
+def _meta_digest(meta: Mapping) -> str:
+    """The sha256 of `meta` without its own digest, as canonical JSON (sorted keys, no spaces) of what JSON reads back
+    (tuples become lists, keys strings), so the dict saved and the dict read hash alike. The arrays' sha256s are in
+    meta, so this one digest covers every byte a restore uses."""
+    content = json.loads(json.dumps({k: v for k, v in meta.items() if k != META_DIGEST}))
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def _local(array) -> np.ndarray:
     """The host value of an array every process holds whole (a replicated multi-process array: its local copy)."""
     if blocks.is_global(array):
@@ -218,7 +230,8 @@ def _meta_handler_types():
             async def _save_fn(self, x, directory):
                 if isinstance(x.get("arrays"), _Checksums):
                     x = {**x, "arrays": x["arrays"].result()}
-                await super()._save_fn(x, directory)
+                # Inside the item, so Orbax's atomic finalize covers the digest with the content it hashes.
+                await super()._save_fn({**x, META_DIGEST: _meta_digest(x)}, directory)
 
         @ocp.args.register_with_handler(MetaHandler, for_save=True)
         @dataclasses.dataclass
@@ -294,11 +307,25 @@ class _Store:
             self._metas[step] = {**cached, "arrays": cached["arrays"].result()}
         if step not in self._metas:
             meta = self.item(step, "meta")
-            if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
-                raise CheckpointError(f"checkpoint step {step}: {self.directory / str(step) / 'meta'} is not a "
-                                      f"recjax checkpoint of format {FORMAT_VERSION}; use a new workdir")
+            where = self.directory / str(step) / "meta" / "metadata"  # Orbax's JSON handler's file
+            if not isinstance(meta, dict) or "format" not in meta:
+                raise CheckpointError(f"checkpoint step {step}: {where} is not a recjax checkpoint's metadata; use "
+                                      "a new workdir")
+            if meta["format"] != FORMAT_VERSION:
+                raise CheckpointError(
+                    f"checkpoint step {step}: {where} is of checkpoint format {meta['format']}, this recjax reads "
+                    f"format {FORMAT_VERSION} only (it checks a digest of the metadata and what each table array "
+                    "holds, which older checkpoints do not record); restore it with the recjax that wrote it, or "
+                    "train from scratch in a new workdir")
+            if meta.get(META_DIGEST) != _meta_digest(meta):
+                raise CheckpointError(f"checkpoint step {step}: {where} does not match the sha256 recorded in it (it "
+                                      f"was changed after the save); the checkpoint is corrupt. {self._todo(step)}")
             self._metas[step] = meta
         return self._metas[step]
+
+    def _todo(self, step: int) -> str:
+        return (f"Delete {self.directory / str(step)} (and the later steps built on it) to resume from an earlier "
+                "checkpoint, or use a new workdir")
 
     def item(self, step: int, item: str, meta: dict | None = None, placed: Mapping | None = None):
         """One item of a step, its arrays checked against the sha256, dtype and shape recorded in `meta`. Arrays a
@@ -307,8 +334,7 @@ class _Store:
         import orbax.checkpoint as ocp
 
         where = self.directory / str(step) / item
-        todo = (f"Delete {self.directory / str(step)} (and the later steps built on it) to resume from an earlier "
-                "checkpoint, or use a new workdir")
+        todo = self._todo(step)
         if not where.exists():
             raise CheckpointError(f"checkpoint step {step}: {where} is missing; the checkpoint is incomplete or was "
                                   f"deleted. {todo}")

@@ -271,6 +271,23 @@ def test_item_copied_from_another_step_is_an_error(reference, tmp_path):
         final_arrays(run)
 
 
+@pytest.mark.parametrize("step, edit", [
+    (40, lambda meta: meta["loop"]["selection"]["best_validation"].update(auc=0.99)),  # the restore point's
+    (20, lambda meta: meta["loop"]["history"].pop()),  # a delta the chain of step 40 reads
+])
+def test_edited_metadata_is_an_error_naming_step_and_file(reference, tmp_path, step, edit):
+    """Metadata still valid JSON, but changed after the save: a resume must refuse it, not report a wrong selection."""
+    run = copy_run(reference, tmp_path)
+    path = run / "checkpoints" / str(step) / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    edit(meta)
+    path.write_text(json.dumps(meta))
+    (run / "summary.json").unlink()
+    with pytest.raises(CheckpointError, match=rf"checkpoint step {step}: .*checkpoints/{step}/meta/metadata does not "
+                                              r"match the sha256 recorded in it .* corrupt\. Delete "):
+        train_and_evaluate(reference_config(), run)
+
+
 def test_missing_delta_is_an_error(reference, tmp_path):
     run = copy_run(reference, tmp_path)
     shutil.rmtree(run / "checkpoints" / "20")
