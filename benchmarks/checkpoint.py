@@ -182,6 +182,7 @@ def bytes_measurement(rows: int, batch: int, intervals: int, info: dict) -> None
             workdir = pathlib.Path(tempfile.mkdtemp(prefix="ckpt_bench_"))
             trainer = Trainer(table_config(rows, batch, keep=1, async_save=False, **ckpt))
             checkpointer = Checkpointer(trainer.config, workdir)
+            checkpointer.task = trainer.task
             trainer.state = checkpointer.track(trainer.state)
             checkpointer_steps, touched, sizes, logical = [], [], [], []
             for i in range(intervals + 1):
@@ -245,6 +246,8 @@ def stall_measurement(rows: int, batch: int, repeats: int, info: dict) -> None:
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="ckpt_bench_"))
     checkpointers = {mode: Checkpointer(table_config(rows, batch, keep=1, async_save=mode == "async"),
                                         workdir / mode) for mode in stalls}
+    for checkpointer in checkpointers.values():
+        checkpointer.task = trainer.task
     for _ in range(repeats):
         for mode, checkpointer in checkpointers.items():
             trainer.train(1)
@@ -291,7 +294,8 @@ def quality_measurement(steps: int, info: dict) -> None:
         first = jax.device_put(next(dataset.train_batches(config.train.batch_size)))
         like = jax.eval_shape(lambda b, task=task: init_state(task, jax.random.key(0), b), first)
         point = checkpoint.open_checkpoint(workdir / "checkpoints")
-        state = checkpoint.restore_state(point, like)
+        state = checkpoint.restore_state(
+            point, like, record=checkpoint.table_record(task.collection, task.sparse_optimizer, like))
         restored = evaluate(task, make_predict_step(task), state, dataset, config.train.batch_size, "test")
         results[bits] = {"restored_auc": restored["auc"], "restored_logloss": restored["logloss"],
                          "trained_test_auc_at_selected_step": summary["auc"],

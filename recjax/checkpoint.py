@@ -14,9 +14,10 @@ Its items, written by Orbax's handlers (arrays through tensorstore, JSON through
             (one-shot), with their sparse-optimizer rows. Groups without touched rows are left out.
     meta/   JSON (Orbax's JSON handler, subclassed to await the checksums in its background commit): the
             format version, step, kind ("full" / "delta"), policy, `chain` (the steps whose tables this restore point
-            reads, baseline first), quantize bits, byte counts, the sha256 of every array written, the dense
-            leaves' tree paths, the trainer's loop state (selection, early stopping, metrics history, train time),
-            the resolved config and whether the run finished; and "sha256", the digest of all that (its canonical
+            reads, baseline first), quantize bits, byte counts, the sha256 of every array written, what the table
+            arrays hold (`table_record`: compared with this run's before a restore reads any), the dense leaves'
+            tree paths, the trainer's loop state (selection, early stopping, metrics history, train time), the
+            resolved config and whether the run finished; and "sha256", the digest of all that (its canonical
             JSON): the metadata is covered by its own digest, every array by the sha256 it records.
 
 Restore = the latest complete step: the baseline's tables, then each delta of its chain in order (rows replaced by
@@ -74,7 +75,7 @@ from recjax import quantize
 from recjax.config_check import _get, boolean, check_number, choice, integer, known_keys
 from recjax.errors import CheckpointError, ConfigError
 
-# 2: meta holds its own sha256 (format 1 did not).
+# 2: meta holds its own sha256 and what each table array holds (`table_record`); format 1 had neither.
 FORMAT_VERSION = 2
 POLICIES = ("full", "one_shot", "consecutive", "intermittent")
 QUANTIZE_BITS = (0, 2, 4, 8)
@@ -248,6 +249,72 @@ def _meta_handler_types():
 
 
 _META_TYPES = None
+
+
+# ---------------------------------------------------------------------------------------- table records
+def table_record(collection, optimizer, state) -> dict:
+    """What the table arrays of a checkpoint hold (meta["tables"]), compared with this run's before a restore reads
+    any: tables of equal dim share one stacked array, so equal shapes do not mean equal tables.
+
+        "features": {feature: {"method", "vocab_size", "dim",
+                               "physical_tables": [{"name", "rows", "dim", "group", "offset"}, ...]}}
+        "groups": {group: {"rows", "dim", "dtype", "sparse_opt": {field: [dtype, shape per row]}}}
+        "sparse_optimizer": its name
+
+    `offset` is the table's first row in its stacked group; a mesh run's storages are a function of these and of
+    meta["layout"]'s placements (`sharding.relayout` rebuilds them). `state` (arrays or shapes; keyed by group, or
+    by storage "<group>/<kind>" on a mesh) gives the dtypes."""
+    dtypes = {key.split("/")[0]: str(t.dtype) for key, t in state.tables.items()}
+    field_dtypes = {(key.split("/")[0], f): str(v.dtype) for key, fields in state.sparse_opt_state.items()
+                    for f, v in fields.items()}
+    features: dict[str, dict] = {}
+    for p in collection.physical_tables():  # in stacking order
+        spec = collection.table_specs[p.feature]
+        entry = features.setdefault(p.feature, {"method": spec.method, "vocab_size": spec.vocab_size, "dim": spec.dim,
+                                                "physical_tables": []})
+        entry["physical_tables"].append({"name": p.table.name, "rows": p.table.rows, "dim": p.table.dim,
+                                         "group": p.group, "offset": p.offset})
+    groups = {}
+    for g in sorted(collection.group_rows):
+        shapes = optimizer.state_shapes(1, collection.group_dims[g])
+        groups[g] = {"rows": collection.group_rows[g], "dim": collection.group_dims[g], "dtype": dtypes.get(g),
+                     "sparse_opt": {f: [field_dtypes.get((g, f)), list(shape[1:])]
+                                    for f, shape in sorted(shapes.items())}}
+    return {"features": features, "groups": groups, "sparse_optimizer": optimizer.name}
+
+
+def table_differences(saved: Mapping, now: Mapping) -> list[str]:
+    """What differs between a checkpoint's table record and this run's, "saved -> now", one entry per logical table
+    (or stacked group, or the optimizer); [] when the checkpoint's arrays hold exactly this run's tables."""
+    out = []
+    if saved["sparse_optimizer"] != now["sparse_optimizer"]:
+        out.append(f"sparse optimizer {saved['sparse_optimizer']} -> {now['sparse_optimizer']}")
+    features = [*saved["features"], *(f for f in now["features"] if f not in saved["features"])]
+    for f in features:
+        a, b = saved["features"].get(f), now["features"].get(f)
+        if a is None or b is None:
+            out.append(f"table {f}: {'not in the checkpoint' if a is None else 'not in this config'}")
+            continue
+        what = [f"{k} {a[k]} -> {b[k]}" for k in ("method", "vocab_size", "dim") if a[k] != b[k]]
+        names = [[t["name"] for t in x["physical_tables"]] for x in (a, b)]
+        if names[0] != names[1]:
+            what.append(f"physical tables {names[0]} -> {names[1]}")
+        else:
+            for ta, tb in zip(a["physical_tables"], b["physical_tables"], strict=True):
+                what += [f"{ta['name']} {k} {ta[k]} -> {tb[k]}" for k in ("rows", "dim", "group", "offset")
+                         if ta[k] != tb[k]]
+        if what:
+            out.append(f"table {f}: {', '.join(what)}")
+    for g in [*saved["groups"], *(g for g in now["groups"] if g not in saved["groups"])]:
+        a, b = saved["groups"].get(g), now["groups"].get(g)
+        if a is None or b is None:
+            continue  # its tables differ (above)
+        what = [f"dtype {a['dtype']} -> {b['dtype']}"] if a["dtype"] != b["dtype"] else []
+        if a["sparse_opt"] != b["sparse_opt"] and saved["sparse_optimizer"] == now["sparse_optimizer"]:
+            what.append(f"sparse optimizer state {a['sparse_opt']} -> {b['sparse_opt']}")
+        if what:
+            out.append(f"stacked group {g}: {', '.join(what)}")
+    return out
 
 
 def _config_dict(config: ml_collections.ConfigDict) -> dict:
@@ -486,12 +553,19 @@ def read_arrays(point: ResumePoint) -> dict[str, np.ndarray]:
             **{f"aux/{f}/{k}": np.asarray(v) for f, a in top.get("aux", {}).items() for k, v in a.items()}}
 
 
-def restore_state(point: ResumePoint, like, relayout=None):
+def restore_state(point: ResumePoint, like, relayout=None, *, record: Mapping):
     """The TrainState of `point` (without dirty-row bitmaps); `like` is a TrainState of this config (arrays or
     shapes) that gives the tree structure, the shape every array must have and, for arrays on a mesh, where they
-    go. `relayout(by_key, saved_layout)` maps tables (or one optimizer field) {key: array} saved under
+    go; `record` is this run's `table_record`, which the checkpoint's must equal before any array is read.
+    `relayout(by_key, saved_layout)` maps tables (or one optimizer field) {key: array} saved under
     `point.meta["layout"]` to this run's layout (None: the same layout)."""
     store, meta, step = point.store, point.meta, point.step
+    differences = table_differences(meta["tables"], record)
+    if differences:
+        shown = "; ".join(differences[:6]) + (f"; and {len(differences) - 6} more" if len(differences) > 6 else "")
+        raise CheckpointError(f"checkpoint step {step} in {store.directory} holds other embedding tables than this "
+                              f"config builds (saved -> now: {shown}), so their rows would load into the wrong "
+                              "features; restore it with the config that trained it, or train from scratch")
     other_model = (f"checkpoint step {step} in {store.directory} holds another model than this config builds "
                    "({}); restore it with its own config")
     paths, like_leaves, treedef = _dense_leaves(like)
@@ -618,6 +692,7 @@ class Checkpointer:
         self._saving: concurrent.futures.Future | None = None  # the async save call in flight
         self._pending_retain = False
         self.layout: dict | None = None  # the tables' layout on a mesh (the trainer sets it; None on one device)
+        self.task = None  # the run's Task: what its tables hold (`table_record`); the trainer sets it
         self.relayout = None  # (by_key, saved layout) -> by_key in this run's layout (the trainer sets it)
 
     # ---------------------------------------------------------------------------------------- resume
@@ -643,12 +718,19 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint.restore: {error}") from None
 
     def restore(self, point: ResumePoint, like) -> tuple[Any, dict]:
-        """(TrainState, the trainer's loop state) of `point`, with dirty-row bitmaps as the policy needs."""
+        """(TrainState, the trainer's loop state) of `point`, with dirty-row bitmaps as the policy needs. The loop
+        state (selection, early stopping, metrics history, times) is the checkpoint's when this run resumes itself,
+        and {} for another run's checkpoint (`checkpoint.restore`): its history is not this run's."""
         if jax.process_count() > 1 and _by_blocks(point.meta) and point.meta.get("layout") != self.layout:
             raise CheckpointError(f"checkpoint step {point.step} in {point.store.directory} was saved by a "
                                   "multi-process run on another mesh or plan; restore it on the same mesh.shape and "
                                   "sharding.*, or in one process (which re-lays its tables out)")
-        state = self.track(restore_state(point, like, self.relayout))
+        try:
+            state = self.track(restore_state(point, like, self.relayout, record=self._record(like)))
+        except CheckpointError as error:
+            if point.own:
+                raise
+            raise CheckpointError(f"checkpoint.restore: {error}") from None
         self._baseline_shapes = _table_shapes(state)  # the chain restored reads tables of these shapes
         meta = point.meta
         # Another layout (or number of processes, which changes how deltas are written): a new baseline next.
@@ -665,7 +747,13 @@ class Checkpointer:
                     state = state.replace(dirty_rows={
                         g: d.at[jnp.asarray(rows[g]["ids"])].set(True) if g in rows else d
                         for g, d in state.dirty_rows.items()})
-        return state, meta["loop"]
+        return state, (meta["loop"] if point.own else {})
+
+    def _record(self, state) -> dict:
+        if self.task is None:
+            raise ValueError("Checkpointer.task is not set: set it to the run's Task (what its tables hold) before a "
+                             "save or a restore")
+        return table_record(self.task.collection, self.task.sparse_optimizer, state)
 
     # ------------------------------------------------------------------------------------------ save
     def track(self, state):
@@ -746,6 +834,7 @@ class Checkpointer:
             "baseline_bytes": self._baseline_bytes, "chain_bytes": self._chain_bytes,
             "dense_paths": paths, "dense_shapes": [[str(leaf.dtype), list(leaf.shape)] for leaf in leaves],
             "rng_impl": str(jax.random.key_impl(state.dropout_rng)), "layout": self.layout,
+            "tables": self._record(state),
             "processes": jax.process_count(),
             "arrays": arrays, "loop": loop, "config": self.config_dict, "finished": finished,
         }

@@ -2,6 +2,7 @@
 data, every incremental policy), deltas hold exactly the rows the batches touched, integrity errors name the step
 and path, partial saves are never loaded, nothing is unpickled, and the quantizer against plain numpy."""
 
+import csv
 import json
 import os
 import pathlib
@@ -124,11 +125,70 @@ def test_resuming_with_another_config_is_an_error(reference):
         train_and_evaluate(config, reference)
 
 
-def test_restore_starts_from_another_runs_checkpoint(reference, tmp_path, capsys):
+def metrics_rows(workdir: pathlib.Path) -> list[dict]:
+    """metrics.csv's rows but their timing columns."""
+    with (workdir / "metrics.csv").open() as f:
+        return [{k: v for k, v in row.items() if k not in ("examples_per_sec", "elapsed_s")}
+                for row in csv.DictReader(f)]
+
+
+def test_restore_starts_from_another_runs_checkpoint_with_a_history_of_its_own(reference, tmp_path, capsys):
+    """The model goes on exactly as the donor's did; selection, early stopping and metrics.csv hold only this run's
+    evaluations (after step 30), never the donor's best step and test AUC."""
     config = tiny(restore=str(reference / "checkpoints" / "30"))
-    train_and_evaluate(config, tmp_path)
-    assert "resuming from checkpoint step 30" in capsys.readouterr().out
-    assert_same_run(reference, tmp_path)
+    summary = train_and_evaluate(config, tmp_path)
+    out = capsys.readouterr().out
+    assert "resuming from checkpoint step 30" in out and "selection and metrics history start anew" in out
+    assert_same_arrays(final_arrays(reference), final_arrays(tmp_path))
+    after = [row for row in metrics_rows(reference) if int(row["step"]) > 30]  # the oracle: the donor's own log
+    assert metrics_rows(tmp_path) == after
+    validation = [row for row in after if row["split"] == "validation"]
+    best = max(validation, key=lambda row: float(row["auc"]))
+    assert summary["selected_step"] == int(best["step"])
+    assert summary["validation"]["auc"] == pytest.approx(float(best["auc"]), rel=1e-12)
+    assert summary["restored_from"] == {"checkpoint": str(reference / "checkpoints" / "30"), "step": 30}
+    assert json.loads((reference / "summary.json").read_text())["restored_from"] is None
+
+
+@pytest.mark.parametrize("change, differences", [
+    # Two tables' sizes swapped: the stacked group dim8 keeps its shape, so shapes alone would load C1's rows into C2.
+    (lambda c: setattr(c.data, "vocab_sizes", (50, 200, *VOCABS[2:])),
+     "table C1: vocab_size 200 -> 50, C1 rows 200 -> 50; table C2: vocab_size 50 -> 200, C2 rows 50 -> 200, C2 "
+     "offset 200 -> 50"),
+    # Same rows, another method: hashing 1000 ids into 1000 buckets has C3's shape and another meaning.
+    (lambda c: c.embedding.tables.update({"C3": {"method": "hashing", "options": {"buckets": 1000}}}),
+     "table C3: method full -> hashing"),
+    (lambda c: setattr(c.optimizer.sparse, "name", "adagrad"), "sparse optimizer lazy_adam -> adagrad"),
+])
+def test_restore_of_other_tables_is_an_error_naming_them(reference, tmp_path, change, differences):
+    config = tiny(restore=str(reference / "checkpoints" / "30"))
+    change(config)
+    with pytest.raises(CheckpointError) as error:
+        train_and_evaluate(config, tmp_path)
+    assert str(error.value) == (
+        f"checkpoint.restore: checkpoint step 30 in {reference / 'checkpoints'} holds other embedding tables than this "
+        f"config builds (saved -> now: {differences}), so their rows would load into the wrong features; restore it "
+        "with the config that trained it, or train from scratch")
+
+
+def test_restore_at_the_end_of_its_budget_is_an_error(reference, tmp_path):
+    """Nothing would be trained or evaluated: there is no selection of this run's own to report."""
+    with pytest.raises(ConfigError, match=r"train.steps: the budget of 30 steps ends at or before step 30 of the "
+                                          r"checkpoint.restore .*checkpoints/30; raise train.steps"):
+        train_and_evaluate(tiny(steps=30, restore=str(reference / "checkpoints" / "30")), tmp_path)
+
+
+def test_checkpoint_of_an_older_format_is_refused(reference, tmp_path):
+    """Format 1 recorded neither a metadata digest nor what its tables hold: nothing to check it against."""
+    run = copy_run(reference, tmp_path)
+    path = run / "checkpoints" / "40" / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    for key in ("tables", "sha256"):
+        del meta[key]
+    path.write_text(json.dumps({**meta, "format": 1}))
+    with pytest.raises(CheckpointError, match=r"checkpoint step 40: .*checkpoints/40/meta/metadata is of checkpoint "
+                                              r"format 1, this recjax reads format 2 only"):
+        checkpoint.open_checkpoint(run / "checkpoints")
 
 
 def test_prepared_data_resumes_exactly(tmp_path, monkeypatch):
