@@ -10,15 +10,17 @@ Its items, written by Orbax's handlers (arrays through tensorstore, JSON through
             (FIITED) "aux": {feature: {name: array}} in every checkpoint, and a baseline after each compaction}
     rows/   StandardSave, only in a *delta*: {group: {"ids": i32[n] (stacked row ids, ascending), "rows": f32[n, dim]
             or, quantized, "codes": u8[n, dim * bits / 8], "offset": f32[n], "scale": f32[n], "opt": {name:
-            f32[n, ...]}}} -- the rows touched since the previous checkpoint (consecutive) or since the baseline
-            (one-shot), with their sparse-optimizer rows. Groups without touched rows are left out.
+            f32[n, ...] or, quantized (`quantize_optimizer_bits`), {"codes": u8[n, dim], "absmax": f32[n]}}}} -- the
+            rows touched since the previous checkpoint (consecutive) or since the baseline (one-shot), with their
+            sparse-optimizer rows. Groups without touched rows are left out.
     meta/   JSON (Orbax's JSON handler, subclassed to await the checksums in its background commit): the
             format version, step, kind ("full" / "delta"), policy, `chain` (the steps whose tables this restore point
-            reads, baseline first), quantize bits, byte counts, the sha256 of every array written, what the table
-            arrays hold (`table_record`: compared with this run's before a restore reads any), the dense leaves'
-            tree paths, the trainer's loop state (selection, early stopping, metrics history, train time), the
-            resolved config and whether the run finished; and "sha256", the digest of all that (its canonical
-            JSON): the metadata is covered by its own digest, every array by the sha256 it records.
+            reads, baseline first), quantize bits (rows; optimizer rows and `optimizer_codes`, {field: "signed" |
+            "unsigned"}), byte counts, the sha256 of every array written, what the table arrays hold
+            (`table_record`: compared with this run's before a restore reads any), the dense leaves' tree paths, the
+            trainer's loop state (selection, early stopping, metrics history, train time), the resolved config and
+            whether the run finished; and "sha256", the digest of all that (its canonical JSON): the metadata is
+            covered by its own digest, every array by the sha256 it records.
 
 Restore = the latest complete step: the baseline's tables, then each delta of its chain in order (rows replaced by
 id), then that step's dense state, step and RNG. Every meta read (the chain's too) is checked against its own
@@ -31,7 +33,9 @@ baseline, then cumulative deltas since it: each restore point reads 2 steps), "c
 restore reads the whole chain) and "intermittent" (consecutive, with a new baseline once the chain's delta bytes
 exceed `baseline_fraction` of the baseline's). The dirty-row bitmap (bool[rows] per stacked group) lives in the
 TrainState and is set inside the jitted train step (`mark_dirty_rows`); a save reads it and clears it (one-shot:
-only at a baseline).
+only at a baseline). Deltas may quantize their table rows (`quantize_bits`: Check-N-Run's row-wise asymmetric codes)
+and their optimizer rows (`quantize_optimizer_bits`: block-wise 8-bit dynamic codes, Dettmers et al. 2022, one block
+per row; unsigned for non-negative state): with lazy Adam the two moments are 2/3 of a delta's f32 bytes.
 
 Async saves: the loop waits only for host copies of the tables (the next step donates the originals), made into
 buffers kept from save to save (a table's size of host memory, held between saves); Orbax's save call runs on a
@@ -79,8 +83,9 @@ from recjax.errors import CheckpointError, ConfigError
 FORMAT_VERSION = 2
 POLICIES = ("full", "one_shot", "consecutive", "intermittent")
 QUANTIZE_BITS = (0, 2, 4, 8)
+QUANTIZE_OPTIMIZER_BITS = (0, *quantize.STATE_BITS)
 KEYS = {"enabled", "dir", "every_steps", "every_minutes", "keep", "async_save", "policy", "baseline_fraction",
-        "quantize_bits", "restore"}
+        "quantize_bits", "quantize_optimizer_bits", "restore"}
 # Config keys that may change between a run and its resumption (everything else must match).
 # The mesh and plan may change too: the tables are re-laid out on restore.
 RESUMABLE_CHANGES = ("checkpoint.", "train.progress_bar", "mesh.", "sharding.")
@@ -113,6 +118,15 @@ def check_checkpoint_config(config: Mapping) -> None:
         raise ConfigError("checkpoint.quantize_bits", f"{bits} quantizes the rows of deltas, but checkpoint.policy "
                                                       "'full' writes none; set checkpoint.policy to 'one_shot', "
                                                       "'consecutive' or 'intermittent' (or quantize_bits to 0)")
+    bits = _get(config, "checkpoint.quantize_optimizer_bits")
+    if bits not in QUANTIZE_OPTIMIZER_BITS or isinstance(bits, bool):
+        raise ConfigError("checkpoint.quantize_optimizer_bits",
+                          f"must be one of {list(QUANTIZE_OPTIMIZER_BITS)} (0 = f32), got {bits!r}")
+    if bits and _get(config, "checkpoint.policy") == "full":
+        raise ConfigError("checkpoint.quantize_optimizer_bits",
+                          f"{bits} quantizes the optimizer rows of deltas, but checkpoint.policy 'full' writes none; "
+                          "set checkpoint.policy to 'one_shot', 'consecutive' or 'intermittent' (or "
+                          "quantize_optimizer_bits to 0)")
 
 
 # ------------------------------------------------------------------------------------------ dirty rows
@@ -496,19 +510,22 @@ def _chain_tables(point: ResumePoint, top: dict, placed: Mapping | None = None) 
         bits = delta_meta["quantize_bits"]
         where = _delta_shardings(tables, sparse_opt) if placed else None
         rows = _decode(store.item(s, "rows", delta_meta, where)) if delta_meta["groups"] else {}
+        codes = delta_meta["optimizer_codes"]  # {field: "signed" | "unsigned"}: stored in 8-bit dynamic codes
         for g, part in rows.items():
             if placed:
                 tables[g] = blocks.apply_blocks(tables[g], part["ids"], blocks.block_values(part, bits, tables[g]))
                 for k, v in part.get("opt", {}).items():
-                    sparse_opt[g][k] = blocks.apply_blocks(sparse_opt[g][k], part["ids"],
-                                                     {b.device: np.asarray(b.data) for b in v.addressable_shards})
+                    values = (blocks.state_block_values(v, codes[k] == "signed") if k in codes else
+                              {b.device: np.asarray(b.data) for b in v.addressable_shards})
+                    sparse_opt[g][k] = blocks.apply_blocks(sparse_opt[g][k], part["ids"], values)
                 continue
             ids = np.asarray(part["ids"])
             valid = ids >= 0
             values = _dequantize(part, bits, tables[g].shape[1]) if "codes" in part else np.asarray(part["rows"])
             tables[g][ids[valid]] = values[valid]
             for k, v in part.get("opt", {}).items():
-                sparse_opt[g][k][ids[valid]] = np.asarray(v)[valid]
+                values = _dequantize_state(v, codes[k] == "signed") if k in codes else np.asarray(v)
+                sparse_opt[g][k][ids[valid]] = values[valid]
     return tables, sparse_opt
 
 
@@ -524,6 +541,18 @@ def _dequantize(part: Mapping, bits: int, dim: int) -> np.ndarray:
                                                     dim // c_blocks) for c in range(c_blocks)], axis=1)
 
 
+def _dequantize_state(part: Mapping, signed: bool) -> np.ndarray:
+    """A delta's optimizer rows f32[n, ...] from their dynamic codes; a column-split field's blocks were quantized each
+    on its own (absmax f32[n, C] for C column blocks)."""
+    codes, absmax = np.asarray(part["codes"]), np.asarray(part["absmax"])
+    if absmax.ndim == 1:
+        return quantize.dequantize_state_rows({"codes": codes, "absmax": absmax}, signed)
+    width = codes.shape[1] // absmax.shape[1]
+    return np.concatenate([quantize.dequantize_state_rows({"codes": codes[:, c * width:(c + 1) * width],
+                                                           "absmax": absmax[:, c]}, signed)
+                           for c in range(absmax.shape[1])], axis=1)
+
+
 # ------------------------------------------------------------------------- multi-process deltas, by blocks
 def _delta_shardings(tables: Mapping, sparse_opt: Mapping) -> dict:
     """Where each array of a multi-process delta goes ({path in the rows item: sharding}): ids split like the table's
@@ -536,6 +565,8 @@ def _delta_shardings(tables: Mapping, sparse_opt: Mapping) -> dict:
         out[f"{key}/rows"] = out[f"{key}/codes"] = t.sharding
         out[f"{key}/offset"] = out[f"{key}/scale"] = blocks.digest_sharding(t.sharding)
         out.update({f"{key}/opt/{k}": v.sharding for k, v in sparse_opt[g].items()})
+        out.update({f"{key}/opt/{k}/codes": v.sharding for k, v in sparse_opt[g].items()})  # quantized: by blocks too
+        out.update({f"{key}/opt/{k}/absmax": blocks.digest_sharding(v.sharding) for k, v in sparse_opt[g].items()})
     return out
 
 
@@ -669,6 +700,7 @@ class Checkpointer:
         self.policy = ck.policy
         self.baseline_fraction = float(ck.baseline_fraction)
         self.bits = int(ck.quantize_bits)
+        self.optimizer_bits = int(ck.quantize_optimizer_bits)
         self.restore_from = ck.restore
         self.async_save = bool(ck.async_save)
         if jax.process_count() > 1:
@@ -830,6 +862,8 @@ class Checkpointer:
         meta = {
             "format": FORMAT_VERSION, "step": step, "kind": kind, "policy": self.policy, "chain": self._chain,
             "quantize_bits": self.bits if kind == "delta" else 0, "groups": sorted(_decode(rows_item)),
+            "quantize_optimizer_bits": self.optimizer_bits if kind == "delta" else 0,
+            "optimizer_codes": self._optimizer_codes() if kind == "delta" else {},
             "table_bytes": table_bytes, "bytes": _nbytes(item_state) + _nbytes(rows_item),
             "baseline_bytes": self._baseline_bytes, "chain_bytes": self._chain_bytes,
             "dense_paths": paths, "dense_shapes": [[str(leaf.dtype), list(leaf.shape)] for leaf in leaves],
@@ -877,7 +911,8 @@ class Checkpointer:
             for g, cap in zip(groups, caps, strict=True):
                 if cap:  # Orbax cannot store empty arrays; a group without touched rows is left out
                     rows_item[_encode(g)] = blocks.delta_blocks(state.dirty_rows[g], state.tables[g],
-                                                          state.sparse_opt_state[g], int(cap), self.bits)
+                                                          state.sparse_opt_state[g], int(cap), self.bits,
+                                                          self._optimizer_codes())
             groups = ()
         else:
             groups = sorted(state.dirty_rows)
@@ -889,7 +924,10 @@ class Checkpointer:
             part = {"ids": ids}
             rows = _gather_rows(state.tables[g], ids)
             part.update(quantize.quantize_rows(rows, self.bits) if self.bits else {"rows": rows})
+            codes = self._optimizer_codes()
             opt = {k: _gather_rows(v, ids) for k, v in state.sparse_opt_state[g].items()}
+            opt = {k: quantize.quantize_state_rows(v, codes[k] == "signed") if k in codes else v
+                   for k, v in opt.items()}
             if opt:
                 part["opt"] = opt
             rows_item[_encode(g)] = part
@@ -898,6 +936,17 @@ class Checkpointer:
                                               > self.baseline_fraction * self._baseline_bytes):
             return "full", {}, 0
         return "delta", rows_item, delta_bytes
+
+    def _optimizer_codes(self) -> dict[str, str]:
+        """{field: "signed" | "unsigned"}: the sparse-optimizer fields a delta stores in 8-bit dynamic codes
+        (`quantize_optimizer_bits`): those with a vector per row (lazy Adam's m and v, Adagrad's accumulator); a
+        per-row scalar (row-wise Adagrad's accumulator, 1 / D of the row's bytes) stays f32, as its block would be
+        the one value. Unsigned for the fields the optimizer keeps non-negative."""
+        if not self.optimizer_bits:
+            return {}
+        optimizer = self.task.sparse_optimizer
+        return {k: "unsigned" if k in optimizer.nonnegative_state else "signed"
+                for k, shape in sorted(optimizer.state_shapes(1, 1).items()) if len(shape) > 1}
 
     def _host_copies(self, arrays: dict) -> dict:
         """Each array copied into this checkpointer's host buffer for its key (re-allocated when its shape changes),

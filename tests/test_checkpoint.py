@@ -387,6 +387,9 @@ def test_loading_unpickles_nothing(reference, monkeypatch):
     ("policy", "sometimes", r"checkpoint.policy: unknown value 'sometimes'"),
     ("quantize_bits", 3, r"checkpoint.quantize_bits: must be one of \[0, 2, 4, 8\]"),
     ("quantize_bits", 4, r"checkpoint.quantize_bits: 4 quantizes the rows of deltas, but checkpoint.policy 'full'"),
+    ("quantize_optimizer_bits", 4, r"checkpoint.quantize_optimizer_bits: must be one of \[0, 8\]"),
+    ("quantize_optimizer_bits", 8, r"checkpoint.quantize_optimizer_bits: 8 quantizes the optimizer rows of deltas, "
+                                   r"but checkpoint.policy 'full'"),
     ("keep", 0, r"checkpoint.keep: must be >= 1"),
     ("every_minutes", -1.0, r"checkpoint.every_minutes: must be >= 0"),
 ])
@@ -439,3 +442,67 @@ def test_quantized_deltas_restore_within_their_step(reference, tmp_path):
         if k != "tables/dim8":
             np.testing.assert_array_equal(exact[k], lossy[k], err_msg=k)
     assert store.meta(40)["table_bytes"] < store.meta(20)["table_bytes"] * 10
+
+
+def nearest_codes(x: np.ndarray, signed: bool) -> np.ndarray:
+    """The oracle of `quantize_state_rows`: per row, each value / the row's absolute maximum rounded to the nearest
+    code by brute force (an unsigned positive value to the nearest positive code), times that maximum."""
+    code = quantize.dynamic_code(signed)
+    absmax = np.abs(x).max(axis=1, keepdims=True)
+    scaled = x / np.where(absmax > 0, absmax, 1)
+    candidates = np.where(signed | (scaled[..., None] <= 0) | (code > 0), code, np.inf)  # positive: positive codes
+    return (code[np.argmin(np.abs(candidates - scaled[..., None]), axis=-1)] * absmax).astype(np.float32)
+
+
+def test_dynamic_code_and_state_quantizer():
+    """The 8-bit dynamic tree code by hand, and block-wise (per-row) quantization against the brute-force nearest code
+    (Dettmers et al. 2022)."""
+    unsigned, signed = quantize.dynamic_code(False), quantize.dynamic_code(True)
+    assert len(np.unique(unsigned)) == 256 and len(np.unique(signed)) == 255
+    # Decade e has 2^(f) values 10^-e (0.1 + 0.9 k / 2^f), f = 7 - e (unsigned) or 6 - e (signed) fraction bits.
+    np.testing.assert_allclose(unsigned[[0, 1, 2, -2, -1]], [0, 1e-7, 1e-6 * 0.55, 0.1 + 0.9 * 127 / 128, 1])
+    np.testing.assert_allclose(signed[[0, 1, 126, 127, 128, -1]], [-1, -(0.1 + 0.9 * 63 / 64), -1e-6, 0, 1e-6, 1])
+    assert np.count_nonzero((unsigned > 0.1) & (unsigned <= 1)) == 128  # the top decade: 7 fraction bits
+    rng = np.random.default_rng(0)
+    m = (rng.standard_t(3, size=(200, 16)) * 10.0 ** rng.uniform(-6, 0, (200, 1))).astype(np.float32)
+    v = (m**2 * 10.0 ** rng.uniform(-4, 0, m.shape)).astype(np.float32)  # non-negative, spanning decades in a row
+    m[0], v[1], v[2, 3] = 0.0, 0.0, 1e-30  # a zero row; a tiny positive value far below the row's maximum
+    for x, is_signed in ((m, True), (v, False)):
+        q = quantize.quantize_state_rows(x, is_signed)
+        assert q["codes"].dtype == np.uint8 and q["codes"].shape == x.shape and q["absmax"].shape == (len(x),)
+        back = quantize.dequantize_state_rows(q, is_signed)
+        np.testing.assert_allclose(back, nearest_codes(x, is_signed), rtol=1e-6)
+        np.testing.assert_array_equal(np.abs(back).max(axis=1), np.abs(x).max(axis=1))  # each block's max is exact
+        np.testing.assert_array_equal(back == 0, x == 0)  # zeros stay zero; positive state never becomes 0
+        assert np.all(np.sign(back) == np.sign(x))
+    assert quantize.dequantize_state_rows(quantize.quantize_state_rows(v, False), False)[2, 3] == np.float32(
+        1e-7 * np.abs(v[2]).max())
+    with pytest.raises(ValueError, match="non-negative state only"):
+        quantize.quantize_state_rows(m, False)
+
+
+def test_quantized_optimizer_rows_restore_to_their_nearest_codes(reference, tmp_path):
+    """8-bit optimizer rows (lazy Adam: m signed, v unsigned) in every delta: training is the reference's exactly;
+    the restored tables are exact and every optimizer row a delta holds is its exact value's nearest code (its last
+    delta holds its final value: the rows no later step touched did not change); bytes by hand."""
+    config = reference_config()
+    config.checkpoint.quantize_optimizer_bits = 8
+    train_and_evaluate(config, tmp_path)
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (reference, tmp_path))
+    assert {k: v for k, v in sa.items() if k not in TIMING} == {k: v for k, v in sb.items() if k not in TIMING}
+    exact, lossy = final_arrays(reference), final_arrays(tmp_path)
+    store = checkpoint.open_checkpoint(tmp_path / "checkpoints").store
+    in_deltas = np.unique(np.concatenate([store.item(s, "rows", store.meta(s))["dim8"]["ids"] for s in (20, 30, 40)]))
+    for k in exact:
+        if not k.startswith("sparse_opt/"):
+            np.testing.assert_array_equal(lossy[k], exact[k], err_msg=k)
+    for field, is_signed in (("m", True), ("v", False)):
+        expected = exact[f"sparse_opt/dim8/{field}"].copy()
+        expected[in_deltas] = nearest_codes(expected[in_deltas], is_signed)
+        np.testing.assert_allclose(lossy[f"sparse_opt/dim8/{field}"], expected, rtol=1e-6, atol=0, err_msg=field)
+        assert not np.array_equal(lossy[f"sparse_opt/dim8/{field}"], exact[f"sparse_opt/dim8/{field}"])
+    meta = store.meta(40)
+    n = len(store.item(40, "rows", meta)["dim8"]["ids"])
+    assert meta["optimizer_codes"] == {"m": "signed", "v": "unsigned"} and meta["quantize_optimizer_bits"] == 8
+    assert meta["table_bytes"] == n * 4 + n * 8 * 4 + 2 * (n * 8 + n * 4)  # ids, f32 rows, m and v: codes + absmax
+
