@@ -147,6 +147,8 @@ def test_restore_starts_from_another_runs_checkpoint_with_a_history_of_its_own(r
     assert summary["selected_step"] == int(best["step"])
     assert summary["validation"]["auc"] == pytest.approx(float(best["auc"]), rel=1e-12)
     assert summary["restored_from"] == {"checkpoint": str(reference / "checkpoints" / "30"), "step": 30}
+    # Its speed counts the 10 steps it trained, in its own train time.
+    assert summary["examples_per_sec"] * summary["train_time_s"] == pytest.approx(10 * 128, rel=1e-9)
     assert json.loads((reference / "summary.json").read_text())["restored_from"] is None
 
 
