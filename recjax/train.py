@@ -35,6 +35,7 @@ from recjax.data import make_dataset
 from recjax.data.pipeline import DevicePrefetcher
 from recjax.dynamic import DynamicTables
 from recjax.embedding_backend import EmbeddingBackend, LocalEmbedding
+from recjax.errors import ConfigError
 from recjax.evaluation import Budget, Selection, evaluate, resolve_budget
 from recjax.metric_log import MetricLog
 from recjax.metrics import METRICS
@@ -62,11 +63,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     # --- data and task ----------------------------------------------------------------------------------
     dataset = make_dataset(config.data, seed=config.seed)
     budget = resolve_budget(config.train, dataset)
+    if resume and not resume.own and resume.step >= budget.steps:  # nothing left to train, nothing of its own to select
+        key = "train.steps" if config.train.steps is not None else "train.epochs"
+        raise ConfigError(key, f"the budget of {budget.steps:,} steps ends at or before step {resume.step:,} of the "
+                               f"checkpoint.restore {resume.store.directory / str(resume.step)}; raise {key} to train "
+                               "on from there")
     print(f"train: {budget.describe()}", flush=True)
     task = build_task(config, dataset.spec, dataset, budget.steps)
     dynamic = DynamicTables.create(task.collection, budget.steps, int(config.seed))
-    if resume and dynamic is not None:  # the pools were compacted: restore into the checkpoint's capacities
-        task = dynamic.resume(task, resume.meta["loop"]["dynamic"])
+    saved_dynamic = resume.meta["loop"].get("dynamic") if resume else None
+    if saved_dynamic and dynamic is not None:  # the pools were compacted: restore into the checkpoint's capacities
+        # (with its memory history only when the run resumes itself; another run's history is its own)
+        task = (dynamic.resume(task, saved_dynamic) if resume.own
+                else dynamic.with_capacities(task, saved_dynamic["capacities"]))
 
     # --- where the embedding rows live ------------------------------------------------------------------
     # One device: the collection's own engine; a mesh: the plan's blocks and collectives (recjax/sharding).
@@ -74,6 +83,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     if checkpointer is not None:  # where the tables' rows are, and how to restore a checkpoint saved elsewhere
         checkpointer.layout = sharding.layout(backend)
         checkpointer.relayout = sharding.relayout(task.collection, backend)
+        checkpointer.task = task  # what the tables hold: checked on restore
 
     # --- input pipeline ---------------------------------------------------------------------------------
     # Step i's batch is a pure function of (seed, i), so a resumed run restarts the stream at its step.
@@ -108,6 +118,7 @@ class LoopState:
     wall_time_before: float = 0.0  # wall time of the run before it was resumed
     loss: float = math.nan  # the last logged train loss
     test_warned: bool = False
+    restored_from: dict | None = None  # {"checkpoint", "step"}: this run began from another run's checkpoint
 
     @classmethod
     def fresh(cls, config: ml_collections.ConfigDict) -> "LoopState":
@@ -116,11 +127,13 @@ class LoopState:
     @classmethod
     def from_saved(cls, saved: dict) -> "LoopState":
         return cls(Selection(**saved["selection"]), list(saved.get("history", [])), saved.get("train_time", 0.0),
-                   saved.get("wall_time", 0.0), saved.get("loss", math.nan), saved.get("test_warned", False))
+                   saved.get("wall_time", 0.0), saved.get("loss", math.nan), saved.get("test_warned", False),
+                   saved.get("restored_from"))
 
     def to_saved(self, history: list[dict], wall_time: float) -> dict:
         return {"selection": dataclasses.asdict(self.selection), "test_warned": self.test_warned,
                 "train_time": self.train_time, "wall_time": wall_time, "loss": self.loss,
+                "restored_from": self.restored_from,
                 "history": list(history)}  # a copy: an async save serialises it while the loop appends
 
 
@@ -173,7 +186,7 @@ class Run:
         if self.dynamic is not None:
             self.loop.selection.selectable_from = self.dynamic.ramp_end(task.collection)
             if not self.dynamic.history:  # a resumed run restored its history
-                self.dynamic.record(task.collection, task.sparse_optimizer, self.state, 0)
+                self.dynamic.record(task.collection, task.sparse_optimizer, self.state, self.start_step)
             print(f"dynamic tables {', '.join(self.dynamic.features)}: budgets reached at step "
                   f"{self.loop.selection.selectable_from:,}; validation selects from there", flush=True)
         self.run_start = time.perf_counter() - self.loop.wall_time_before
@@ -184,13 +197,18 @@ class Run:
         if not resume:
             return self.checkpointer.track(like) if self.checkpointer else like
         state, saved = self.checkpointer.restore(resume, like)
-        self.loop = LoopState.from_saved(saved)
+        where = resume.store.directory / str(resume.step)
+        if resume.own:
+            self.loop = LoopState.from_saved(saved)
+        else:  # another run's checkpoint: selection, early stopping and history start here
+            self.loop.restored_from = {"checkpoint": str(where), "step": resume.step}
         layout = resume.meta.get("layout")
         moved = "" if layout == self.checkpointer.layout else (
             f"; its tables re-laid out from {_describe_layout(layout)} to "
             f"{_describe_layout(self.checkpointer.layout)}")
-        print(f"resuming from checkpoint step {resume.step:,} of {self.budget.steps:,} "
-              f"({resume.store.directory / str(resume.step)}){moved}", flush=True)
+        fresh = "" if resume.own else "; another run's checkpoint: selection and metrics history start anew"
+        print(f"resuming from checkpoint step {resume.step:,} of {self.budget.steps:,} ({where}){moved}{fresh}",
+              flush=True)
         return state
 
     def _compile(self) -> None:
@@ -263,6 +281,8 @@ class Run:
         compiling = dynamic.timings["adjust_compile_s"] + dynamic.timings["recompile_s"]
         self.task, self.backend, self.state, recompile = dynamic.adjust_placed(self.task, self.backend, self.state,
                                                                                step)
+        if self.checkpointer is not None:
+            self.checkpointer.task = self.task  # a compaction re-sized the pools
         if recompile:  # a pool was compacted: new shapes (a mesh made a new plan for them)
             if self.checkpointer is not None:
                 self.checkpointer.layout = sharding.layout(self.backend)
@@ -324,6 +344,7 @@ class Run:
         test = selection.test
         # The tables as they end (dynamic pools compacted to their budget).
         accounting = self.task.collection.accounting(self.task.sparse_optimizer)
+        restored = self.loop.restored_from["step"] if self.loop.restored_from else 0
         return {
             # Headline metrics: the test split at the step with the best validation metric.
             **{k: test[k] for k in METRICS},
@@ -338,6 +359,7 @@ class Run:
                           for metric, best in selection.by_metric.items()},
             "stopped_early": step < budget.steps,
             "warnings": selection.warnings + ([disagreement] if disagreement else []),
+            "restored_from": self.loop.restored_from,
             **self.dataset.info(),
             "params": self.dense_params + accounting["params"],
             "dense_params": self.dense_params,
@@ -347,7 +369,8 @@ class Run:
             "compression_ratio": accounting["full_bytes"] / accounting["bytes"],
             "flops_per_example": self.forward_flops,
             "train_flops_per_example": self.train_flops,
-            "examples_per_sec": step * batch_size / self.loop.train_time,
+            # Steps this run (and its resumes) trained: not those of a checkpoint.restore's run.
+            "examples_per_sec": (step - restored) * batch_size / self.loop.train_time,
             "compile_time_s": self.compile_time,
             "train_time_s": self.loop.train_time,
             "wall_time_s": time.perf_counter() - self.run_start,
