@@ -31,7 +31,7 @@ setup(
         "grain>=0.2.12,<0.3",
         "importlib_resources>=5",  # TFDS (via etils.epath) needs it to locate builder code; not always pulled in
         "matplotlib>=3.8,<4",
-        # recjax/checkpoint.py: CheckpointManager, StandardSave / JsonSave items, read_only managers (0.11+).
+        # recjax/checkpoint/: CheckpointManager, StandardSave / JsonSave items, read_only managers (0.11+).
         "orbax-checkpoint>=0.11,<0.13",  # experiments/sweep_compression.py: the Pareto plot (Agg canvas, no display)
     ],
     extras_require={

@@ -2,7 +2,7 @@
 
 A sweep trains each of its runs with `recjax.train.train_and_evaluate` in `<workdir>/<run name>/`. A run whose
 summary.json exists is not trained again, so an interrupted sweep resumes where it stopped (the run it was in the
-middle of resumes from its last checkpoint, recjax/checkpoint.py); if that run's config.json differs from the config
+middle of resumes from its last checkpoint, recjax/checkpoint/); if that run's config.json differs from the config
 the sweep would train now, the sweep stops rather than mix results. A finished run's checkpoints are deleted: its
 summary.json is the sweep's result, and dozens of runs' tables would fill a laptop's disk (train a run alone with
 `experiments.train` to keep its model).

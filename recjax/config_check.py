@@ -11,7 +11,7 @@ cross layer's rank against its width) run when the task is built and are turned 
 
 import ml_collections
 
-from recjax.checkpoint import check_checkpoint_config
+from recjax.checkpoint.config import check_checkpoint_config
 from recjax.data import check_data_config
 from recjax.embedding import check_embedding
 from recjax.evaluation import check_train

@@ -209,7 +209,7 @@ class DynamicTables:
         for g in tables:
             assert tables[g].shape[0] == new.group_rows[g], (g, tables[g].shape, new.group_rows[g])
         task = dataclasses.replace(task, collection=new, glue=EmbeddingGlue(new))
-        # New shapes: a checkpointed run's next save is a baseline (recjax/checkpoint.py), so the bitmaps restart.
+        # New shapes: a checkpointed run's next save is a baseline (recjax/checkpoint/), so the bitmaps restart.
         dirty = {g: jnp.zeros(new.group_rows[g], jnp.bool_) for g in state.dirty_rows}
         return task, state.replace(tables=tables, sparse_opt_state=opt, dirty_rows=dirty)
 

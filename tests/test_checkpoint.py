@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from recjax import checkpoint, quantize
+from recjax.checkpoint.integrity import flat
 from recjax.errors import CheckpointError, ConfigError
 from recjax.train import train_and_evaluate
 
@@ -330,7 +331,7 @@ def test_corrupt_array_is_an_error_naming_step_and_file(reference, tmp_path):
 def unchecked_item(checkpoints: pathlib.Path, step: int, item: str) -> dict:
     """An item as Orbax and tensorstore decode it, without the sha256 comparison."""
     point = checkpoint.open_checkpoint(checkpoints, step)
-    return checkpoint._flat(point.store.item(step, item))
+    return flat(point.store.item(step, item))
 
 
 def test_flipped_byte_that_decodes_is_an_error(reference, tmp_path):

@@ -16,7 +16,8 @@ import tempfile
 import numpy as np
 import pytest
 
-from recjax import checkpoint, checkpoint_blocks
+from recjax import checkpoint
+from recjax.checkpoint import blocks
 from recjax.errors import CheckpointError, ConfigError
 from recjax.sharding import multihost
 from tests.test_sharding import FAST_COMPILE
@@ -164,10 +165,10 @@ def test_block_digests_name_a_changed_block():
     digests = np.stack([np.concatenate([np.frombuffer(hashlib.sha256(
         np.ascontiguousarray(table[r * 2:(r + 1) * 2, c * 3:(c + 1) * 3]).tobytes()).digest(), np.uint8)
         for c in range(2)]) for r in range(4)])
-    checkpoint_blocks.check_blocks(table, digests, "t")
+    blocks.check_blocks(table, digests, "t")
     table[5, 4] += 1
     with pytest.raises(CheckpointError, match="t: a block does not match its sha256"):
-        checkpoint_blocks.check_blocks(table, digests, "t")
+        blocks.check_blocks(table, digests, "t")
 
 
 def test_partial_multihost_flags_are_config_errors(monkeypatch):

@@ -157,7 +157,7 @@ def train_config(*, batch_size: int, steps: int | None = None, epochs: float | N
 
 
 def checkpoint_config() -> ml_collections.ConfigDict:
-    """Orbax checkpoints of the whole run (recjax/checkpoint.py), on by default: re-running in the same workdir
+    """Orbax checkpoints of the whole run (recjax/checkpoint/), on by default: re-running in the same workdir
     resumes from the latest complete checkpoint."""
     checkpoint = ml_collections.ConfigDict()
     checkpoint.enabled = True  # save checkpoints and resume from them (False: neither)

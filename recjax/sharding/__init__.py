@@ -121,7 +121,7 @@ def setup(config: ml_collections.ConfigDict, task) -> MeshEmbedding | None:
 
 # --------------------------------------------------------------------------------------- checkpoint layouts
 def layout(sharded) -> dict | None:
-    """What a checkpoint records of where the tables' rows are (recjax/checkpoint.py `meta["layout"]`): the mesh
+    """What a checkpoint records of where the tables' rows are (recjax/checkpoint/ `meta["layout"]`): the mesh
     shape and each physical table's placement; None on one device (tables keyed by stacked group)."""
     if not isinstance(sharded, MeshEmbedding):
         return None

@@ -1,4 +1,4 @@
-"""Arrays spread over processes, for checkpoints of multi-process runs (recjax/checkpoint.py): each process hashes,
+"""Arrays spread over processes, for checkpoints of multi-process runs (recjax/checkpoint/): each process hashes,
 gathers and writes only the blocks its devices hold.
 
 A global array is cut into R x C blocks by its sharding (R row blocks, C column blocks; replicas hold the same
