@@ -181,6 +181,19 @@ def launch(*args, timeout=600, cwd=REPO):  # ~3 s idle (imports only; no trainin
     (["--config=experiments/configs/dlrm_synthetic.py:huge"], "error: --config=experiments/configs/dlrm_synthetic.py"
                                                               ":huge: the config file failed: ValueError: unknown "
                                                               "preset 'huge'"),
+    # A data flag without --config: the default config is synthetic; the message names the configs that read files.
+    (["--config.data.dir=/data/ml-100k"], "error: --config.data.dir: the config has no field 'dir'; the default "
+                                          "config (experiments/configs/dlrm_synthetic.py, used without --config) has "
+                                          "no data.dir (data.name='synthetic': generated, no files to read); the "
+                                          "configs with data.dir: experiments/configs/dlrm_criteo_kaggle.py, "
+                                          "experiments/configs/dlrm_criteo_terabyte.py, experiments/configs/"
+                                          "dlrm_csv_clicks.py, experiments/configs/dlrm_libfm.py, experiments/configs/"
+                                          "dlrm_movielens.py, experiments/configs/fm_movielens.py, experiments/configs/"
+                                          "lr_movielens.py (e.g. --config=experiments/configs/dlrm_criteo_kaggle.py)"),
+    # A list flag given twice: ml_collections joined the two lists (top_mlp (64, 1, 32, 1)); now an error.
+    (["--config.model.dlrm.top_mlp=64,1", "--config.model.dlrm.top_mlp=32,1"],
+     "error: --config.model.dlrm.top_mlp is given twice (64,1 and 32,1); give the whole list once, comma-separated: "
+     "--config.model.dlrm.top_mlp=32,1"),
 ])
 def test_launcher_prints_one_line_and_exits_2(args, message, tmp_path):
     result = launch(f"--workdir={tmp_path / 'run'}", *args)
@@ -189,6 +202,48 @@ def test_launcher_prints_one_line_and_exits_2(args, message, tmp_path):
     assert lines[0].startswith(message), result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert len(lines) <= 8, result.stderr  # the message (data.dir errors add the download instructions)
+
+
+def parse_config_flags(*args: str, config: str = "experiments/configs/dlrm_synthetic.py"):
+    """The config the launcher's flags make of `args` (recjax/cli.py define_config_flag), parsed in-process."""
+    from absl import flags
+
+    from recjax import cli
+
+    argv = ["train", *args]
+    flag_values = flags.FlagValues()
+    holder = cli.define_config_flag(REPO / config, flag_values=flag_values, argv=argv)
+    flag_values(argv)
+    cli.check_repeated_list_flags(argv, flag_values)
+    return holder.value
+
+
+def test_list_flags_are_comma_lists():
+    """A tuple field on the command line: comma-separated items, each a number or else a string (ml_collections
+    read `user,item` as the one column 'user,item'); a Python tuple is taken as written; empty is ()."""
+    csv_config = "experiments/configs/dlrm_csv_clicks.py"
+    assert parse_config_flags("--config.model.dlrm.top_mlp=64,1").model.dlrm.top_mlp == (64, 1)
+    assert parse_config_flags("--config.model.dlrm.top_mlp=1").model.dlrm.top_mlp == (1,)
+    assert parse_config_flags("--config.data.sparse.columns=user,item", config=csv_config
+                              ).data.sparse.columns == ("user", "item")
+    assert parse_config_flags("--config.data.sparse.columns= user , item ", config=csv_config
+                              ).data.sparse.columns == ("user", "item")
+    assert parse_config_flags("--config.data.sparse.columns=('user','item,2')", config=csv_config
+                              ).data.sparse.columns == ("user", "item,2")
+    assert parse_config_flags("--config.data.sparse.columns=user", config=csv_config).data.sparse.columns == ("user",)
+    assert parse_config_flags("--config.data.dense.columns=", config=csv_config).data.dense.columns == ()
+    mixed = parse_config_flags("--config.data.label.positive_values=yes,1,0.5,'2'", config=csv_config)
+    assert mixed.data.label.positive_values == ("yes", 1, 0.5, "2")
+    # Other fields keep their parsers: a scalar given twice keeps the last value (absl's rule).
+    assert parse_config_flags("--config.train.steps=3", "--config.train.steps=5").train.steps == 5
+
+
+def test_a_list_flag_given_twice_is_an_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_config_flags("--config.data.vocab_sizes=5,6", "--config.train.steps=3", "--config.data.vocab_sizes", "7")
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == ("error: --config.data.vocab_sizes is given twice (5,6 and 7); give the whole "
+                                       "list once, comma-separated: --config.data.vocab_sizes=7\n")
 
 
 def test_debug_shows_the_traceback_and_a_failed_temp_workdir_is_removed(tmp_path):
