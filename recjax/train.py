@@ -22,6 +22,7 @@ import csv
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import resource
 import time
@@ -403,13 +404,124 @@ class Selection:
         return self.patience > 0 and self.evals_without_improvement >= self.patience
 
 
+MEMINFO = pathlib.Path("/proc/meminfo")
+# What a run holds at its peak besides one copy of its tables and optimizer state ("the state"), measured by
+# benchmarks/memory.py (benchmarks/RESULTS.md, "Memory": peak RSS growth of a run over its state) and rounded up.
+# Checkpoint saves, in multiples of the state: an async save's host copies (kept from save to save) and Orbax's
+# write buffers, measured 2.28-2.38x; a synchronous save's (multi-process saves are synchronous), 1.34x.
+CHECKPOINT_MEMORY = {"async": 2.5, "sync": 1.5}
+MEMORY_MARGIN = 0.05  # per byte of state: the step's temporaries, the dense model (measured ~0.02)
+MEMORY_MARGIN_BYTES = 512 << 20  # whatever the size: the compiled steps, the data, the libraries (measured ~300 MiB)
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo: what the kernel can hand out without swapping (None where there is none)."""
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_memory(config: ml_collections.ConfigDict, task: Task, sharded: sharding.ShardedEmbedding | None) -> None:
+    """Before anything is allocated: a ConfigError if the embedding tables and their optimizer state
+    (`EmbeddingCollection.accounting`: "the state") cannot fit, naming the largest tables and the keys that shrink
+    them -- instead of XLA's RESOURCE_EXHAUSTED traceback (or swapping) once the tables are made.
+
+    CPU: this process's state (a mesh: its devices' blocks, `plan.device_bytes`) x (1 + MEMORY_MARGIN), plus what
+    checkpoint saves hold (CHECKPOINT_MEMORY), plus MEMORY_MARGIN_BYTES, against the host's MemAvailable. GPU / TPU,
+    one device: the state x (1 + MEMORY_MARGIN) against the device's free memory (a mesh's devices are checked by the
+    sharding plan), and the checkpoint saves' host buffers against the host's. `train.check_memory=False` skips it."""
+    if not config.train.get("check_memory", True):
+        return
+    accounting = task.collection.accounting(task.sparse_optimizer)
+    state_bytes = accounting["bytes"] + accounting["optimizer_bytes"]
+    if sharded is not None:  # this process's devices' blocks (replicated tables once per device)
+        state_bytes = sum(sharded.plan.device_bytes()) * jax.local_device_count() // jax.device_count()
+    saves = "none" if not config.checkpoint.enabled else (
+        "async" if config.checkpoint.async_save and jax.process_count() == 1 else "sync")
+    saving = state_bytes * CHECKPOINT_MEMORY.get(saves, 0.0)
+    device = jax.local_devices()[0]
+    needs = []  # (bytes needed, bytes available, where, what checkpoint saves count in it)
+    host = host_available_bytes()
+    if device.platform == "cpu":
+        if host is not None:
+            needs.append((state_bytes * (1 + MEMORY_MARGIN) + saving + MEMORY_MARGIN_BYTES, host,
+                          "host memory (MemAvailable in /proc/meminfo)", saving))
+    else:
+        stats = device.memory_stats() or {}
+        if sharded is None and "bytes_limit" in stats:
+            needs.append((state_bytes * (1 + MEMORY_MARGIN), stats["bytes_limit"] - stats.get("bytes_in_use", 0),
+                          f"free memory on {device.device_kind} {device.id}", 0))
+        if host is not None and saving:
+            needs.append((saving + MEMORY_MARGIN_BYTES, host, "host memory (MemAvailable in /proc/meminfo)", saving))
+    for need, available, where, saves_in_it in needs:
+        if need <= available:
+            continue
+        tables = sorted(accounting["tables"].items(), key=lambda t: -(t[1]["bytes"] + t[1]["optimizer_bytes"]))
+        largest = ", ".join(f"{name} {t['vocab_size']:,} x {t['dim']} {t['method']} "
+                            f"{_gib(t['bytes'] + t['optimizer_bytes'])}" for name, t in tables[:3])
+        caps = [key for key in ("data.vocab_sizes", "data.max_index", "data.frequency_threshold",
+                                "data.sparse.frequency_threshold", "data.sparse.hash_buckets")
+                if _has_key(config, key)]
+        parts = []
+        if device.platform == "cpu" or not saves_in_it:  # on a GPU / TPU the host holds only the saves' buffers
+            parts += [f"{_gib(accounting['bytes'])} of embedding tables",
+                      f"{_gib(accounting['optimizer_bytes'])} of optimizer state ({config.optimizer.sparse.name})"]
+        if saves_in_it:
+            sync = _gib(state_bytes * CHECKPOINT_MEMORY["sync"])
+            parts.append(f"{_gib(saves_in_it)} for {saves} checkpoint saves"
+                         + (f" (checkpoint.async_save=False: {sync})" if saves == "async" else ""))
+        raise ConfigError("embedding", (
+            f"the model does not fit: {' + '.join(parts)} + margin = {_gib(need)}, but {_gib(max(available, 0))} of "
+            f"{where} is available. Largest tables: {largest}. Shrink them: embedding.dim ({config.embedding.dim}), a "
+            "compression method (embedding.method: hashing, qr, md, tt, fiited, ...)"
+            + (f", fewer rows ({', '.join(caps)})" if caps else "")
+            + ", or shard them over more devices (mesh.shape; the devices of one CPU host share its memory, so on "
+            "CPU that means more hosts); or train.check_memory=False to start anyway"))
+
+
+def _has_key(config, key: str) -> bool:
+    node = config
+    for part in key.split("."):
+        if not hasattr(node, "keys") or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def writable_directory(path: pathlib.Path, key: str) -> None:
+    """Create `path` (and its parents) and write a file in it, or a ConfigError naming `key` and what is in the way
+    (a file where a directory should be, a read-only or virtual file system, no permission)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".recjax_write_test_{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        blocking = next((p for p in (path, *path.parents) if p.exists()), None)
+        if blocking is not None and not blocking.is_dir():
+            why = f"{blocking} is a file, not a directory"
+        else:
+            why = f"{error.strerror or error} ({error.filename or path})"
+        raise ConfigError(key, f"cannot use {path} as a directory: {why}; choose a directory you can write") from None
+
+
 # ---------------------------------------------------------------------------------------------- loop
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
     """Train per `config`, select the best step on validation, write the workdir outputs, return the summary."""
     validate_config(config)  # every config mistake is a ConfigError naming its key, before any work
     root = pathlib.Path(workdir)  # process 0's workdir: the summary and the checkpoints every process shares
     workdir = sharding.process_workdir(root)  # under multi-host, process i > 0 logs to process_i/
-    workdir.mkdir(parents=True, exist_ok=True)
+    writable_directory(workdir, "--workdir")
+    if config.checkpoint.enabled and config.checkpoint.dir:
+        writable_directory(pathlib.Path(config.checkpoint.dir).expanduser(), "checkpoint.dir")
     checkpointer = Checkpointer(config, root) if config.checkpoint.enabled else None
     resume = checkpointer.resume_point() if checkpointer else None
     if resume and resume.own and resume.finished and (root / "summary.json").exists():
@@ -428,6 +540,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     if resume and dynamic is not None:  # the pools were compacted: restore into the checkpoint's capacities
         task = dynamic.resume(task, resume.meta["loop"]["dynamic"])
     sharded = sharding.setup(config, task)  # None on one device: the single-device engine below, untouched
+    check_memory(config, task, sharded)  # before the tables are made
     validate = lambda b, where: validate_batch(b, task.spec, any_id=task.collection.any_id_features,
                                                where=where)
     if checkpointer is not None:  # where the tables' rows are, and how to restore a checkpoint saved elsewhere

@@ -190,6 +190,8 @@ def launch(*args, timeout=600, cwd=REPO):  # ~3 s idle (imports only; no trainin
                                           "dlrm_csv_clicks.py, experiments/configs/dlrm_libfm.py, experiments/configs/"
                                           "dlrm_movielens.py, experiments/configs/fm_movielens.py, experiments/configs/"
                                           "lr_movielens.py (e.g. --config=experiments/configs/dlrm_criteo_kaggle.py)"),
+    # A workdir that cannot be a directory (a virtual file system; below a file): one line, not an OSError traceback.
+    (["--workdir=/proc/recjax_run"], "error: --workdir: cannot use /proc/recjax_run as a directory: "),
     # A list flag given twice: ml_collections joined the two lists (top_mlp (64, 1, 32, 1)); now an error.
     (["--config.model.dlrm.top_mlp=64,1", "--config.model.dlrm.top_mlp=32,1"],
      "error: --config.model.dlrm.top_mlp is given twice (64,1 and 32,1); give the whole list once, comma-separated: "
@@ -244,6 +246,26 @@ def test_a_list_flag_given_twice_is_an_error(capsys):
     assert exit_.value.code == 2
     assert capsys.readouterr().err == ("error: --config.data.vocab_sizes is given twice (5,6 and 7); give the whole "
                                        "list once, comma-separated: --config.data.vocab_sizes=7\n")
+
+
+def test_a_workdir_that_cannot_be_written_is_a_config_error(tmp_path):
+    from recjax.train import train_and_evaluate, writable_directory
+
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match=rf"^--workdir: cannot use {tmp_path}/a_file/run as a directory: "
+                                          rf"{tmp_path}/a_file is a file, not a directory; choose a directory you "
+                                          "can write$"):
+        train_and_evaluate(synthetic(), tmp_path / "a_file" / "run")
+    config = synthetic()
+    config.checkpoint.dir = str(tmp_path / "a_file" / "checkpoints")
+    with pytest.raises(ConfigError, match=r"^checkpoint.dir: cannot use .*a_file/checkpoints as a directory: .*a_file "
+                                          "is a file"):
+        train_and_evaluate(config, tmp_path / "run")
+    if pathlib.Path("/proc/self").is_dir():  # Linux: procfs makes no directories, whoever asks
+        with pytest.raises(ConfigError, match=r"^--workdir: cannot use /proc/run/x as a directory: "):
+            writable_directory(pathlib.Path("/proc/run/x"), "--workdir")
+    writable_directory(tmp_path / "new" / "run", "--workdir")  # made, parents too, and writable
+    assert (tmp_path / "new" / "run").is_dir() and list((tmp_path / "new" / "run").iterdir()) == []
 
 
 def test_debug_shows_the_traceback_and_a_failed_temp_workdir_is_removed(tmp_path):

@@ -1,6 +1,7 @@
 """The trainer end to end: learning, determinism, outputs, and that a step's cost ignores vocabulary size."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -130,3 +131,70 @@ def test_launcher_sets_method_options_from_the_command_line(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["tables"]["C3"]["method"] == "qr" and summary["tables"]["C1"]["method"] == "full"  # 40000 vs 1460
     assert 2.0 < summary["compression_ratio"] < 4.0
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+def fixed_memory(monkeypatch, available: int) -> None:
+    import recjax.train
+
+    monkeypatch.setattr(recjax.train, "host_available_bytes", lambda: available)
+
+
+def test_a_model_too_big_for_memory_is_refused_naming_its_largest_tables(monkeypatch):
+    """The issue's run: the kaggle preset at dim 512 (XLA's RESOURCE_EXHAUSTED traceback naming no table, once the
+    tables were being made) is a ConfigError before any table exists, with bytes computed here by hand: 33,762,577
+    rows x 512 x 4 bytes of tables, lazy Adam's m and v twice that, async checkpoint saves 2.5x both."""
+    from recjax.data.synthetic import KAGGLE_VOCAB_SIZES
+    from recjax.errors import ConfigError
+    from recjax.train import CHECKPOINT_MEMORY, MEMORY_MARGIN, MEMORY_MARGIN_BYTES, check_memory
+
+    fixed_memory(monkeypatch, 64 << 30)
+    config = get_config("kaggle")
+    config.embedding.dim = 512
+    config.model.dlrm.bottom_mlp = (512, 256, 512)
+    task = build_task(config, DatasetSpec(13, tuple(FeatureSpec(f"C{i + 1}", v)
+                                                    for i, v in enumerate(KAGGLE_VOCAB_SIZES))))
+    rows = 33_762_577
+    assert sum(KAGGLE_VOCAB_SIZES) == rows
+    tables, adam = rows * 512 * 4, 2 * rows * 512 * 4
+    assert CHECKPOINT_MEMORY == {"async": 2.5, "sync": 1.5}
+    need = (tables + adam) * (1 + MEMORY_MARGIN) + 2.5 * (tables + adam) + MEMORY_MARGIN_BYTES
+    gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+    largest = ", ".join(f"C{i} {v:,} x 512 full {gib(v * 512 * 4 * 3)}" for i, v in ((3, 10_131_227),
+                                                                                    (12, 8_351_593),
+                                                                                    (21, 7_046_547)))
+    expected = (f"embedding: the model does not fit: {gib(tables)} of embedding tables + {gib(adam)} of optimizer "
+                f"state (lazy_adam) + {gib(2.5 * (tables + adam))} for async checkpoint saves "
+                f"(checkpoint.async_save=False: {gib(1.5 * (tables + adam))}) + margin = {gib(need)}, but 64.0 GiB of "
+                f"host memory (MemAvailable in /proc/meminfo) is available. Largest tables: {largest}. Shrink them: "
+                f"embedding.dim (512), a compression method (embedding.method: hashing, qr, md, tt, fiited, ...), "
+                f"fewer rows (data.vocab_sizes), or shard them over more devices (mesh.shape; the devices of one CPU "
+                f"host share its memory, so on CPU that means more hosts); or train.check_memory=False to start anyway")
+    with pytest.raises(ConfigError) as error:
+        check_memory(config, task, None)
+    assert str(error.value) == expected
+    assert gib(tables) == "64.4 GiB"  # the issue's "69 GB" (decimal)
+
+
+def test_the_memory_check_at_its_boundary_and_its_opt_outs(monkeypatch, tmp_path):
+    """The state (tables + optimizer state), hand-computed for the tiny config, x (1 + margin) + the checkpoint saves
+    + the fixed margin, against MemAvailable one byte short and exactly enough; synchronous saves count less, no
+    checkpoints nothing; train.check_memory=False skips the check."""
+    from recjax.errors import ConfigError
+    from recjax.train import MEMORY_MARGIN, MEMORY_MARGIN_BYTES, check_memory
+
+    config = tiny_config()
+    spec = DatasetSpec(13, tuple(FeatureSpec(f"C{i + 1}", v) for i, v in enumerate(config.data.vocab_sizes)))
+    task = build_task(config, spec)
+    state = sum(config.data.vocab_sizes) * 8 * 4 * 3  # dim 8, lazy Adam: table, m, v
+    for async_save, enabled, saves in ((True, True, 2.5), (False, True, 1.5), (True, False, 0.0)):
+        config.checkpoint.async_save, config.checkpoint.enabled = async_save, enabled
+        need = math.ceil(state * (1 + MEMORY_MARGIN) + saves * state + MEMORY_MARGIN_BYTES)
+        fixed_memory(monkeypatch, need - 1)
+        with pytest.raises(ConfigError, match="^embedding: the model does not fit"):
+            check_memory(config, task, None)
+        fixed_memory(monkeypatch, need)
+        check_memory(config, task, None)
+    config.train.check_memory = False
+    fixed_memory(monkeypatch, 0)
+    check_memory(config, task, None)

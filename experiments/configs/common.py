@@ -132,7 +132,10 @@ def train_config(*, batch_size: int, steps: int | None = None, epochs: float | N
     # Either way the reported test metrics are those of the step with the best validation metric.
     train.early_stopping_patience = patience
     train.select_on = "auc"  # validation metric that picks the best step: "auc" (higher) or "logloss" (lower)
-    train.progress_bar = True
+    train.progress_bar = True  # a tqdm bar on the console (examples, loss, best validation so far); False for logs
+    # Refuse to start when the embedding tables + optimizer state (+ the host copy async checkpoints keep) do not fit
+    # in the memory available (host MemAvailable on CPU, the device's on GPU / TPU); False: start anyway.
+    train.check_memory = True
     return train
 
 
