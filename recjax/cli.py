@@ -24,11 +24,13 @@ from typing import NoReturn
 
 from absl import flags as absl_flags
 
-from recjax.errors import UserError
+from recjax.errors import Interrupted, UserError
 
 DEBUG_ENV = "RECJAX_DEBUG"
 MALLOC_ENV = "RECJAX_MALLOC"  # "default" leaves glibc's malloc settings alone
 EXIT_USAGE = 2
+EXIT_DIVERGED = 3  # the run stopped because its loss diverged (summary.json "diverged")
+EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, what a shell reports for a process SIGINT killed
 
 
 ACCELERATOR_DEVICES = ("/dev/nvidia[0-9]*", "/dev/nvidiactl", "/dev/dxg", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*",
@@ -310,13 +312,21 @@ def quiet_libraries() -> None:
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """Turn a UserError into `error: <message>` and exit status 2 (argparse scripts wrap their main in this)."""
+    """Turn a UserError into `error: <message>` and exit status 2, and Ctrl-C into one line and exit status 130
+    (argparse scripts wrap their main in this)."""
     try:
         yield
     except UserError as error:
         if debugging():
             raise
         fail(str(error))
+    except KeyboardInterrupt as error:  # Ctrl-C: the trainer's Interrupted says at which step, and how to resume
+        if debugging():
+            raise
+        message = str(error) if isinstance(error, Interrupted) else (
+            "interrupted; rerunning the same command resumes from the last checkpoint, if there is one")
+        print(message, file=sys.stderr, flush=True)
+        sys.exit(EXIT_INTERRUPTED)
     except Exception as error:
         # A config file that failed to load raises only when the config is first read (ml_collections'
         # _ErrorConfig), i.e. inside main.

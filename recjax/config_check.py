@@ -25,7 +25,7 @@ DECAYS = ("none", "cosine")
 SELECT_ON = ("auc", "logloss")
 POOLINGS = ("sum", "mean")
 TRAIN_KEYS = {"batch_size", "steps", "epochs", "eval_every", "log_every", "early_stopping_patience", "select_on",
-              "progress_bar", "check_memory"}
+              "progress_bar", "divergence_factor", "check_memory"}
 EPOCH_EVERY = re.compile(r"^\s*(\d*\.?\d*)\s*epochs?\s*$")  # "epoch", "0.25epoch", "2 epochs"
 
 
@@ -174,6 +174,10 @@ def check_train(config: Mapping) -> None:
     integer(config, "train.early_stopping_patience", 0)
     choice(config, "train.select_on", SELECT_ON)
     boolean(config, "train.progress_bar")
+    factor = number(config, "train.divergence_factor", at_least=0)
+    if 0 < factor <= 1:
+        raise ConfigError("train.divergence_factor", f"must be 0 (off) or > 1 (a loss this many times its lowest), "
+                                                     f"got {factor}")
     boolean(config, "train.check_memory")
     if _get(config, "data.name") == "synthetic" and (epochs is not None or unit == "epochs"):
         raise ConfigError("train.epochs" if epochs is not None else "train.eval_every",

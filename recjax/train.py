@@ -25,6 +25,8 @@ import math
 import os
 import pathlib
 import resource
+import signal
+import threading
 import time
 from typing import Any
 
@@ -48,7 +50,7 @@ from recjax.data import make_dataset
 from recjax.data.pipeline import DevicePrefetcher
 from recjax.dynamic import DynamicTables
 from recjax.embedding import EmbeddingCollection, EmbeddingGlue, resolve_dedup
-from recjax.errors import ConfigError
+from recjax.errors import ConfigError, Interrupted
 from recjax.models import embedding_dim, make_model
 from recjax.sparse_optim import SparseOptimizer, make_sparse_optimizer
 from recjax.specs import DatasetSpec
@@ -404,6 +406,55 @@ class Selection:
         return self.patience > 0 and self.evals_without_improvement >= self.patience
 
 
+@dataclasses.dataclass
+class Divergence:
+    """Whether the train loss diverged, from the mean loss of each log window (fetched at log points only, so no step
+    waits for the device).
+
+    Diverged: a non-finite loss, or a window mean above `factor` times the lowest so far (step 1's loss -- the untrained
+    model's, about log 2 -- and every window mean) *and* above step 1's loss. The second condition keeps a low-loss
+    model's noisy windows (few positives in a window, a FIITED adjustment, a warmup's rise) from counting: a run
+    counts as diverged only once it is worse than it was untrained. factor 0: only a non-finite loss counts.
+    """
+
+    factor: float
+    initial: float | None = None  # step 1's loss
+    lowest: float | None = None  # the lowest of step 1's loss and every window mean so far
+
+    def start(self, first_loss: float) -> None:
+        if self.initial is None and math.isfinite(first_loss):
+            self.initial = self.lowest = first_loss
+
+    def check(self, mean: float) -> str | None:
+        """Note a log window's mean train loss; why the run diverged, or None."""
+        if not math.isfinite(mean):
+            return f"the train loss is {mean}"
+        if self.factor and self.initial is not None and mean > self.factor * self.lowest and mean > self.initial:
+            return (f"the train loss {mean:.4g} (mean of the last log window) is above step 1's {self.initial:.4g} "
+                    f"and {mean / self.lowest:.3g}x its lowest so far, {self.lowest:.4g} (train.divergence_factor "
+                    f"{self.factor:g})")
+        self.lowest = mean if self.lowest is None else min(self.lowest, mean)
+        return None
+
+
+def _largest_values(tree) -> float:
+    """max |x| over the arrays of `tree` (nan if any is nan)."""
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if np.size(x)]
+    return max((float(jnp.max(jnp.abs(x))) for x in leaves), default=0.0, key=lambda v: (math.isnan(v), v))
+
+
+def divergence_advice(config: ml_collections.ConfigDict, state: TrainState) -> str:
+    """Which learning rates to lower: both, the one whose parameters reached the larger values first."""
+    optimizer = config.optimizer
+    parts = [(_largest_values(state.tables), "optimizer.sparse.learning_rate", optimizer.sparse.learning_rate,
+              "embedding rows"),
+             (_largest_values(state.dense_params), "optimizer.dense.learning_rate", optimizer.dense.learning_rate,
+              "dense weights")]
+    parts.sort(key=lambda p: (math.isnan(p[0]), p[0]), reverse=True)
+    rates = " and ".join(f"{key} ({lr:g}; its {what} reach |{value:.3g}|)" for value, key, lr, what in parts)
+    return f"lower the learning rates: {rates}; or warm up longer (optimizer.warmup_steps {optimizer.warmup_steps})"
+
+
 MEMINFO = pathlib.Path("/proc/meminfo")
 # What a run holds at its peak besides one copy of its tables and optimizer state ("the state"), measured by
 # benchmarks/memory.py (benchmarks/RESULTS.md, "Memory": peak RSS growth of a run over its state) and rounded up.
@@ -513,6 +564,49 @@ def writable_directory(path: pathlib.Path, key: str) -> None:
         raise ConfigError(key, f"cannot use {path} as a directory: {why}; choose a directory you can write") from None
 
 
+def interrupted(step: int, checkpointer: Checkpointer | None) -> Interrupted:
+    """What a rerun of an interrupted run resumes from."""
+    if checkpointer is None:
+        return Interrupted(f"interrupted at step {step:,}; checkpoints are off (checkpoint.enabled=False), so "
+                           "rerunning the same command starts over", step)
+    last = checkpointer.last_saved_step
+    if last is None:
+        return Interrupted(f"interrupted at step {step:,}, before this run's first checkpoint; rerunning the same "
+                           "command starts it again", step)
+    return Interrupted(f"interrupted at step {step:,}; rerun the same command to resume from its checkpoint of step "
+                       f"{last:,} ({checkpointer.directory / str(last)})", step, resumable=True)
+
+
+class StopRequest:
+    """Ctrl-C (SIGINT) while a run trains: the first asks the loop to stop after its current step, which it
+    checkpoints so that a rerun resumes there; a second interrupts at once (KeyboardInterrupt; a rerun then resumes
+    from the last checkpoint). Only in the main thread of a single-process run (several processes must stop at the
+    same step: there Ctrl-C interrupts at once)."""
+
+    def __init__(self):
+        self.requested = False
+        self.step = 0  # the last step the loop dispatched (for the message)
+        self._previous = None
+        self._installed = False
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\ninterrupt: stopping after this step and checkpointing it (press Ctrl-C again to stop at once, "
+              "without it)", flush=True)
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+
+
 # ---------------------------------------------------------------------------------------------- loop
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
     """Train per `config`, select the best step on validation, write the workdir outputs, return the summary."""
@@ -556,11 +650,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     if rows is not None:
         print(f"data: process {jax.process_index()} of {jax.process_count()} reads rows [{rows.start}, {rows.stop}) "
               f"of every batch of {config.train.batch_size}", flush=True)
+    stop = StopRequest()
     try:
-        with DevicePrefetcher(dataset.train_batches(int(config.train.batch_size), start, **share), validate,
-                              put=put) as batches:
+        with stop, DevicePrefetcher(dataset.train_batches(int(config.train.batch_size), start, **share), validate,
+                                    put=put) as batches:
             return _train_loop(config, workdir, dataset, task, budget, batches, sharded, checkpointer, resume,
-                               dynamic)
+                               dynamic, stop)
+    except KeyboardInterrupt as error:  # Ctrl-C twice, or before the loop started
+        if isinstance(error, Interrupted):
+            raise
+        raise interrupted(stop.step, checkpointer) from None
     finally:
         if checkpointer:
             checkpointer.close()  # waits for a save in flight
@@ -591,7 +690,7 @@ def _adjust_on_mesh(config, dynamic: DynamicTables, task: Task, sharded: shardin
 def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, dataset, task: Task, budget: Budget,
                 batches: DevicePrefetcher, sharded: sharding.ShardedEmbedding | None = None,
                 checkpointer: Checkpointer | None = None, resume: ResumePoint | None = None,
-                dynamic: DynamicTables | None = None) -> dict:
+                dynamic: DynamicTables | None = None, stop: StopRequest | None = None) -> dict:
     train_cfg = config.train
     batch_size = budget.batch_size
 
@@ -692,10 +791,13 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
     test_warned = loop.get("test_warned", False)
     train_time, run_start = loop.get("train_time", 0.0), time.perf_counter() - loop.get("wall_time", 0.0)
     loss = loop.get("loss", float("nan"))
+    divergence = Divergence(**{"factor": float(train_cfg.divergence_factor), **loop.get("divergence", {})})
+    diverged = None  # why the run stopped as diverged (summary.json "diverged")
 
     def loop_state() -> dict:
         return {"selection": dataclasses.asdict(selection), "test_warned": test_warned, "train_time": train_time,
                 "wall_time": time.perf_counter() - run_start, "loss": loss,
+                "divergence": {"initial": divergence.initial, "lowest": divergence.lowest},
                 "history": list(history),  # a copy: an async save serialises it while the loop appends
                 **({} if dynamic is None else {"dynamic": dynamic.loop_state(task.collection)})}
 
@@ -705,9 +807,27 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
                     disable=not train_cfg.progress_bar, mininterval=1.0, dynamic_ncols=True)
     batch = first
     window_start, window_examples = time.perf_counter(), 0
+    # The steps' losses since the last check, left on the device until a log point (or a save) fetches them at once.
+    window_losses = []
+    first_loss = None  # step 1's loss (a fresh run): the untrained model's
+
+    def check_divergence(step: int) -> str | None:
+        if not window_losses:  # checked at this step already
+            return None
+        if first_loss is not None:
+            divergence.start(float(first_loss))
+        reason = divergence.check(float(np.mean(jax.device_get(window_losses))))
+        window_losses.clear()
+        return None if reason is None else f"training diverged at step {step:,}: {reason}"
+
+    stop = stop or StopRequest()
     in_flight = collections.deque()  # a mesh run's dispatched steps not known to be done
     for step in range(start + 1, last + 1):
         state, step_metrics = train_step(state, batch)
+        stop.step = step
+        window_losses.append(step_metrics["loss"])
+        if step == 1:
+            first_loss = step_metrics["loss"]
         if sharded is not None:
             # At most MESH_STEPS_IN_FLIGHT mesh steps queued: on XLA:CPU hundreds of queued steps with collectives
             # can deadlock (one device thread never reaches an all-reduce; XLA aborts after 40 s).
@@ -731,13 +851,19 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
         evaluate_now = budget.is_eval_step(step)
         if step % train_cfg.log_every == 0 or evaluate_now:
             loss = float(step_metrics["loss"])  # blocks: the window's time is real work
-            if not np.isfinite(loss):
-                raise FloatingPointError(f"training loss is {loss} at step {step}; lower the learning rates")
             elapsed = time.perf_counter() - window_start
             train_time += elapsed
             log_row({"step": step, "split": "train", "loss": loss, "examples_per_sec": window_examples / elapsed,
                      "elapsed_s": time.perf_counter() - run_start})
-            if evaluate_now and selection.record(step, scored("validation", step)):
+            diverged = check_divergence(step)
+            if diverged is None and evaluate_now:
+                try:
+                    validation = scored("validation", step)
+                except FloatingPointError:  # non-finite predictions (evaluate)
+                    diverged = f"training diverged at step {step:,}: its validation predictions are not finite"
+            if diverged is not None:
+                break
+            if evaluate_now and selection.record(step, validation):
                 selection.test = scored("test", step)
                 if not np.isfinite(selection.test["auc"]) and not test_warned:
                     test_warned = True
@@ -754,36 +880,55 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
         bar.update(batch_size)
         if selection.should_stop:
             break
-        if checkpointer and step < budget.steps and checkpointer.due(step):
+        due = checkpointer is not None and step < budget.steps and checkpointer.due(step)
+        stopping = stop.requested and step < budget.steps  # read once: a Ctrl-C from here on stops after the next step
+        if due or (stopping and checkpointer):
             jax.block_until_ready(state)
+            diverged = check_divergence(step)  # never checkpoint a diverged state
+            if diverged is not None:
+                train_time += time.perf_counter() - window_start
+                break
             saving = time.perf_counter()
             state = checkpointer.save(step, state, loop_state())
             window_start += time.perf_counter() - saving  # the save's stall is not training time
+        if stopping:
+            bar.close()
+            writer.close()
+            raise interrupted(step, checkpointer)  # the save above finishes as the checkpointer closes
         if step < budget.steps:
             batch = next(batches)
     bar.close()
     writer.close()
-    if checkpointer:
+    if diverged is not None:
+        # Stop, and checkpoint nothing: a rerun resumes from the last checkpoint before it (and diverges again), and
+        # --config.checkpoint.restore of that checkpoint with lower learning rates continues from a sane state.
+        diverged += f"; {divergence_advice(config, state)}"
+        print(f"ERROR: {diverged}", flush=True)
+    elif checkpointer:
         state = checkpointer.save(step, state, loop_state(), finished=True)
-    stopped_early = step < budget.steps
-    print(f"selected step {selection.best_step:,} (best validation {selection.select_on} "
-          f"{selection.best_validation[selection.select_on]:.4f})"
-          + (f"; stopped early at step {step:,} after {selection.patience} evaluations without improvement"
-             if stopped_early else ""), flush=True)
+    stopped_early = step < budget.steps and diverged is None
+    if selection.best_validation:
+        print(f"selected step {selection.best_step:,} (best validation {selection.select_on} "
+              f"{selection.best_validation[selection.select_on]:.4f})"
+              + (f"; stopped early at step {step:,} after {selection.patience} evaluations without improvement"
+                 if stopped_early else ""), flush=True)
 
     # --- summary --------------------------------------------------------------------------------
-    test = selection.test
+    no_metrics = {k: float("nan") for k in (*METRICS, "eval_examples", "eval_ctr")}  # diverged before any evaluation
+    test = selection.test or no_metrics
     if dynamic is not None:  # the tables as they end (pools compacted to their budget)
         accounting = task.collection.accounting(task.sparse_optimizer)
     summary = {
         # Headline metrics: the test split at the step with the best validation metric.
         **{k: test[k] for k in METRICS},
         "test": {k: test[k] for k in (*METRICS, "eval_examples", "eval_ctr")},
-        "validation": {k: selection.best_validation[k] for k in (*METRICS, "eval_examples", "eval_ctr")},
-        "last_validation": {k: selection.last_validation[k] for k in METRICS},
+        "validation": {k: (selection.best_validation or no_metrics)[k]
+                       for k in (*METRICS, "eval_examples", "eval_ctr")},
+        "last_validation": {k: (selection.last_validation or no_metrics)[k] for k in METRICS},
         "selected_step": selection.best_step,
         "select_on": selection.select_on,
         "stopped_early": stopped_early,
+        "diverged": diverged,  # None, or why training stopped: the loss diverged (the launcher exits with status 3)
         "warnings": selection.warnings,
         **dataset.info(),
         "params": dense_params + accounting["params"],

@@ -54,6 +54,8 @@ BAD = [
     ("synthetic", "train.log_every", 0, "train.log_every", ">= 1"),
     ("synthetic", "train.early_stopping_patience", -1, "train.early_stopping_patience", ">= 0"),
     ("synthetic", "train.select_on", "accuracy", "train.select_on", "'auc', 'logloss'"),
+    ("synthetic", "train.divergence_factor", 1.0, "train.divergence_factor", "must be 0 (off) or > 1"),
+    ("synthetic", "train.divergence_factor", -2.0, "train.divergence_factor", ">= 0"),
     ("synthetic", "optimizer.dense.learning_rate", -0.1, "optimizer.dense.learning_rate", "> 0"),
     ("synthetic", "optimizer.dense.learning_rate", 0.0, "optimizer.dense.learning_rate", "> 0"),
     ("synthetic", "optimizer.sparse.learning_rate", float("nan"), "optimizer.sparse.learning_rate", "finite"),

@@ -2,17 +2,20 @@
 
 import json
 import math
+import re
+import signal
 import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
-from conftest import random_batch
+from conftest import random_batch, train_steps
 
 from experiments.configs.dlrm_synthetic import get_config
+from recjax.data import make_dataset
 from recjax.specs import DatasetSpec, FeatureSpec
-from recjax.train import build_task, init_state, make_train_step, train_and_evaluate
+from recjax.train import Divergence, build_task, init_state, make_train_step, train_and_evaluate
 
 
 def tiny_config(steps=300):
@@ -38,6 +41,7 @@ def test_short_run_learns_and_writes_outputs(tmp_path):
     for key in ("auc", "logloss", "ne", "accuracy", "params", "embedding_bytes", "flops_per_example",
                 "examples_per_sec", "bayes_auc", "train_flops_per_example"):
         assert np.isfinite(saved[key]), key
+    assert saved["diverged"] is None  # a normal run (its first windows noisy) is not taken for a diverging one
     assert saved["embedding_bytes"] == 4 * 8 * (200 + 50 + 1000 + 8 + 3000 + 20)
     assert saved["flops_per_example"] > 2 * (13 * 32 + 32 * 8)  # at least the bottom MLP's multiply-adds
     csv_lines = (tmp_path / "metrics.csv").read_text().splitlines()
@@ -106,6 +110,7 @@ def test_multi_hot_mean_pooling_run_learns(tmp_path):
     config.embedding.pooling = "mean"
     summary = train_and_evaluate(config, tmp_path)
     assert summary["auc"] > 0.68, summary["auc"]
+    assert summary["diverged"] is None
 
 
 def test_bad_config_is_a_clear_error(tmp_path):
@@ -131,6 +136,90 @@ def test_launcher_sets_method_options_from_the_command_line(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["tables"]["C3"]["method"] == "qr" and summary["tables"]["C1"]["method"] == "full"  # 40000 vs 1460
     assert 2.0 < summary["compression_ratio"] < 4.0
+
+
+# ------------------------------------------------------------------------------------------------ divergence
+def test_divergence_is_a_loss_worse_than_untrained_and_far_above_its_lowest():
+    """Hand-made windows: learning, a low-loss model's noisy window (15x its lowest, still better than untrained),
+    a warmup's overshoot above step 1 (within the factor) -- none diverged; worse than untrained and past the factor,
+    or non-finite, is."""
+    d = Divergence(factor=10.0)
+    d.start(0.69)  # step 1: the untrained model
+    assert d.check(0.5) is None and d.check(0.04) is None
+    assert d.check(0.6) is None  # 15x its lowest, but better than untrained
+    assert d.check(0.7) == ("the train loss 0.7 (mean of the last log window) is above step 1's 0.69 and 17.5x its "
+                            "lowest so far, 0.04 (train.divergence_factor 10)")
+    overshoot = Divergence(factor=10.0)
+    overshoot.start(0.69)
+    assert overshoot.check(0.9) is None and overshoot.check(6.8) is None  # 6.8 < 10 x 0.69
+    assert overshoot.check(7.0) is not None
+    assert Divergence(factor=10.0).check(float("nan")) == "the train loss is nan"  # even before step 1 is known
+    off = Divergence(factor=0.0)
+    off.start(0.69)
+    assert off.check(1e9) is None and off.check(float("inf")) == "the train loss is inf"
+
+
+def test_a_diverging_run_stops_checkpoints_nothing_and_names_the_learning_rates(tmp_path):
+    """optimizer.sparse.learning_rate=1e9 (the issue's run: train loss 1.7e15, AUC 0.499, exit 0): the check at the
+    first checkpoint (step 20, before the first log point) finds it, the run stops there, saves no checkpoint of
+    the diverged state and summary.json says why, against step 1's loss computed here outside the loop; with the
+    default learning rate the same run checkpoints step 20 and goes on."""
+    config = tiny_config(steps=60)
+    config.checkpoint.every_steps = 20
+    config.optimizer.sparse.learning_rate = 1e9
+    summary = train_and_evaluate(config, tmp_path / "diverging")
+    dataset = make_dataset(config.data, seed=config.seed)
+    step1_loss = train_steps(config, dataset.spec, [next(dataset.train_batches(config.train.batch_size))])[2][0]
+    assert re.fullmatch(
+        rf"training diverged at step 20: the train loss (\S+) \(mean of the last log window\) is above step 1's "
+        rf"{step1_loss:.4g} and \S+x its lowest so far, \S+ \(train.divergence_factor 10\); lower the learning "
+        r"rates: optimizer.sparse.learning_rate \(1e\+09; its embedding rows reach \|\S+\|\) and "
+        r"optimizer.dense.learning_rate \(0.001; its dense weights reach \|\S+\|\); or warm up longer "
+        r"\(optimizer.warmup_steps 0\)", summary["diverged"]), summary["diverged"]
+    mean = float(summary["diverged"].split("the train loss ")[1].split(" ")[0])
+    assert mean > 1e3 * step1_loss
+    assert summary["steps"] == 20 and math.isnan(summary["auc"]) and summary["selected_step"] == 0
+    assert json.loads((tmp_path / "diverging" / "summary.json").read_text())["diverged"] == summary["diverged"]
+    assert not [p for p in (tmp_path / "diverging" / "checkpoints").iterdir() if p.name.isdigit()]
+
+    config.optimizer.sparse.learning_rate = tiny_config().optimizer.sparse.learning_rate
+    normal = train_and_evaluate(config, tmp_path / "normal")
+    assert normal["diverged"] is None and normal["steps"] == 60
+    assert (tmp_path / "normal" / "checkpoints" / "40").is_dir()
+
+
+def launcher(tmp_path, *flags) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "experiments.train", f"--workdir={tmp_path}",
+                             "--config.train.progress_bar=False", "--config.data.eval_examples=1024", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_launcher_exits_3_when_the_run_diverges(tmp_path):
+    run = launcher(tmp_path, "--config.optimizer.sparse.learning_rate=1e9", "--config.train.steps=40",
+                   "--config.train.log_every=20", "--config.train.eval_every=40")
+    out, err = run.communicate()
+    assert run.returncode == 3, err[-3000:]
+    assert "Traceback" not in err and "ERROR: training diverged at step 20: " in out
+    assert err.strip().splitlines()[-1] == (f"error: training diverged at step 20 (why, and which learning rates to "
+                                            f"lower: above and in {tmp_path / 'summary.json'} \"diverged\")")
+
+
+def test_ctrl_c_stops_the_launcher_with_one_line_and_status_130(tmp_path):
+    """SIGINT once the loop runs: the step is checkpointed, one line says where, exit status 130 (a shell's for
+    SIGINT). tests/test_checkpoint.py checks that a rerun resumes from it bit-identical."""
+    run = launcher(tmp_path, "--config.train.steps=1000000", "--config.train.eval_every=1000000")
+    for line in run.stdout:  # the loop starts right after this line (compiled, tables made)
+        if line.startswith("workdir:"):
+            break
+    run.send_signal(signal.SIGINT)
+    out, err = run.communicate()
+    assert run.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    step = re.fullmatch(r"interrupted at step ([\d,]+); rerun the same command to resume from its checkpoint of "
+                        rf"step \1 \({re.escape(str(tmp_path / 'checkpoints'))}/\d+\)", last)
+    assert step, err[-3000:]
+    assert (tmp_path / "checkpoints" / step.group(1).replace(",", "")).is_dir()
 
 
 # ---------------------------------------------------------------------------------------------------- memory
