@@ -412,7 +412,7 @@ class Divergence:
     waits for the device).
 
     Diverged: a non-finite loss, or a window mean above `factor` times the lowest so far (step 1's loss -- the untrained
-    model's, about log 2 -- and every window mean) *and* above step 1's loss. The second condition keeps a low-loss
+    model's -- and every window mean) *and* above step 1's loss. The second condition keeps a low-loss
     model's noisy windows (few positives in a window, a FIITED adjustment, a warmup's rise) from counting: a run
     counts as diverged only once it is worse than it was untrained. factor 0: only a non-finite loss counts.
     """
@@ -425,12 +425,12 @@ class Divergence:
         if self.initial is None and math.isfinite(first_loss):
             self.initial = self.lowest = first_loss
 
-    def check(self, mean: float) -> str | None:
-        """Note a log window's mean train loss; why the run diverged, or None."""
+    def check(self, mean: float, span: str = "the last log window") -> str | None:
+        """Note a log window's mean train loss (`span`: its steps); why the run diverged, or None."""
         if not math.isfinite(mean):
-            return f"the train loss is {mean}"
+            return f"the train loss is {mean} (mean of {span})"
         if self.factor and self.initial is not None and mean > self.factor * self.lowest and mean > self.initial:
-            return (f"the train loss {mean:.4g} (mean of the last log window) is above step 1's {self.initial:.4g} "
+            return (f"the train loss {mean:.4g} (mean of {span}) is above step 1's {self.initial:.4g} "
                     f"and {mean / self.lowest:.3g}x its lowest so far, {self.lowest:.4g} (train.divergence_factor "
                     f"{self.factor:g})")
         self.lowest = mean if self.lowest is None else min(self.lowest, mean)
@@ -816,7 +816,8 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
             return None
         if first_loss is not None:
             divergence.start(float(first_loss))
-        reason = divergence.check(float(np.mean(jax.device_get(window_losses))))
+        span = f"steps {step - len(window_losses) + 1:,}-{step:,}"
+        reason = divergence.check(float(np.mean(jax.device_get(window_losses))), span)
         window_losses.clear()
         return None if reason is None else f"training diverged at step {step:,}: {reason}"
 

@@ -153,10 +153,10 @@ def test_divergence_is_a_loss_worse_than_untrained_and_far_above_its_lowest():
     overshoot.start(0.69)
     assert overshoot.check(0.9) is None and overshoot.check(6.8) is None  # 6.8 < 10 x 0.69
     assert overshoot.check(7.0) is not None
-    assert Divergence(factor=10.0).check(float("nan")) == "the train loss is nan"  # even before step 1 is known
+    assert Divergence(factor=10.0).check(float("nan"), "steps 1-5") == "the train loss is nan (mean of steps 1-5)"
     off = Divergence(factor=0.0)
     off.start(0.69)
-    assert off.check(1e9) is None and off.check(float("inf")) == "the train loss is inf"
+    assert off.check(1e9) is None and off.check(float("inf")) == "the train loss is inf (mean of the last log window)"
 
 
 def test_a_diverging_run_stops_checkpoints_nothing_and_names_the_learning_rates(tmp_path):
@@ -171,7 +171,7 @@ def test_a_diverging_run_stops_checkpoints_nothing_and_names_the_learning_rates(
     dataset = make_dataset(config.data, seed=config.seed)
     step1_loss = train_steps(config, dataset.spec, [next(dataset.train_batches(config.train.batch_size))])[2][0]
     assert re.fullmatch(
-        rf"training diverged at step 20: the train loss (\S+) \(mean of the last log window\) is above step 1's "
+        rf"training diverged at step 20: the train loss (\S+) \(mean of steps 1-20\) is above step 1's "
         rf"{step1_loss:.4g} and \S+x its lowest so far, \S+ \(train.divergence_factor 10\); lower the learning "
         r"rates: optimizer.sparse.learning_rate \(1e\+09; its embedding rows reach \|\S+\|\) and "
         r"optimizer.dense.learning_rate \(0.001; its dense weights reach \|\S+\|\); or warm up longer "
