@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import HANG_GUARD_S
 
 from recjax import checkpoint, quantize
 from recjax.errors import CheckpointError, ConfigError, Interrupted
@@ -290,7 +291,8 @@ def test_partial_save_is_never_loaded(reference, tmp_path):
     checkpointer = checkpoint.Checkpointer(reference_config(), run)
     assert checkpointer.resume_point().step == 30
     checkpointer.close()
-    deadline = time.monotonic() + 30  # Orbax removes leftovers on a background thread when a manager opens
+    # Orbax removes leftovers on a background thread when a manager opens (milliseconds idle; HANG_GUARD_S ends a hang)
+    deadline = time.monotonic() + HANG_GUARD_S
     while partial.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not partial.exists()

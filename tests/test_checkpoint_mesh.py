@@ -22,6 +22,7 @@ from tests.test_checkpoint import assert_same_run
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TOL = {"rtol": 2e-4, "atol": 2e-5}
+pytestmark = pytest.mark.slow  # three 8-device runs in a subprocess and one on a device here
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def runs(tmp_path_factory) -> pathlib.Path:
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "8", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, str(REPO / "tests" / "checkpoint_mesh_runs.py"), str(out),
-                             str(out / "single")], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+                             str(out / "single")], env=env, cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-5000:]
     (out / "mesh.log").write_text(result.stdout)
     return out
