@@ -10,12 +10,15 @@ Writes to --workdir: TensorBoard events, metrics.csv, config.json, summary.json 
 with the same --workdir resumes from the latest complete checkpoint (or says the run is complete). A config mistake
 is one `error: ...` line and exit status 2 (`--debug` shows the traceback). `--config.model.name` swaps the model
 with the learning rates and regularisation the config tuned for it (experiments/configs/common.py:swap_model); the
-other `--config.*` values given win.
+other `--config.*` values given win. A run whose loss diverged stops with an `error: ...` line and exit status 3
+(summary.json "diverged"); Ctrl-C stops after the current step, checkpoints it and exits with status 130 (a second
+Ctrl-C stops at once).
 """
 
 import json
 import pathlib
 import shutil
+import sys
 import tempfile
 
 from absl import flags
@@ -23,6 +26,7 @@ from ml_collections import config_flags
 
 from experiments.configs import common
 from recjax import cli
+from recjax.errors import Interrupted
 
 _DEFAULT_CONFIG = pathlib.Path(__file__).parent / "configs" / "dlrm_synthetic.py"
 
@@ -61,6 +65,12 @@ def main(argv):
     workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="recjax_")
     try:
         summary = train_and_evaluate(config, workdir)
+    except Interrupted as error:
+        if _WORKDIR.value or not error.resumable:
+            raise
+        # The checkpoint is in the temp workdir, which the same command would not find again: keep it, say where.
+        raise Interrupted(f"interrupted at step {error.step:,}; to resume, rerun the command with "
+                          f"--workdir={workdir} (its checkpoints are there)", error.step, True) from None
     except BaseException:
         if not _WORKDIR.value:  # a temp workdir of a failed run holds nothing worth keeping
             shutil.rmtree(workdir, ignore_errors=True)
@@ -68,6 +78,11 @@ def main(argv):
     if jax.process_index() == 0:
         print(json.dumps({k: summary[k] for k in HEADLINE if k in summary}, indent=2))
         print(f"summary: {pathlib.Path(workdir) / 'summary.json'}")
+    if summary.get("diverged"):  # the full message is on the console above and in summary.json
+        first = summary["diverged"].split(":", 1)[0]
+        print(f"error: {first} (why, and which learning rates to lower: above and in "
+              f"{pathlib.Path(workdir) / 'summary.json'} \"diverged\")", file=sys.stderr, flush=True)
+        sys.exit(cli.EXIT_DIVERGED)
 
 
 if __name__ == "__main__":

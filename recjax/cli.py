@@ -9,6 +9,7 @@ value of the wrong type, a missing config file). Bugs still show their traceback
 shows the traceback of user errors too.
 """
 
+import ast
 import contextlib
 import ctypes
 import glob
@@ -21,11 +22,15 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
-from recjax.errors import UserError
+from absl import flags as absl_flags
+
+from recjax.errors import Interrupted, UserError
 
 DEBUG_ENV = "RECJAX_DEBUG"
 MALLOC_ENV = "RECJAX_MALLOC"  # "default" leaves glibc's malloc settings alone
 EXIT_USAGE = 2
+EXIT_DIVERGED = 3  # the run stopped because its loss diverged (summary.json "diverged")
+EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, what a shell reports for a process SIGINT killed
 
 
 ACCELERATOR_DEVICES = ("/dev/nvidia[0-9]*", "/dev/nvidiactl", "/dev/dxg", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*",
@@ -93,6 +98,63 @@ def fail(message: str) -> NoReturn:
     sys.exit(EXIT_USAGE)
 
 
+def parse_list(text: str) -> tuple:
+    """A tuple config field's command-line value: comma-separated items, each a Python literal (a number, True,
+    None, a quoted string) or else the item's text, so `64,1` is (64, 1) and `user,item` is ("user", "item"); a whole
+    Python tuple or list is taken as written (`"('a', 'b,c')"` keeps a comma inside an item); "" is ()."""
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return tuple(_list_item(item) for item in text.split(",")) if text.strip() else ()
+    if isinstance(value, tuple | list):
+        return tuple(value)
+    return (value,)
+
+
+def _list_item(text: str):
+    text = text.strip()
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+    return value if isinstance(value, int | float | bool | str) or value is None else text
+
+
+class ListFlagParser(absl_flags.ArgumentParser):
+    """absl parser of tuple config fields (`parse_list`). Registered for ml_collections' tuple fields by
+    `define_config_flag`: a field with this parser is a plain flag (one value, not ml_collections' multi-flag that
+    joins repeats), and `check_repeated_list_flags` makes giving it twice an error."""
+
+    syntactic_help = "a comma-separated list, e.g. 64,1 or user,item"
+
+    def parse(self, argument) -> tuple:
+        if isinstance(argument, tuple | list):  # the config's default
+            return tuple(argument)
+        return () if argument is None else parse_list(str(argument))
+
+    def flag_type(self) -> str:
+        return "list"
+
+
+def check_repeated_list_flags(argv: Sequence[str], flag_values) -> None:
+    """A tuple field given twice is an error (which one was meant? ml_collections joined them, absl's other flags
+    keep the last): `error: --config.model.dlrm.top_mlp is given twice (64,1 and 32,1); give the whole list once`."""
+    values: dict[str, list[str]] = {}
+    args = list(argv[1:])
+    if "--" in args:
+        args = args[:args.index("--")]
+    for i, arg in enumerate(args):
+        if not arg.startswith("--config."):
+            continue
+        name, eq, value = arg.partition("=")
+        values.setdefault(name, []).append(value if eq else (args[i + 1] if i + 1 < len(args) else ""))
+    for name, given in values.items():
+        if len(given) > 1 and name[2:] in flag_values and isinstance(flag_values[name[2:]].parser, ListFlagParser):
+            times = "twice" if len(given) == 2 else f"{len(given)} times"
+            fail(f"{name} is given {times} ({' and '.join(given)}); give the whole list once, comma-separated: "
+                 f"{name}={given[-1]}")
+
+
 _UNKNOWN_FIELD = re.compile(r"^'([^']+)'(?:\s+(Did you mean .*))?$", re.S)  # ml_collections' KeyError text
 
 
@@ -104,8 +166,10 @@ def _innermost(error: BaseException) -> str:
     return str(message)
 
 
-def flag_error_message(error: BaseException, argv: Sequence[str]) -> str:
-    """One readable line for an exception raised while parsing command-line flags."""
+def flag_error_message(error: BaseException, argv: Sequence[str], default_config: str | pathlib.Path | None = None
+                       ) -> str:
+    """One readable line for an exception raised while parsing command-line flags. `default_config`: the config
+    file a run without --config uses (to name the config files that have a field it lacks)."""
     text = _innermost(error)
     unknown = _UNKNOWN_FIELD.match(text.strip())
     if unknown:
@@ -113,12 +177,61 @@ def flag_error_message(error: BaseException, argv: Sequence[str]) -> str:
         offending = next((a.split("=")[0] for a in argv if a.startswith("--config.")
                           and re.search(rf"[.]{re.escape(field)}(=|$|[.])", a.split("=")[0] + "=")), None)
         where = f"{offending}: " if offending else ""
-        return f"{where}the config has no field '{field}'" + (f"; {hint[0].lower()}{hint[1:]}" if hint else "")
+        message = f"{where}the config has no field '{field}'" + (f"; {hint[0].lower()}{hint[1:]}" if hint else "")
+        chosen = next((a.split("=", 1)[1].split(":", 1)[0] for a in argv if a.startswith("--config=")), None)
+        if offending and (chosen or default_config):
+            message += configs_with_field(offending.removeprefix("--config."), pathlib.Path(chosen or default_config),
+                                          is_default=chosen is None)
+        return message
     if "Error whilst parsing config file" in text:
         flag = text.split(": Error whilst", 1)[0].removeprefix("flag ")
         last = [line for line in text.strip().splitlines() if line.strip()][-1]
         return f"{flag}: the config file failed: {last.strip()}"
     return text.removeprefix("flag ").strip()
+
+
+def _shown(path: pathlib.Path) -> str:
+    """`path` relative to the working directory when it is under it, as a user would type it."""
+    try:
+        return str(path.resolve().relative_to(pathlib.Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _load_config(path: pathlib.Path):
+    """`get_config()` of a config file, or None if it fails to load (or needs an argument)."""
+    try:
+        spec = importlib.util.spec_from_file_location(f"_recjax_config_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.get_config()
+    except Exception:
+        return None
+
+
+def _get_key(config, key: str):
+    """config[a][b]... for key "a.b...", or None when some part is missing."""
+    node = config
+    for part in key.split("."):
+        if not hasattr(node, "keys") or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def configs_with_field(key: str, config_file: pathlib.Path, is_default: bool) -> str:
+    """For a field `key` (e.g. "data.dir") that `config_file` lacks: what that config is, and the config files beside
+    it that have the field, as text to append to the error; "" if none has it."""
+    others = [path for path in sorted(config_file.parent.glob("*.py"))
+              if path.name not in ("__init__.py", "common.py") and path.resolve() != config_file.resolve()]
+    others = [_shown(path) for path in others if _get_key(_load_config(path), key) is not None]
+    if not others:
+        return ""
+    which = f"the default config ({_shown(config_file)}, used without --config)" if is_default else _shown(config_file)
+    section, data_name = key.split(".", 1)[0], _get_key(_load_config(config_file), "data.name")
+    what = f" (data.name={data_name!r}: generated, no files to read)" if section == "data" and data_name == (
+        "synthetic") else ""
+    return f"; {which} has no {key}{what}; the configs with {key}: {', '.join(others)} (e.g. --config={others[0]})"
 
 
 def check_config_path(argv: Sequence[str]) -> None:
@@ -132,18 +245,29 @@ def check_config_path(argv: Sequence[str]) -> None:
 
 
 def define_config_flag(default: str | pathlib.Path, help_text: str = "Path to a config file (with :preset).",
-                       name: str = "config"):
+                       name: str = "config", flag_values=None, argv: Sequence[str] | None = None):
     """`config_flags.DEFINE_config_file`, with overrides of the default config that fail at definition time (when
-    no --config is given, ml_collections applies them then) reported as one line."""
+    no --config is given, ml_collections applies them then) reported as one line, and tuple fields read by
+    `ListFlagParser`. `flag_values` (absl's FLAGS) and `argv` (sys.argv) are for tests."""
+    from absl import flags
     from ml_collections import config_flags
 
-    check_config_path(sys.argv)
+    argv = sys.argv if argv is None else argv
+    check_config_path(argv)
+    # Tuple fields read as comma lists and replace their value; ml_collections' own parser joins the values of a
+    # repeated flag (`top_mlp=64,1 top_mlp=32,1` ran with (64, 1, 32, 1)) and reads `user,item` as one string.
+    config_flags.register_flag_parser_for_type(tuple, ListFlagParser())
+    flag_values = flags.FLAGS if flag_values is None else flag_values
     try:
-        return config_flags.DEFINE_config_file(name, str(default), help_text, lock_config=True)
+        holder = config_flags.DEFINE_config_file(name, str(default), help_text, lock_config=True,
+                                                 flag_values=flag_values, sys_argv=argv)
+        # For `flag_error_message` when the command line is parsed (`run`): which file a run without --config uses.
+        flag_values[name].default_config_file = str(default)
+        return holder
     except Exception as error:
-        if debugging():
+        if debugging(argv):
             raise
-        fail(flag_error_message(error, sys.argv))
+        fail(flag_error_message(error, argv, default))
 
 
 def run(main: Callable[[list[str]], None]) -> None:
@@ -156,11 +280,14 @@ def run(main: Callable[[list[str]], None]) -> None:
     def parse(argv: list[str]) -> list[str]:
         check_config_path(argv)
         try:
-            return flags.FLAGS(argv)
+            rest = flags.FLAGS(argv)
         except Exception as error:
             if debugging(argv):
                 raise
-            fail(flag_error_message(error, argv))
+            default = getattr(flags.FLAGS["config"], "default_config_file", None) if "config" in flags.FLAGS else None
+            fail(flag_error_message(error, argv, default))
+        check_repeated_list_flags(argv, flags.FLAGS)
+        return rest
 
     def guarded(argv: list[str]) -> None:
         tune_malloc()
@@ -185,13 +312,21 @@ def quiet_libraries() -> None:
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """Turn a UserError into `error: <message>` and exit status 2 (argparse scripts wrap their main in this)."""
+    """Turn a UserError into `error: <message>` and exit status 2, and Ctrl-C into one line and exit status 130
+    (argparse scripts wrap their main in this)."""
     try:
         yield
     except UserError as error:
         if debugging():
             raise
         fail(str(error))
+    except KeyboardInterrupt as error:  # Ctrl-C: the trainer's Interrupted says at which step, and how to resume
+        if debugging():
+            raise
+        message = str(error) if isinstance(error, Interrupted) else (
+            "interrupted; rerunning the same command resumes from the last checkpoint, if there is one")
+        print(message, file=sys.stderr, flush=True)
+        sys.exit(EXIT_INTERRUPTED)
     except Exception as error:
         # A config file that failed to load raises only when the config is first read (ml_collections'
         # _ErrorConfig), i.e. inside main.

@@ -113,6 +113,11 @@ class EmbeddingBackend(abc.ABC):
         """This placement for a collection whose tables changed shape (a dynamic table's compaction)."""
         return type(self)(collection)
 
+    def process_state_bytes(self, optimizer: SparseOptimizer) -> int:
+        """Bytes of tables and sparse-optimizer state this process holds in memory (the memory check before a run)."""
+        accounting = self.collection.accounting(optimizer)
+        return accounting["bytes"] + accounting["optimizer_bytes"]
+
     def describe(self) -> str | None:
         """What to print about the placement at the start of a run (None: nothing)."""
         return None

@@ -24,3 +24,14 @@ class DataError(UserError, ValueError):
 
 class CheckpointError(UserError, ValueError):
     """A checkpoint cannot be used: missing, corrupt, or from a run with another config; names the step and path."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """The user stopped a run (Ctrl-C); the message says at which step and what a rerun resumes from. A
+    KeyboardInterrupt, so callers that stop on one still do; the launchers print the message and exit with 130.
+    `resumable`: the run's checkpoints hold a step a rerun resumes from."""
+
+    def __init__(self, message: str, step: int = 0, resumable: bool = False):
+        super().__init__(message)
+        self.step = step
+        self.resumable = resumable

@@ -28,7 +28,8 @@ from recjax.validation import boolean, choice, get, integer, known_keys, number
 
 SELECT_ON = ("auc", "logloss")
 TRAIN_KEYS = {"batch_size", "steps", "epochs", "eval_every", "log_every", "early_stopping_patience", "select_on",
-              "selection_logloss_tolerance", "selection_auc_tolerance", "progress_bar"}
+              "selection_logloss_tolerance", "selection_auc_tolerance", "progress_bar", "divergence_factor",
+              "check_memory"}
 EPOCH_EVERY = re.compile(r"^\s*(\d*\.?\d*)\s*epochs?\s*$")  # "epoch", "0.25epoch", "2 epochs"
 
 
@@ -71,6 +72,11 @@ def check_train(config: Mapping) -> None:
     number(config, "train.selection_logloss_tolerance", at_least=0)
     number(config, "train.selection_auc_tolerance", at_least=0)
     boolean(config, "train.progress_bar")
+    factor = number(config, "train.divergence_factor", at_least=0)
+    if 0 < factor <= 1:
+        raise ConfigError("train.divergence_factor", f"must be 0 (off) or > 1 (a loss this many times its lowest), "
+                                                     f"got {factor}")
+    boolean(config, "train.check_memory")
     if get(config, "data.name") == "synthetic" and (epochs is not None or unit == "epochs"):
         raise ConfigError("train.epochs" if epochs is not None else "train.eval_every",
                           "synthetic data is an endless stream without epochs; set train.steps and an eval_every "

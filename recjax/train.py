@@ -35,8 +35,16 @@ from recjax.data import make_dataset
 from recjax.data.pipeline import DevicePrefetcher
 from recjax.dynamic import DynamicTables
 from recjax.embedding_backend import EmbeddingBackend, LocalEmbedding
-from recjax.errors import ConfigError
+from recjax.errors import ConfigError, Interrupted
 from recjax.evaluation import Budget, Selection, evaluate, resolve_budget
+from recjax.guards import (
+    Divergence,
+    StopRequest,
+    check_memory,
+    divergence_advice,
+    interrupted,
+    writable_directory,
+)
 from recjax.metric_log import MetricLog
 from recjax.metrics import METRICS
 from recjax.step import init_state, make_predict_step, make_train_step
@@ -50,7 +58,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     # --- workdir and checkpoints ----------------------------------------------------------------------
     root = pathlib.Path(workdir)  # process 0's workdir: the summary and the checkpoints every process shares
     workdir = sharding.process_workdir(root)  # under multi-host, process i > 0 logs to process_i/
-    workdir.mkdir(parents=True, exist_ok=True)
+    writable_directory(workdir, "--workdir")
+    if config.checkpoint.enabled and config.checkpoint.dir:
+        writable_directory(pathlib.Path(config.checkpoint.dir).expanduser(), "checkpoint.dir")
     checkpointer = Checkpointer(config, root) if config.checkpoint.enabled else None
     resume = checkpointer.resume_point() if checkpointer else None
     if resume and resume.own and resume.finished and (root / "summary.json").exists():
@@ -80,6 +90,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     # --- where the embedding rows live ------------------------------------------------------------------
     # One device: the collection's own engine; a mesh: the plan's blocks and collectives (recjax/sharding).
     backend = sharding.setup(config, task) or LocalEmbedding(task.collection)
+    check_memory(config, task, backend)  # before the tables are made
     if checkpointer is not None:  # where the tables' rows are, and how to restore a checkpoint saved elsewhere
         checkpointer.layout = sharding.layout(backend)
         checkpointer.relayout = sharding.relayout(task.collection, backend)
@@ -96,12 +107,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
               f"of every batch of {budget.batch_size}", flush=True)
     validate = lambda b, where: validate_batch(b, task.spec, any_id=task.collection.any_id_features,  # noqa: E731
                                                where=where)
+    stop = StopRequest()
     try:
-        with DevicePrefetcher(dataset.train_batches(budget.batch_size, resume.step if resume else 0, **share),
-                              validate, put=backend.put_batch) as batches:
-            run = Run(config, workdir, dataset, task, budget, backend, checkpointer, dynamic)
+        with stop, DevicePrefetcher(dataset.train_batches(budget.batch_size, resume.step if resume else 0, **share),
+                                    validate, put=backend.put_batch) as batches:
+            run = Run(config, workdir, dataset, task, budget, backend, checkpointer, dynamic, stop)
             run.start(next(batches), resume)
             return run.train(batches)
+    except KeyboardInterrupt as error:  # Ctrl-C twice, or before the loop started
+        if isinstance(error, Interrupted):
+            raise
+        raise interrupted(stop.step, checkpointer) from None
     finally:
         if checkpointer:
             checkpointer.close()  # waits for a save in flight
@@ -119,21 +135,25 @@ class LoopState:
     loss: float = math.nan  # the last logged train loss
     test_warned: bool = False
     restored_from: dict | None = None  # {"checkpoint", "step"}: this run began from another run's checkpoint
+    divergence: Divergence = dataclasses.field(default_factory=lambda: Divergence(0.0))
 
     @classmethod
     def fresh(cls, config: ml_collections.ConfigDict) -> "LoopState":
-        return cls(Selection(config.train.select_on, int(config.train.early_stopping_patience)), [])
+        return cls(Selection(config.train.select_on, int(config.train.early_stopping_patience)), [],
+                   divergence=Divergence(float(config.train.divergence_factor)))
 
     @classmethod
-    def from_saved(cls, saved: dict) -> "LoopState":
+    def from_saved(cls, saved: dict, config: ml_collections.ConfigDict) -> "LoopState":
         return cls(Selection(**saved["selection"]), list(saved.get("history", [])), saved.get("train_time", 0.0),
                    saved.get("wall_time", 0.0), saved.get("loss", math.nan), saved.get("test_warned", False),
-                   saved.get("restored_from"))
+                   saved.get("restored_from"),
+                   Divergence(float(config.train.divergence_factor), **saved.get("divergence", {})))
 
     def to_saved(self, history: list[dict], wall_time: float) -> dict:
         return {"selection": dataclasses.asdict(self.selection), "test_warned": self.test_warned,
                 "train_time": self.train_time, "wall_time": wall_time, "loss": self.loss,
                 "restored_from": self.restored_from,
+                "divergence": {"initial": self.divergence.initial, "lowest": self.divergence.lowest},
                 "history": list(history)}  # a copy: an async save serialises it while the loop appends
 
 
@@ -142,10 +162,15 @@ class Run:
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: pathlib.Path, dataset, task: Task,
                  budget: Budget, backend: EmbeddingBackend, checkpointer: Checkpointer | None,
-                 dynamic: DynamicTables | None):
+                 dynamic: DynamicTables | None, stop: StopRequest | None = None):
         self.config, self.workdir, self.dataset, self.task, self.budget = config, workdir, dataset, task, budget
         self.backend, self.checkpointer, self.dynamic = backend, checkpointer, dynamic
+        self.stop = stop or StopRequest()  # Ctrl-C: stop after the current step
         self.loop = LoopState.fresh(config)
+        # The steps' losses since the last divergence check, left on the device until a log point (or a save)
+        # fetches them at once; step 1's loss (a fresh run's: the untrained model's).
+        self.window_losses: list[jax.Array] = []
+        self.first_loss: jax.Array | None = None
 
     # ------------------------------------------------------------------------------------------------ start
     def start(self, first, resume: ResumePoint | None) -> None:
@@ -199,7 +224,7 @@ class Run:
         state, saved = self.checkpointer.restore(resume, like)
         where = resume.store.directory / str(resume.step)
         if resume.own:
-            self.loop = LoopState.from_saved(saved)
+            self.loop = LoopState.from_saved(saved, self.config)
         else:  # another run's checkpoint: selection, early stopping and history start here
             self.loop.restored_from = {"checkpoint": str(where), "step": resume.step}
         layout = resume.meta.get("layout")
@@ -228,8 +253,13 @@ class Run:
         batch = self.examples[1]
         self.window_start, self.window_examples = time.perf_counter(), 0
         in_flight = collections.deque()  # dispatched steps not known to be done (when the backend bounds them)
+        diverged = None  # why the run stopped as diverged (summary.json "diverged")
         for step in range(self.start_step + 1, last + 1):
             self.state, metrics = self.train_step(self.state, batch)
+            self.stop.step = step
+            self.window_losses.append(metrics["loss"])
+            if step == 1:
+                self.first_loss = metrics["loss"]
             if self.backend.steps_in_flight is not None:
                 # A mesh on XLA:CPU: hundreds of queued steps with collectives can deadlock (one device thread never
                 # reaches an all-reduce; XLA aborts after 40 s), so at most `steps_in_flight` are queued.
@@ -242,8 +272,11 @@ class Run:
             evaluate_now = budget.is_eval_step(step)
             if step % self.config.train.log_every == 0 or evaluate_now:
                 self._log_train(step, metrics)
-                if evaluate_now:
-                    self._evaluate(step)
+                diverged = self._check_divergence(step)
+                if diverged is None and evaluate_now:
+                    diverged = self._evaluate(step)
+                if diverged is not None:
+                    break
                 postfix = {"loss": f"{self.loop.loss:.4f}"}
                 if selection.best_validation:  # keep showing the best so far between evaluations
                     best = selection.best_validation[selection.select_on]
@@ -253,24 +286,42 @@ class Run:
             bar.update(batch_size)
             if selection.should_stop:
                 break
-            if self.checkpointer and step < budget.steps and self.checkpointer.due(step):
+            due = self.checkpointer is not None and step < budget.steps and self.checkpointer.due(step)
+            stopping = self.stop.requested and step < budget.steps  # read once: a later Ctrl-C stops after the next
+            if due or (stopping and self.checkpointer):
+                jax.block_until_ready(self.state)
+                diverged = self._check_divergence(step)  # never checkpoint a diverged state
+                if diverged is not None:
+                    self.loop.train_time += time.perf_counter() - self.window_start
+                    break
                 self._save(step)
+            if stopping:
+                bar.close()
+                self.log.close()
+                raise interrupted(step, self.checkpointer)  # the save above finishes as the checkpointer closes
             if step < budget.steps:
                 batch = next(batches)
         bar.close()
         self.log.close()
-        if self.checkpointer:
+        if diverged is not None:
+            # Stop, and checkpoint nothing: a rerun resumes from the last checkpoint before it (and diverges again),
+            # and --config.checkpoint.restore of that checkpoint with lower learning rates continues from a sane state.
+            diverged += f"; {divergence_advice(self.config, self.state)}"
+            print(f"ERROR: {diverged}", flush=True)
+        elif self.checkpointer:
             self.state = self.checkpointer.save(step, self.state, self._loop_saved(), finished=True)
-        print(f"selected step {selection.best_step:,} (best validation {selection.select_on} "
-              f"{selection.best_validation[selection.select_on]:.4f})"
-              + (f"; stopped early at step {step:,} after {selection.patience} evaluations without improvement"
-                 if step < budget.steps else ""), flush=True)
+        stopped_early = step < budget.steps and diverged is None
+        if selection.best_validation:
+            print(f"selected step {selection.best_step:,} (best validation {selection.select_on} "
+                  f"{selection.best_validation[selection.select_on]:.4f})"
+                  + (f"; stopped early at step {step:,} after {selection.patience} evaluations without improvement"
+                     if stopped_early else ""), flush=True)
         # Not kept in `selection`: a run resumed from its final checkpoint (saved above) computes it again.
         disagreement = selection.disagreement(float(self.config.train.selection_logloss_tolerance),
                                               float(self.config.train.selection_auc_tolerance))
         if disagreement:
             print(f"WARNING: {disagreement}", flush=True)
-        summary = self.summary(step, disagreement)
+        summary = self.summary(step, disagreement, diverged)
         if jax.process_index() == 0:  # multi-host: one summary
             (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
@@ -295,8 +346,6 @@ class Run:
 
     def _log_train(self, step: int, metrics: dict) -> None:
         loss = self.loop.loss = float(metrics["loss"])  # blocks: the window's time is real work
-        if not np.isfinite(loss):
-            raise FloatingPointError(f"training loss is {loss} at step {step}; lower the learning rates")
         elapsed = time.perf_counter() - self.window_start
         self.loop.train_time += elapsed
         self.log.write({"step": step, "split": "train", "loss": loss,
@@ -310,11 +359,27 @@ class Run:
                         "elapsed_s": time.perf_counter() - self.run_start})
         return result
 
-    def _evaluate(self, step: int) -> None:
-        """Validation; the test split too when validation improved (test never steers selection)."""
+    def _check_divergence(self, step: int) -> str | None:
+        """Why training diverged, from the mean loss of the steps since the last check (`Divergence`), or None."""
+        if not self.window_losses:  # checked at this step already
+            return None
+        if self.first_loss is not None:
+            self.loop.divergence.start(float(self.first_loss))
+        span = f"steps {step - len(self.window_losses) + 1:,}-{step:,}"
+        reason = self.loop.divergence.check(float(np.mean(jax.device_get(self.window_losses))), span)
+        self.window_losses.clear()
+        return None if reason is None else f"training diverged at step {step:,}: {reason}"
+
+    def _evaluate(self, step: int) -> str | None:
+        """Validation; the test split too when validation improved (test never steers selection). Why training
+        diverged if the validation predictions are not finite, else None."""
         selection = self.loop.selection
-        if not selection.record(step, self._score("validation", step)):
-            return
+        try:
+            validation = self._score("validation", step)
+        except FloatingPointError:  # non-finite predictions (evaluate)
+            return f"training diverged at step {step:,}: its validation predictions are not finite"
+        if not selection.record(step, validation):
+            return None
         test = self._score("test", step)
         selection.record_test(step, test)
         if not np.isfinite(test["auc"]) and not self.loop.test_warned:
@@ -323,6 +388,7 @@ class Run:
                 f"the test split has one class only (click rate {test['eval_ctr']:g} over "
                 f"{test['eval_examples']} examples): its AUC is undefined (NaN in the summary)")
             print(f"WARNING: {selection.warnings[-1]}", flush=True)
+        return None
 
     def _loop_saved(self) -> dict:
         saved = self.loop.to_saved(self.log.history, time.perf_counter() - self.run_start)
@@ -337,11 +403,12 @@ class Run:
         self.window_start += time.perf_counter() - saving  # the save's stall is not training time
 
     # ---------------------------------------------------------------------------------------------- summary
-    def summary(self, step: int, disagreement: str | None = None) -> dict:
+    def summary(self, step: int, disagreement: str | None = None, diverged: str | None = None) -> dict:
         """What summary.json holds: the test split at the selected step (and at the other tracked metric's best
         step), the run's costs and sizes."""
         selection, budget, batch_size = self.loop.selection, self.budget, self.budget.batch_size
-        test = selection.test
+        no_metrics = {k: math.nan for k in (*METRICS, "eval_examples", "eval_ctr")}  # diverged before an evaluation
+        test = selection.test or no_metrics
         # The tables as they end (dynamic pools compacted to their budget).
         accounting = self.task.collection.accounting(self.task.sparse_optimizer)
         restored = self.loop.restored_from["step"] if self.loop.restored_from else 0
@@ -349,15 +416,17 @@ class Run:
             # Headline metrics: the test split at the step with the best validation metric.
             **{k: test[k] for k in METRICS},
             "test": {k: test[k] for k in (*METRICS, "eval_examples", "eval_ctr")},
-            "validation": {k: selection.best_validation[k] for k in (*METRICS, "eval_examples", "eval_ctr")},
-            "last_validation": {k: selection.last_validation[k] for k in METRICS},
+            "validation": {k: (selection.best_validation or no_metrics)[k]
+                           for k in (*METRICS, "eval_examples", "eval_ctr")},
+            "last_validation": {k: (selection.last_validation or no_metrics)[k] for k in METRICS},
             "selected_step": selection.best_step,
             "select_on": selection.select_on,
             # The best validation step of each tracked metric and the test split there (the headline is select_on's).
             "selection": {metric: {"step": best["step"], "validation": {k: best["validation"][k] for k in METRICS},
                                    "test": {k: best["test"][k] for k in METRICS}}
                           for metric, best in selection.by_metric.items()},
-            "stopped_early": step < budget.steps,
+            "stopped_early": step < budget.steps and diverged is None,
+            "diverged": diverged,  # None, or why training stopped: the loss diverged (the launcher exits with 3)
             "warnings": selection.warnings + ([disagreement] if disagreement else []),
             "restored_from": self.loop.restored_from,
             **self.dataset.info(),

@@ -8,14 +8,16 @@ import os
 import pathlib
 import pickle
 import shutil
+import signal
 import time
 
 import numpy as np
 import pytest
+from conftest import HANG_GUARD_S
 
 from recjax import checkpoint, quantize
 from recjax.checkpoint.integrity import flat
-from recjax.errors import CheckpointError, ConfigError
+from recjax.errors import CheckpointError, ConfigError, Interrupted
 from recjax.train import train_and_evaluate
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -108,6 +110,45 @@ def test_resumed_run_is_bit_identical_and_says_so(reference, tmp_path, monkeypat
     assert f"resuming from checkpoint step 20 of 40 ({tmp_path / 'checkpoints' / '20'})" in capsys.readouterr().out
     assert_same_run(reference, tmp_path)
     assert checkpoint.open_checkpoint(tmp_path / "checkpoints").meta["finished"]
+
+
+def ctrl_c_at(monkeypatch, step: int, presses: int = 1) -> None:
+    """SIGINT this process `presses` times while step `step` runs (from the checkpointer's per-step `due` check)."""
+    due = checkpoint.Checkpointer.due
+
+    def pressing(self, at):
+        for _ in range(presses if at == step else 0):
+            os.kill(os.getpid(), signal.SIGINT)
+        return due(self, at)
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "due", pressing)
+
+
+def test_ctrl_c_checkpoints_the_step_and_a_rerun_resumes_bit_identical(reference, tmp_path, monkeypatch, capsys):
+    """Ctrl-C at step 13 (between the saves of 10 and 20): the run stops after that step, checkpoints it, says so
+    (Interrupted, which the launcher prints with exit status 130), restores the SIGINT handler; the same call again
+    resumes at 13 and ends bit-identical to the uninterrupted run."""
+    with monkeypatch.context() as patch:
+        ctrl_c_at(patch, 13)
+        with pytest.raises(Interrupted, match=rf"^interrupted at step 13; rerun the same command to resume from its "
+                                              rf"checkpoint of step 13 \({tmp_path / 'checkpoints' / '13'}\)$"):
+            train_and_evaluate(reference_config(), tmp_path)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert "interrupt: stopping after this step" in capsys.readouterr().out
+    assert checkpoint.open_checkpoint(tmp_path / "checkpoints").step == 13
+    train_and_evaluate(reference_config(), tmp_path)
+    assert "resuming from checkpoint step 13 of 40" in capsys.readouterr().out
+    assert_same_run(reference, tmp_path)
+
+
+def test_ctrl_c_twice_stops_at_once_and_resumes_from_the_last_checkpoint(tmp_path, monkeypatch):
+    with monkeypatch.context() as patch:
+        ctrl_c_at(patch, 13, presses=2)
+        with pytest.raises(Interrupted, match=r"^interrupted at step 13; rerun the same command to resume from its "
+                                              r"checkpoint of step 10 "):
+            train_and_evaluate(tiny(steps=20), tmp_path)
+    assert checkpoint.open_checkpoint(tmp_path / "checkpoints").step == 10
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_finished_run_is_not_trained_again(reference, monkeypatch, capsys):
@@ -404,7 +445,8 @@ def test_partial_save_is_never_loaded(reference, tmp_path):
     checkpointer = checkpoint.Checkpointer(reference_config(), run)
     assert checkpointer.resume_point().step == 30
     checkpointer.close()
-    deadline = time.monotonic() + 30  # Orbax removes leftovers on a background thread when a manager opens
+    # Orbax removes leftovers on a background thread when a manager opens (milliseconds idle; HANG_GUARD_S ends a hang)
+    deadline = time.monotonic() + HANG_GUARD_S
     while partial.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not partial.exists()

@@ -24,6 +24,7 @@ from tests.test_checkpoint import VOCABS, assert_same_run
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TOL = {"rtol": 2e-4, "atol": 2e-5}
+pytestmark = pytest.mark.slow  # three 8-device runs in a subprocess and one on a device here
 
 
 @pytest.fixture(scope="module")

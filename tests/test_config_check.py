@@ -58,6 +58,8 @@ BAD = [
     ("synthetic", "train.select_on", "accuracy", "train.select_on", "'auc', 'logloss'"),
     ("synthetic", "train.selection_logloss_tolerance", -0.01, "train.selection_logloss_tolerance", ">= 0"),
     ("synthetic", "train.selection_auc_tolerance", float("inf"), "train.selection_auc_tolerance", "finite number"),
+    ("synthetic", "train.divergence_factor", 1.0, "train.divergence_factor", "must be 0 (off) or > 1"),
+    ("synthetic", "train.divergence_factor", -2.0, "train.divergence_factor", ">= 0"),
     ("synthetic", "optimizer.dense.learning_rate", -0.1, "optimizer.dense.learning_rate", "> 0"),
     ("synthetic", "optimizer.dense.learning_rate", 0.0, "optimizer.dense.learning_rate", "> 0"),
     ("synthetic", "optimizer.sparse.learning_rate", float("nan"), "optimizer.sparse.learning_rate", "finite"),
@@ -225,9 +227,8 @@ def test_model_defaults_must_name_families_and_keys_the_config_has(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------- the CLI
-def launch(*args, timeout=600, cwd=REPO):  # ~3 s idle (imports only; no training in these cases)
-    return subprocess.run([sys.executable, "-m", "experiments.train", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
+def launch(*args, cwd=REPO):  # ~3 s idle (imports only; no training in these cases)
+    return subprocess.run([sys.executable, "-m", "experiments.train", *args], capture_output=True, text=True, cwd=cwd)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -242,6 +243,21 @@ def launch(*args, timeout=600, cwd=REPO):  # ~3 s idle (imports only; no trainin
     (["--config=experiments/configs/dlrm_synthetic.py:huge"], "error: --config=experiments/configs/dlrm_synthetic.py"
                                                               ":huge: the config file failed: ValueError: unknown "
                                                               "preset 'huge'"),
+    # A data flag without --config: the default config is synthetic; the message names the configs that read files.
+    (["--config.data.dir=/data/ml-100k"], "error: --config.data.dir: the config has no field 'dir'; the default "
+                                          "config (experiments/configs/dlrm_synthetic.py, used without --config) has "
+                                          "no data.dir (data.name='synthetic': generated, no files to read); the "
+                                          "configs with data.dir: experiments/configs/dlrm_criteo_kaggle.py, "
+                                          "experiments/configs/dlrm_criteo_terabyte.py, experiments/configs/"
+                                          "dlrm_csv_clicks.py, experiments/configs/dlrm_libfm.py, experiments/configs/"
+                                          "dlrm_movielens.py, experiments/configs/fm_movielens.py, experiments/configs/"
+                                          "lr_movielens.py (e.g. --config=experiments/configs/dlrm_criteo_kaggle.py)"),
+    # A workdir that cannot be a directory (a virtual file system; below a file): one line, not an OSError traceback.
+    (["--workdir=/proc/recjax_run"], "error: --workdir: cannot use /proc/recjax_run as a directory: "),
+    # A list flag given twice: ml_collections joined the two lists (top_mlp (64, 1, 32, 1)); now an error.
+    (["--config.model.dlrm.top_mlp=64,1", "--config.model.dlrm.top_mlp=32,1"],
+     "error: --config.model.dlrm.top_mlp is given twice (64,1 and 32,1); give the whole list once, comma-separated: "
+     "--config.model.dlrm.top_mlp=32,1"),
 ])
 def test_launcher_prints_one_line_and_exits_2(args, message, tmp_path):
     result = launch(f"--workdir={tmp_path / 'run'}", *args)
@@ -279,6 +295,69 @@ def test_launcher_swaps_the_model_with_its_tuned_values_and_keeps_the_command_li
     assert not launch(f"--workdir={tmp_path / 'dlrm'}", *common_args).stdout.startswith(("model.name", "WARNING"))
 
 
+def parse_config_flags(*args: str, config: str = "experiments/configs/dlrm_synthetic.py"):
+    """The config the launcher's flags make of `args` (recjax/cli.py define_config_flag), parsed in-process."""
+    from absl import flags
+
+    from recjax import cli
+
+    argv = ["train", *args]
+    flag_values = flags.FlagValues()
+    holder = cli.define_config_flag(REPO / config, flag_values=flag_values, argv=argv)
+    flag_values(argv)
+    cli.check_repeated_list_flags(argv, flag_values)
+    return holder.value
+
+
+def test_list_flags_are_comma_lists():
+    """A tuple field on the command line: comma-separated items, each a number or else a string (ml_collections
+    read `user,item` as the one column 'user,item'); a Python tuple is taken as written; empty is ()."""
+    csv_config = "experiments/configs/dlrm_csv_clicks.py"
+    assert parse_config_flags("--config.model.dlrm.top_mlp=64,1").model.dlrm.top_mlp == (64, 1)
+    assert parse_config_flags("--config.model.dlrm.top_mlp=1").model.dlrm.top_mlp == (1,)
+    assert parse_config_flags("--config.data.sparse.columns=user,item", config=csv_config
+                              ).data.sparse.columns == ("user", "item")
+    assert parse_config_flags("--config.data.sparse.columns= user , item ", config=csv_config
+                              ).data.sparse.columns == ("user", "item")
+    assert parse_config_flags("--config.data.sparse.columns=('user','item,2')", config=csv_config
+                              ).data.sparse.columns == ("user", "item,2")
+    assert parse_config_flags("--config.data.sparse.columns=user", config=csv_config).data.sparse.columns == ("user",)
+    assert parse_config_flags("--config.data.dense.columns=", config=csv_config).data.dense.columns == ()
+    mixed = parse_config_flags("--config.data.label.positive_values=yes,1,0.5,'2'", config=csv_config)
+    assert mixed.data.label.positive_values == ("yes", 1, 0.5, "2")
+    # Other fields keep their parsers: a scalar given twice keeps the last value (absl's rule).
+    assert parse_config_flags("--config.train.steps=3", "--config.train.steps=5").train.steps == 5
+
+
+def test_a_list_flag_given_twice_is_an_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_config_flags("--config.data.vocab_sizes=5,6", "--config.train.steps=3", "--config.data.vocab_sizes", "7")
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == ("error: --config.data.vocab_sizes is given twice (5,6 and 7); give the whole "
+                                       "list once, comma-separated: --config.data.vocab_sizes=7\n")
+
+
+def test_a_workdir_that_cannot_be_written_is_a_config_error(tmp_path):
+    from recjax.guards import writable_directory
+    from recjax.train import train_and_evaluate
+
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match=rf"^--workdir: cannot use {tmp_path}/a_file/run as a directory: "
+                                          rf"{tmp_path}/a_file is a file, not a directory; choose a directory you "
+                                          "can write$"):
+        train_and_evaluate(synthetic(), tmp_path / "a_file" / "run")
+    config = synthetic()
+    config.checkpoint.dir = str(tmp_path / "a_file" / "checkpoints")
+    with pytest.raises(ConfigError, match=r"^checkpoint.dir: cannot use .*a_file/checkpoints as a directory: .*a_file "
+                                          "is a file"):
+        train_and_evaluate(config, tmp_path / "run")
+    if pathlib.Path("/proc/self").is_dir():  # Linux: procfs makes no directories, whoever asks
+        with pytest.raises(ConfigError, match=r"^--workdir: cannot use /proc/run/x as a directory: "):
+            writable_directory(pathlib.Path("/proc/run/x"), "--workdir")
+    writable_directory(tmp_path / "new" / "run", "--workdir")  # made, parents too, and writable
+    assert (tmp_path / "new" / "run").is_dir() and list((tmp_path / "new" / "run").iterdir()) == []
+
+
 def test_debug_shows_the_traceback_and_a_failed_temp_workdir_is_removed(tmp_path):
     result = launch("--config.train.steps=0", "--debug")
     assert result.returncode != 0 and "Traceback" in result.stderr and "train.steps" in result.stderr
@@ -286,7 +365,7 @@ def test_debug_shows_the_traceback_and_a_failed_temp_workdir_is_removed(tmp_path
     temp = tmp_path / "tmp"
     temp.mkdir()
     env_result = subprocess.run([sys.executable, "-m", "experiments.train", "--config.train.steps=0"],
-                                capture_output=True, text=True, timeout=600, cwd=REPO,
+                                capture_output=True, text=True, cwd=REPO,
                                 env={**__import__("os").environ, "TMPDIR": str(temp)})
     assert env_result.returncode == 2 and list(temp.iterdir()) == []
 

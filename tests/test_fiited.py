@@ -256,6 +256,7 @@ def test_a_fiited_run_reaches_its_budget_and_resumes_bit_identical_across_compac
     assert kinds[9] == "delta"
 
 
+@pytest.mark.slow  # two 8-device runs in a subprocess, with a compaction's re-compile each
 def test_fiited_on_a_mesh_follows_the_single_device_run_and_resumes_bit_identical(tmp_path):
     """On a data=4,model=2 mesh (pools row-wise, table-wise and replicated): the routing arrays are updated from the
     global batch on every device, so the adjustments choose what one device chooses -- the same memory history, live

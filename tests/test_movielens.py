@@ -15,6 +15,7 @@ from recjax.data.movielens import (
     read_movielens,
     split_indices,
 )
+from recjax.errors import DataError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -262,19 +263,38 @@ def test_malformed_lines_name_file_and_line(tmp_path, filename, line, message):
     lines = path.read_bytes().decode("latin-1").splitlines(keepends=True)
     lines.insert(1 if filename == "ratings.dat" else len(lines), line)
     path.write_bytes("".join(lines).encode("latin-1"))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(DataError, match=message):  # a user error (one line from the launcher), not a traceback
         read_movielens(directory)
 
 
 def test_malformed_csv_and_unknown_movie(tmp_path):
     directory = write_latest_small(tmp_path / "ml")
     (directory / "movies.csv").write_text("movieId,title,genres\n1,Toy Story, (1995),Comedy\n")
-    with pytest.raises(ValueError, match=r"movies.csv:2: expected 3 CSV fields"):
+    with pytest.raises(DataError, match=r"movies.csv:2: expected 3 CSV fields"):
         read_movielens(directory)
     directory = write_latest_small(tmp_path / "ml2")
     (directory / "movies.csv").write_text("movieId,title,genres\n1,Toy Story (1995),Comedy\n")
-    with pytest.raises(ValueError, match=r"2 rated movie ids are not in the movies file, e.g. \[11, 176371\]"):
+    with pytest.raises(DataError, match=r"2 rated movie ids are not in the movies file, e.g. \[11, 176371\]"):
         prepare_examples(read_movielens(directory))
+
+
+def test_binary_files_are_data_errors_naming_file_and_line(tmp_path):
+    """Binary garbage in place of a ratings or movies file: a DataError naming the file (and line), not a
+    UnicodeDecodeError / _csv.Error traceback."""
+    directory = write_latest_small(tmp_path / "ml")
+    good = (directory / "ratings.csv").read_bytes()
+    (directory / "ratings.csv").write_bytes(good + b"7,\xff\xfe\x00,\x89PNG\n")
+    lines = good.count(b"\n")
+    with pytest.raises(DataError, match=rf"ratings.csv:{lines + 1}: not utf-8 text \(invalid start byte at byte 2 of "
+                                        r"the line\); is this the MovieLens file it is named after\?"):
+        read_movielens(directory)
+    directory = write_latest_small(tmp_path / "ml2")
+    (directory / "movies.csv").write_bytes(b"movieId,title,genres\n1,Toy Story,Comedy\n2," + b"A" * 200_000 + b",x\n")
+    with pytest.raises(DataError, match=r"movies.csv:3: cannot be read as CSV \(field larger than field limit"):
+        read_movielens(directory)
+    (directory / "movies.csv").write_bytes(b"movieId,title,genres\n1,\xc9\x00,Comedy\n")
+    with pytest.raises(DataError, match=r"movies.csv: not UTF-8 text \(invalid continuation byte\)"):
+        read_movielens(directory)
 
 
 # ------------------------------------------------------------------------------------------------- errors

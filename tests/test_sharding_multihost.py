@@ -15,6 +15,7 @@ import tempfile
 
 import numpy as np
 import pytest
+from conftest import HANG_GUARD_S
 
 from recjax import checkpoint
 from recjax.checkpoint import blocks
@@ -49,7 +50,7 @@ def launch(workdir, *flags) -> subprocess.Popen:
 
 def finish(process: subprocess.Popen) -> str:
     try:
-        process.wait()
+        process.wait(timeout=HANG_GUARD_S)  # ~10 s each when idle; ends a hang (one process waiting on the other)
         timed_out = False
     except subprocess.TimeoutExpired:
         process.kill()  # a hung process (e.g. waiting on the other) must not outlive the test
@@ -58,7 +59,7 @@ def finish(process: subprocess.Popen) -> str:
     process.log.seek(0)
     out = process.log.read()
     process.log.close()
-    assert not timed_out, f"timed out after 300 s:\n{out[-4000:]}"
+    assert not timed_out, f"hung for {HANG_GUARD_S} s:\n{out[-4000:]}"
     assert process.returncode == 0, out[-4000:]
     return out
 
@@ -101,6 +102,7 @@ def assert_same_metrics(multi: list[dict], single: list[dict]) -> None:
                 assert float(m[key]) == pytest.approx(float(s[key]), rel=1e-5, abs=1e-6), (m, s, key)
 
 
+@pytest.mark.slow  # 5 launcher processes (2 + 1 + 2), each compiling its mesh steps
 def test_two_processes_equal_one_process_with_four_devices(tmp_path):
     # Checkpoints after every step: multi writes consecutive row deltas (by blocks), single full ones.
     outputs = two_processes(tmp_path / "multi", *SAVE_EVERY_STEP, "--config.checkpoint.policy=consecutive")

@@ -797,6 +797,23 @@ def test_libsvm_bad_tokens_and_dense_indices(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def test_binary_garbage_as_csv_is_a_data_error_naming_the_file(tmp_path):
+    """A binary file given as CSV (a PNG's first bytes: a '\\r' inside line 1) was a `_csv.Error` traceback from the
+    header / field-count read; now a DataError naming the file and line, with or without a header, plain or gzip."""
+    garbage = b"\x89PNG\r\x1a\x00\x00\x00\rIHDR\xff\xfe,\x00\r,x\n" + bytes(range(256)) * 8
+    with pytest.raises(csv.Error):  # the oracle: Python's csv module cannot read line 1 either
+        next(csv.reader([garbage.split(b"\n")[0].decode("utf-8", errors="replace")]))
+    (tmp_path / "image.csv").write_bytes(garbage)
+    (tmp_path / "image.csv.gz").write_bytes(gzip.compress(garbage))
+    for name in ("image.csv", "image.csv.gz"):
+        for header in (True, False):
+            fields = {"dir": str(tmp_path), "files": name, "csv.header": header, "label.column": "click" if header
+                      else "0", "sparse.columns": ("a",) if header else ("1",)}
+            with pytest.raises(DataError, match=rf"{re.escape(str(tmp_path / name))}: line 1 cannot be read as CSV "
+                                                r"\(.*\); is this a CSV file\? \(data.files, data.format\)"):
+                tabular.prepare_tabular(options(**fields))
+
+
 def test_config_errors_name_their_key():
     cases = [
         ({"split.test_fraction": 1.5}, r"data\.split\.test_fraction: must be in \[0, 1\), got 1\.5"),

@@ -152,7 +152,14 @@ def train_config(*, batch_size: int, steps: int | None = None, epochs: float | N
     train.selection_logloss_tolerance = 0.01
     # ... or its validation AUC more than this below the highest (selecting on logloss; 2x that 0.001).
     train.selection_auc_tolerance = 0.002
-    train.progress_bar = True
+    train.progress_bar = True  # a tqdm bar on the console (examples, loss, best validation so far); False for logs
+    # Stop a run whose train loss diverged: non-finite, or a log window's mean loss above this many times the lowest
+    # so far and above step 1's (the untrained model's); 0 = stop on a non-finite loss only (recjax/train.py
+    # `Divergence`). summary.json records it under "diverged"; the launcher exits with status 3.
+    train.divergence_factor = 10.0
+    # Refuse to start when the embedding tables + optimizer state (+ the host copy async checkpoints keep) do not fit
+    # in the memory available (host MemAvailable on CPU, the device's on GPU / TPU); False: start anyway.
+    train.check_memory = True
     return train
 
 

@@ -160,9 +160,13 @@ def detect_variant(directory: str | pathlib.Path, variant: str = "auto") -> str:
 
 def _lines(path: pathlib.Path, encoding: str):
     """(1-based line number, line without its newline), skipping blank lines."""
-    with path.open(encoding=encoding, newline="") as f:
-        for number, line in enumerate(f, 1):
-            line = line.rstrip("\r\n")
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode(encoding).rstrip("\r\n")
+            except UnicodeDecodeError as error:  # e.g. a binary file in place of the ratings
+                raise DataError(f"{path}:{number}: not {encoding} text ({error.reason} at byte {error.start} of the "
+                                "line); is this the MovieLens file it is named after?") from None
             if line.strip():
                 yield number, line
 
@@ -170,7 +174,7 @@ def _lines(path: pathlib.Path, encoding: str):
 def _fields(path: pathlib.Path, number: int, line: str, sep: str, count: int, layout: str) -> list[str]:
     fields = line.split(sep)
     if len(fields) != count:
-        raise ValueError(f"{path}:{number}: expected {count} '{sep}'-separated fields ({layout}), got "
+        raise DataError(f"{path}:{number}: expected {count} '{sep}'-separated fields ({layout}), got "
                          f"{len(fields)}: {line[:200]!r}")
     return fields
 
@@ -179,9 +183,9 @@ def _number(path: pathlib.Path, number: int, text: str, what: str, kind: type = 
     try:
         value = kind(text)
     except ValueError:
-        raise ValueError(f"{path}:{number}: {what} {text!r} is not a valid {kind.__name__}") from None
+        raise DataError(f"{path}:{number}: {what} {text!r} is not a valid {kind.__name__}") from None
     if kind is float and not math.isfinite(value):
-        raise ValueError(f"{path}:{number}: {what} {text!r} is not finite")
+        raise DataError(f"{path}:{number}: {what} {text!r} is not finite")
     return value
 
 
@@ -192,7 +196,7 @@ def _read_ratings(path: pathlib.Path, sep: str, header: str | None = None):
     for number, line in _lines(path, "utf-8"):
         if header is not None and number == 1:
             if line.strip() != header:
-                raise ValueError(f"{path}:1: expected the header {header!r}, got {line[:200]!r}")
+                raise DataError(f"{path}:1: expected the header {header!r}, got {line[:200]!r}")
             continue
         u, i, r, t = _fields(path, number, line, sep, 4, layout)
         users.append(_number(path, number, u, "user id"))
@@ -215,7 +219,7 @@ def _age_group(age: float) -> int:
 
 def _put(table: dict, key: int, value, path: pathlib.Path, number: int, what: str) -> None:
     if key in table:
-        raise ValueError(f"{path}:{number}: {what} {key} appears twice")
+        raise DataError(f"{path}:{number}: {what} {key} appears twice")
     table[key] = value
 
 
@@ -233,7 +237,7 @@ def _read_100k(directory: pathlib.Path) -> MovieLensTables:
                                                          "user id|age|gender|occupation|zip code")
         age = _number(path, number, age, "age")
         if gender not in ("F", "M"):
-            raise ValueError(f"{path}:{number}: gender {gender!r} is not 'F' or 'M'")
+            raise DataError(f"{path}:{number}: gender {gender!r} is not 'F' or 'M'")
         _put(users, _number(path, number, uid, "user id"),
              User(_age_group(age), float(age), gender, occupation, zip_code), path, number, "user id")
     movies: dict[int, Movie] = {}
@@ -243,7 +247,7 @@ def _read_100k(directory: pathlib.Path) -> MovieLensTables:
                          "movie id|title|release date|video release date|IMDb URL|19 genre flags")
         flags = fields[5:]
         if any(f not in ("0", "1") for f in flags):
-            raise ValueError(f"{path}:{number}: genre flags must be 0 or 1, got {'|'.join(flags)}")
+            raise DataError(f"{path}:{number}: genre flags must be 0 or 1, got {'|'.join(flags)}")
         release = fields[2].strip()  # "01-Jan-1995"; empty for a few movies
         year = _number(path, number, release[-4:], "release year") if release else math.nan
         _put(movies, _number(path, number, fields[0], "movie id"),
@@ -261,12 +265,12 @@ def _read_1m(directory: pathlib.Path) -> MovieLensTables:
                                                          "UserID::Gender::Age::Occupation::Zip-code")
         age = _number(path, number, age, "age group")
         if age not in AGE_GROUPS:
-            raise ValueError(f"{path}:{number}: age group {age} is not one of {sorted(AGE_GROUPS)}")
+            raise DataError(f"{path}:{number}: age group {age} is not one of {sorted(AGE_GROUPS)}")
         if gender not in ("F", "M"):
-            raise ValueError(f"{path}:{number}: gender {gender!r} is not 'F' or 'M'")
+            raise DataError(f"{path}:{number}: gender {gender!r} is not 'F' or 'M'")
         occupation = _number(path, number, occupation, "occupation")
         if not 0 <= occupation < NUM_OCCUPATIONS_1M:
-            raise ValueError(f"{path}:{number}: occupation {occupation} is outside 0..{NUM_OCCUPATIONS_1M - 1}")
+            raise DataError(f"{path}:{number}: occupation {occupation} is outside 0..{NUM_OCCUPATIONS_1M - 1}")
         _put(users, _number(path, number, uid, "user id"),
              User(age, AGE_GROUPS[age][1], gender, str(occupation), zip_code), path, number, "user id")
     movies: dict[int, Movie] = {}
@@ -279,6 +283,21 @@ def _read_1m(directory: pathlib.Path) -> MovieLensTables:
     return MovieLensTables("1m", user_ids, item_ids, ratings, times, users, movies, lines, blank)
 
 
+def _csv_rows(path: pathlib.Path, f):
+    """(1-based line number, fields) of an open CSV file; a file that is no CSV text is a DataError naming it."""
+    reader = csv.reader(f)
+    try:
+        for row in reader:
+            yield reader.line_num, row
+    except csv.Error as error:  # the line the reader was on (it counts each line it fetches)
+        raise DataError(f"{path}:{reader.line_num}: cannot be read as CSV ({error}); is this the MovieLens file it is "
+                        "named after?") from None
+    except UnicodeDecodeError as error:  # decoded ahead of the reader, a block at a time: no exact line
+        where = f" after line {reader.line_num}" if reader.line_num else ""
+        raise DataError(f"{path}: not UTF-8 text{where} ({error.reason}); is this the MovieLens file it is named "
+                        "after?") from None
+
+
 def _read_latest_small(directory: pathlib.Path) -> MovieLensTables:
     user_ids, item_ids, ratings, times, lines, blank = _read_ratings(directory / "ratings.csv", ",",
                                                                      header="userId,movieId,rating,timestamp")
@@ -286,15 +305,15 @@ def _read_latest_small(directory: pathlib.Path) -> MovieLensTables:
     path = directory / "movies.csv"
     with path.open(encoding="utf-8", newline="") as f:
         # Titles are quoted when they contain commas, so this file needs a real CSV reader.
-        for number, row in enumerate(csv.reader(f), 1):
+        for number, row in _csv_rows(path, f):
             if number == 1:
                 if row != ["movieId", "title", "genres"]:
-                    raise ValueError(f"{path}:1: expected the header 'movieId,title,genres', got {','.join(row)!r}")
+                    raise DataError(f"{path}:1: expected the header 'movieId,title,genres', got {','.join(row)!r}")
                 continue
             if not row:
                 continue
             if len(row) != 3:
-                raise ValueError(f"{path}:{number}: expected 3 CSV fields (movieId,title,genres), got {len(row)}: "
+                raise DataError(f"{path}:{number}: expected 3 CSV fields (movieId,title,genres), got {len(row)}: "
                                  f"{row!r}")
             mid, title, genres = row
             names = tuple(g for g in genres.split("|") if g and g != NO_GENRES)
@@ -341,7 +360,7 @@ def prepare_examples(tables: MovieLensTables, *, rating_threshold: float = 4.0,
     item_index = np.searchsorted(raw_items, tables.item_ids).astype(np.int32)
     unknown = sorted(set(raw_items.tolist()) - set(tables.movies))
     if unknown:
-        raise ValueError(f"MovieLens {tables.variant}: {len(unknown)} rated movie ids are not in the movies file, "
+        raise DataError(f"MovieLens {tables.variant}: {len(unknown)} rated movie ids are not in the movies file, "
                          f"e.g. {unknown[:5]}; the ratings and movies files must come from the same download")
     movies = [tables.movies[int(m)] for m in raw_items]
     n = tables.ratings.shape[0]
@@ -352,7 +371,7 @@ def prepare_examples(tables: MovieLensTables, *, rating_threshold: float = 4.0,
     if tables.users is not None:
         missing = sorted(set(raw_users.tolist()) - set(tables.users))
         if missing:
-            raise ValueError(f"MovieLens {tables.variant}: {len(missing)} rating users are not in the users file, "
+            raise DataError(f"MovieLens {tables.variant}: {len(missing)} rating users are not in the users file, "
                              f"e.g. {missing[:5]}; the ratings and users files must come from the same download")
         users = [tables.users[int(u)] for u in raw_users]
         zips = [u.zip_code[:zip_prefix_length].upper() for u in users]

@@ -663,8 +663,12 @@ class CsvUnit:
     names: tuple[str, ...]  # the file's columns, in order
 
 
-def _split_fields(line: bytes, delimiter: str) -> list[str]:
-    return next(csv.reader([line.decode("utf-8", errors="replace")], delimiter=delimiter))
+def _split_fields(line: bytes, delimiter: str, where: str) -> list[str]:
+    try:
+        return next(csv.reader([line.decode("utf-8", errors="replace")], delimiter=delimiter))
+    except csv.Error as error:  # e.g. binary data: a stray '\r' or NUL in the line
+        raise DataError(f"{where} cannot be read as CSV ({error}); is this a CSV file? (data.files, data.format)"
+                        ) from None
 
 
 def check_columns(path: str, available: Sequence[str], plan: ReadPlan, where: str) -> None:
@@ -688,12 +692,12 @@ def csv_units(paths: Sequence[str], plan: ReadPlan) -> Iterator[CsvUnit]:
         if plan.header:
             if first_number != 1 and first_number != -1:
                 raise DataError(f"{path}: line 1 (the header, data.csv.header=True) is blank")
-            names = tuple(_split_fields(first, plan.delimiter)) if first else ()
+            names = tuple(_split_fields(first, plan.delimiter, f"{path}: line 1")) if first else ()
             if first:
                 check_columns(path, names, plan, "the header")
         else:
             if fixed is None and first:
-                count = len(_split_fields(first, plan.delimiter))
+                count = len(_split_fields(first, plan.delimiter, f"{path}: line {first_number}"))
                 if plan.column_names and len(plan.column_names) != count:
                     raise DataError(f"data.csv.column_names has {len(plan.column_names)} names but line "
                                      f"{first_number} of {path} has {count} fields (delimiter "

@@ -170,6 +170,10 @@ class MeshEmbedding(EmbeddingBackend):
         return MeshEmbedding(collection, self.replan(collection, optimizer), self.mesh, x.exchange_dtype,
                              x.capacity_factor, x.capacity_sigmas, self.replan)
 
+    def process_state_bytes(self, optimizer: SparseOptimizer) -> int:
+        # This process's devices' blocks (a replicated table once per device).
+        return sum(self.plan.device_bytes()) * jax.local_device_count() // jax.device_count()
+
     def describe(self) -> str:
         return format_plan(self.plan)
 
