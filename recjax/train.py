@@ -5,8 +5,12 @@ What is trained is a `Task` (recjax/task.py); the one train / predict step is re
 embedding backend (`LocalEmbedding` on one device, `MeshEmbedding` on a mesh); budget, evaluation and selection are
 recjax/evaluation.py; what the run writes as it goes is recjax/metric_log.py. The loop:
 
-    for each step: train step -> (dynamic tables: adjust) -> at log points: loss, at eval points: validation, and
-    test when validation improved -> early stop? -> checkpoint when due
+    for each step: train step -> (dynamic tables: adjust) -> at log points: loss and the divergence check, at eval
+    points: validation, and test when validation improved -> early stop? -> checkpoint when due (or on Ctrl-C, then
+    stop)
+
+What guards a run (a workdir it can write, a model that fits in memory, a loss that diverges, Ctrl-C) is
+recjax/guards.py.
 
 Model selection is honest: the test split is scored only at steps that improve a validation metric (AUC or
 logloss), so test numbers never steer anything; the summary reports the test metrics of the best validation step of
