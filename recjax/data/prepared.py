@@ -2,8 +2,8 @@
 
 Each TFDS example is a *block* of up to `block_rows` examples stored as struct-of-arrays (dense f32[n, num_dense],
 ids i32[n, sum(L_f)], lengths i32[n, F], labels f32[n]). One example per row would cost TFDS's per-example
-Python encoding (~22k rows/s to write, ~1.5k rows/s per-record reads measured here); blocks write and read at
-array_record speed. Builders subclass `BlockBuilder` and implement `_split_blocks()`.
+Python encoding on every write and read (measured far slower: benchmarks/RESULTS.md#data-prepared-blocks); blocks
+write and read at array_record speed. Builders subclass `BlockBuilder` and implement `_split_blocks()`.
 
 Training reads through `PreparedDataset`: `tfds.data_source` (no TensorFlow import) for random access to blocks,
 Grain's `MapDataset` to read blocks on worker threads in a seeded order, and a re-batcher that cuts the stream of
