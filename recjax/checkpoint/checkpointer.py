@@ -167,7 +167,7 @@ class Checkpointer:
         if kind == "full":
             # Host copies into buffers kept from the previous baseline: the next step may donate (overwrite) the
             # tables while Orbax writes these in the background, and reusing the buffers halves the copy (a fresh
-            # allocation page-faults: 1M x 16 rows with lazy Adam, 50 -> 28 ms).
+            # allocation page-faults; benchmarks/RESULTS.md#checkpoints).
             # A synchronous save is finished before the next step: it writes the arrays themselves.
             arrays = {("tables", g): t for g, t in state.tables.items()}
             arrays.update({("sparse_opt", g, k): v for g, o in state.sparse_opt_state.items() for k, v in o.items()})
@@ -208,7 +208,7 @@ class Checkpointer:
                 args["digests"] = ocp.args.StandardSave(unflat(digests))
             self.store.manager.save(step, args=ocp.args.Composite(**args), force=True)
 
-        if self.async_save:  # Orbax's own save call (threads, an event loop) costs ~50 ms: off the loop too
+        if self.async_save:  # Orbax's own save call (threads, an event loop) is a measurable stall: off the loop too
             self._saving = self._saver.submit(issue)
         else:  # and always with several processes (above)
             issue()
@@ -222,7 +222,7 @@ class Checkpointer:
 
     def _host_copies(self, arrays: dict) -> dict:
         """Each array copied into this checkpointer's host buffer for its key (re-allocated when its shape changes),
-        in row blocks over a thread per core (numpy releases the GIL: 28 -> 15 ms for 192 MB on 2 cores)."""
+        in row blocks over a thread per core (numpy releases the GIL; benchmarks/RESULTS.md#checkpoints)."""
         jobs = []
         for key, array in arrays.items():
             buffer = self._host.get(key)
