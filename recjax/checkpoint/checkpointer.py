@@ -5,7 +5,17 @@ retention that never breaks a chain, and resuming (this run's latest step, else 
 Async saves: the loop waits only for host copies of the tables (the next step donates the originals), made into
 buffers kept from save to save (a table's size of host memory, held between saves); Orbax's save call runs on a
 worker thread and writes in the background, the sha256s are computed on another worker and awaited by the meta
-handler before Orbax finalises the step. The next save (or `close`) first waits for this one.
+handler before Orbax finalises the step. The next save (or `close`) first waits for this one. Only one thread talks
+to Orbax at a time: callers use `wait`, never the manager directly.
+
+Resuming: the latest complete step of the run's own checkpoints wins, if its saved config equals this one but for
+`config.RESUMABLE_CHANGES` (else an error listing the keys); a step marked finished with a summary.json beside it
+ends the run at once. `checkpoint.restore` (another run's checkpoints) is used only while the run has none of its
+own, and gives the tables and dense state but none of the other run's loop state (selection, history and train time
+start at its step; FIITED pools take its capacities, not its memory history). Either way the saved table record must
+equal this run's before any array is read. Not done yet: restoring a multi-process checkpoint under another layout
+in a multi-process run (one process can), and resuming a one-shot chain with several processes starts a new
+baseline.
 """
 
 import concurrent.futures
