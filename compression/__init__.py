@@ -7,6 +7,8 @@ Why this file is so thin: Python 3.14 ships a stdlib package called `compression
 `from compression import zstd` at import time on every Python. So this package (1) imports nothing heavy
 on import -- names load lazily below, and the probe gets a clean ImportError on Python < 3.14 -- and
 (2) where the stdlib package exists, appends it to `__path__`, so `compression.zstd` and friends still resolve.
+On 3.14, run from the repository root (as the README does) so that this package is found before the stdlib's; a
+rename (e.g. `recjax_compression`) would remove the caveat.
 """
 
 import importlib

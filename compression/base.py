@@ -130,7 +130,8 @@ class EmbeddingMethod(abc.ABC):
 # step it is touched) reaches a shared row every step while the gradient it gets per id is diluted -- and for a
 # product of factors (QR mult, TT) the L2 gradient is first order in each factor where the loss's is second, so
 # the factors decay to zero: on ML-100K with optimizer.sparse.weight_decay 3e-3 QR mult and TT-Rec trained to the
-# label prior (test AUC 0.665) at every ratio; with their rows undecayed QR x4 reached 0.780, TT rank 4 0.755.
+# label prior at every ratio, and with their rows undecayed they learn (benchmarks/RESULTS.md, "row L2 on factor
+# tables").
 # Shi et al. and Yin et al. train without any weight decay.
 FACTOR_ROW_DECAY = 0.0
 

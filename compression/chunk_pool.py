@@ -8,8 +8,8 @@ consecutive slots offsets[r] .. offsets[r + 1] - 1, in row order, and the indire
 
 Why not FIITED's per-chunk indirection (an i32[V, K] slot per (row, chunk), or -1, with a free-slot stack): it costs
 4 K bytes per row whatever the budget, i.e. K / D of the full table -- 1/4 at D = 16, K = 4, and *more than the
-table* at K = D, the 1-column chunks that come within 0.006 AUC of the full model on ML-100K at a 10 % budget
-(where 4-column chunks lose 0.02; compression/fiited.py). The offsets cost 4 bytes per row for any K, and a free
+table* at K = D, the 1-column chunks that came closest to the full model on ML-100K at a 10 % budget
+(benchmarks/RESULTS.md#compression-fiited). The offsets cost 4 bytes per row for any K, and a free
 stack (4 bytes per slot: as much again as 1-column chunks) is not needed, because a packed pool has no holes.
 
 FIITED keeps the offsets packed (`pack_offsets`: an i32 base per block of B rows and a byte per row for its

@@ -144,8 +144,8 @@ class QuotientRemainder(CompositionalEmbedding):
     at the full table's bound); "reference" is facebookresearch/dlrm's QREmbeddingBag.reset_parameters,
     U(sqrt(1/n), 1) for both tables whatever the op -- all positive, so with mult every initial embedding lies in
     (1/n, 1)^D, a shared positive offset up to ~sqrt(n) times larger than a full table's entries. "bounded" stays the
-    default because it starts QR where a full table starts and learned at least as well in our check (synthetic
-    sweep config, QR 4x mult, 2 seeds; figures in WORKSPACE.md).
+    default because it starts QR where a full table starts and learned better in our check (synthetic sweep config,
+    QR mult at 4x and 16x, 2 seeds: benchmarks/RESULTS.md#compression-qr-init-bounded-vs-reference).
     """
 
     extra_options = {"collisions": 0, "init": "bounded"}

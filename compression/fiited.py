@@ -30,17 +30,14 @@ for a ramp to 10 %, each a re-compile of the steps).
 
 Position discount (`position_discount` p, default 1; p = 0 is FIITED's plain utility, p > 0 our addition): chunk
 k's score is divided by (k + 1)^p before the prefix minimum. A row's chunks see gradients of the same scale, so with
-p = 0 the kept chunks come in whole rows -- on ML-100K at keep 0.25 and K = 4 the user table ended with 675 rows at
-0 chunks and 154 at all 4, i.e. row pruning. p > 0 models the diminishing return of a row's later dimensions and
-spreads the budget.
+p = 0 the kept chunks come in whole rows -- on ML-100K most users ended with all of their chunks or none, i.e. row
+pruning. p > 0 models the diminishing return of a row's later dimensions and spreads the budget.
 
-Why the defaults (K = gcd(16, D), p = 1), measured on ML-100K (dlrm_movielens.py, every table compressed, keep 0.1,
-compact_slack 10; test AUC at seeds 0 / 1 / 2; full 0.7907 / 0.7879 / 0.7882): K = 4, p = 0: 0.7683 / 0.7667;
-K = 8, p = 0: 0.7481 / 0.7798; K = 16, p = 0: 0.7509 / 0.7844; K = 16, p = 1: 0.7682 / 0.7841 / 0.7857; K = 16,
-p = 2: 0.7721 / 0.7838 / 0.7856; uniform_dim at keep 0.1 (2 of 16 columns, 12.5 % of the values): 0.7832 / 0.7806 /
-0.7834. Finer chunks and a discount both help, and FIITED is within seed noise of an equal width for every row: on
-this small dataset every user and item is frequent. At 10 % of the *bytes* with tables <= 200 ids full (the sweep's
-plan, offsets counted; tests/test_fiited.py runs it) see the closing figures in WORKSPACE.md.
+Why the defaults (K = gcd(16, D), p = 1): on ML-100K (dlrm_movielens.py, every table compressed, keep 0.1) finer
+chunks and a discount both raised test AUC, and FIITED came within seed noise of an equal width for every row (on
+this small dataset every user and item is frequent). Those runs, and the sweep at 10 % of the *bytes* with tables
+<= 200 ids full (the sweep's plan, offsets counted; tests/test_fiited.py runs it), are in benchmarks/RESULTS.md
+("Compression: FIITED").
 
 Baselines FIITED compares with:
   `row_prune`    utility="magnitude", chunks=1: in-training magnitude pruning of whole rows (a row's score is its

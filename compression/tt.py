@@ -128,7 +128,7 @@ class TTContract(nn.Module):
         for j in range(1, len(self.dims)):
             core = rows[j].reshape(*batch, self.ranks[j], self.dims[j] * self.ranks[j + 1])
             # [..., a, r] @ [..., r, b * s] -> [..., a * b, s]: a plain batched matmul (on CPU its backward measured
-            # ~1.4x faster than the 4-d einsum's); HIGHEST so TPUs do not round the chain to bf16.
+            # faster than the 4-d einsum's: benchmarks/RESULTS.md); HIGHEST so TPUs do not round the chain to bf16.
             out = jnp.matmul(out, core, precision=jax.lax.Precision.HIGHEST)
             out = out.reshape(*batch, -1, self.ranks[j + 1])
         return out.reshape(*batch, math.prod(self.dims))

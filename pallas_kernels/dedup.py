@@ -6,9 +6,9 @@ exactly -- the aggregation FBGEMM's EXACT_* optimizers perform before their upda
 
 `unique_rows` is the fast path: one key-only sort, a compaction, and a vectorised binary search for each id's
 slot. On XLA:CPU a sort that carries a payload (the ids' positions, as `jnp.unique(return_inverse=True)` does)
-costs ~5x a key-only sort of the same ids, so the inverse is found by searching the sorted distinct ids instead
-(measured on 1.6M ids: 520 ms for jnp.unique, 240 ms here; benchmarks/kernels.py). `unique_rows_reference` is
-`jnp.unique`, the oracle the tests compare with.
+costs several times a key-only sort of the same ids, so the inverse is found by searching the sorted distinct ids
+instead (faster than `jnp.unique` in all: benchmarks/RESULTS.md#embedding-engine-internals).
+`unique_rows_reference` is `jnp.unique`, the oracle the tests compare with.
 """
 
 import jax

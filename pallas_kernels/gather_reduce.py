@@ -13,13 +13,39 @@ Implementations (`impl=`):
                 one traced function exports for either platform, from any host (lowering it for CPU fails: Pallas
                 "Only interpret mode is supported on CPU backend").
   "auto"        "pallas" when `jax.default_backend()` is TPU or GPU, else (CPU) the XLA reference -- decided at trace
-                time, so CPU programs never trace the kernels (~0.1 s per call site). To export a kernel for TPU / GPU
-                from a CPU host, use "pallas".
+                time, so CPU programs never pay for tracing the kernels at every call site. To export a kernel for
+                TPU / GPU from a CPU host, use "pallas".
 `interpret=True` (or a `pltpu.InterpretParams`) runs a kernel in Pallas interpret mode on CPU: the kernel of
 `jax.default_backend()`, the Mosaic one on CPU, or the one "pallas_tpu" / "pallas_gpu" names.
 
 A case a kernel cannot express falls back to the XLA reference for that case only (`mosaic_fallback_reason`,
-`triton_fallback_reason`; WORKSPACE.md "Kernels: what lowers where" says why).
+`triton_fallback_reason`; the why of each is in the Mosaic and Triton sections below):
+
+    case                                         TPU: Mosaic kernel           CUDA / ROCm: Triton kernel
+    f32 table, any D (never padded)              kernel                       kernel
+    bf16 table, even R                           kernel (packed row pairs)    kernel
+    bf16 table with odd R; f16 table             XLA                          kernel
+    other dtypes                                 XLA                          XLA
+    long bags past the VMEM estimate             XLA                          kernel
+    more than `_MOSAIC_MAX_IDS_PER_CALL` ids     equal SMEM-sized calls in a `lax.map` (one kernel traced; a Python
+                                                 loop would trace every call) + one for the rest; Triton: one call
+    no bags, or bags of length 0                 XLA (nothing to launch)
+
+What the lowering tests (tests/test_kernel_lowering.py: `jax.export` for "tpu" and "cuda") prove is Pallas' own
+lowering; Mosaic's layout passes and VMEM allocation (libtpu) and Triton's compilation to PTX (XLA:GPU) run only on
+the device, so the first run on a TPU / GPU should repeat tests/test_gather_kernels.py with `interpret=False`. To
+watch there (valid for 32-bit types per the Pallas TPU docs, not verified on hardware): single-row DMAs at
+arbitrary row offsets into VMEM, the uint32 bitcast of the HBM ref, static unaligned sublane slices, and matmuls
+whose contraction (G * L) is not a multiple of 128. No kernel speed has been measured; interpret mode's times on CPU
+mean nothing.
+
+Found with jax / jaxlib 0.10.2 on CPU: `jax.export` refuses Triton calls (their IR has no stable serialization)
+unless given `disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]`; one export for
+platforms=["tpu", "cuda"] fails (every `platform_dependent` branch is lowered for every platform), so export once per
+platform; integer `//` and `%` in a Mosaic kernel lower through `sign`, which asks for the TPU generation and fails
+on a CPU host, so the kernel shifts instead; the TPU simulator (`pltpu.InterpretParams`) cannot run the bf16 variant
+(a DMA through a bitcast ref), `interpret=True` runs both. `pallas_kernels.gather_reduce` is this module's function,
+which shadows the module: reach the module with `importlib.import_module("pallas_kernels.gather_reduce")`.
 
 Gradients (`jax.custom_vjp`): d table is the transpose, an XLA scatter-add of g (x w) into the rows read (the
 sentinel dropped; duplicates summed exactly, accumulated in f32 and cast to the table's dtype); d weights is
@@ -67,9 +93,9 @@ def gather_reference(table: jax.Array, rows: jax.Array) -> jax.Array:
 def _gather_valid(table: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(valid bool[..., L], table[rows] with invalid ids reading row 0). The caller selects zeros for invalid ids.
 
-    An unchecked gather of clamped ids and a select measured 2.3x faster on XLA:CPU than `jnp.take(mode="fill")`
-    followed by the weighted sum (1.6M ids of 64 floats; benchmarks/kernels.py), and a select (not a multiply by 0)
-    keeps padding at exactly zero even if row 0 held inf or NaN.
+    An unchecked gather of clamped ids and a select measured faster on XLA:CPU than `jnp.take(mode="fill")`
+    followed by the weighted sum (benchmarks/RESULTS.md#embedding-engine-internals), and a select (not a multiply by
+    0) keeps padding at exactly zero even if row 0 held inf or NaN.
     """
     rows = rows.astype(jnp.int32)
     valid = (rows >= 0) & (rows < table.shape[0])
@@ -244,7 +270,10 @@ def _reference(kind: str, table, ids, weights):
 # high halves of one 32-bit word), a DMA fetches the word row holding the wanted row, and the kernel splits the low
 # (even row) and high (odd row) halves into exact f32 values; the weights arrive split by id parity so each half is
 # pooled with its own matmul. This keeps every DMA and VMEM access 32-bit wide at any row offset (Pallas TPU
-# restricts unaligned slicing of packed 16-bit types), at the cost of reading 2x the bytes of a bf16 row.
+# restricts unaligned slicing of packed 16-bit types), at the cost of reading 2x the bytes of a bf16 row. The bitcast
+# needs an even R, hence the odd-R fallback; f16 would need the same plus an f16 -> f32 conversion (not done). VMEM:
+# the two DMA slots and the double-buffered weights / output blocks are estimated per case, and above
+# _MOSAIC_VMEM_BUDGET the case runs XLA. SMEM holds one call's ids (16 KiB on v2 / v3, 1 MiB on v4 and later).
 
 _SUB_BLOCKS = 8  # sub-blocks per grid step: the weights / output blocks then have 8 rows (TPU sublane tiling)
 _MOSAIC_ROWS_PER_SLOT = 256  # target G*L at D <= 128: rows in flight per DMA slot (128 KiB of f32)

@@ -24,6 +24,24 @@ Distinctness is the caller's contract: no id < R may appear twice in `unique_row
 programs and no two in-flight TPU DMAs touch the same row, which is why neither path needs atomics or ordering
 between blocks -- as in FBGEMM's EXACT_* backward, which sorts the ids, sums each distinct row's gradient and then
 updates that row from a single thread block. A duplicated id would race.
+
+What lowers where: `impl="auto"` picks when the computation is lowered (`lax.platform_dependent`): the Mosaic kernel
+on TPU, the Triton kernel on CUDA, the XLA reference elsewhere (CPU, ROCm); `kernel_fallback_reason` sends the
+cases a kernel cannot take to XLA. tests/test_update_kernels.py exports every sparse optimizer's rule for "tpu" and
+"cuda" from a CPU host: each is one custom call whose output_operand_aliases are the donated table and state. That
+proves the Pallas lowering only (libtpu's Mosaic compiler and XLA:GPU's Triton compiler run on the device): neither
+kernel has run on real hardware yet.
+  TPU: [R] state (row-wise Adagrad's accumulator) is gathered and scattered by XLA around the kernel and enters it as
+    an [N, 1] column: a one-element DMA out of a 1-D HBM array is not tile-aligned, and a rank-1 BlockSpec cannot
+    even be exported from a CPU host (Pallas asks the default device for its 1-D tiling).
+  GPU: Triton is chosen explicitly; this jax lowers a plain `pallas_call` on GPU with Mosaic GPU, which rejects the
+    kernel as written (its copies move whole blocks through shared memory in 128-byte units, staging every blocked
+    operand, the table included). A Mosaic GPU version would need GMEM refs and its own gather / scatter copies.
+    Exporting the Triton call needs `disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
+    "__gpu$xla.gpu.triton")]`: its IR is tied to the jaxlib that wrote it.
+  Interpret mode on CPU: the TPU kernel runs under Pallas's TPU interpreter (DMAs and semaphores simulated, slow per
+    row copy: keep U small in tests), the GPU kernel under the HLO interpreter, which drops stores to out-of-range
+    rows -- so interpret mode cannot catch a GPU mask that lets a padding lane write row R.
 """
 
 from __future__ import annotations
@@ -472,8 +490,8 @@ def _gpu_row_update(table, state, unique_rows, current, grads, rule, lr, step, *
         # Operands: ids, lr, step, current, grads, table, *state; the table and state are updated in place.
         input_output_aliases={5 + i: i for i in range(1 + len(keys))},
         # Triton explicitly: this jax lowers a plain pallas_call on GPU with Mosaic GPU by default, whose copies
-        # move whole blocks through shared memory in 128-byte units -- no fit for scattered single rows (see
-        # WORKSPACE.md, "Kernels: what lowers where").
+        # move whole blocks through shared memory in 128-byte units -- no fit for scattered single rows (see the
+        # module docstring).
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=bool(interpret),
         name="fused_row_update_gpu",

@@ -66,10 +66,9 @@ def tune_malloc() -> bool:
     temporaries (a few MiB each at batch 2048) are reused instead of mmap'ed, page-faulted and unmapped every step.
 
     glibc's default mmap threshold starts at 128 KiB and its trim threshold returns freed heap tops to the kernel;
-    on the Kaggle one-hot step at batch 2048 the step spent its time re-faulting fresh pages. Measured here
-    (benchmarks/kernels.py stages + torch, alternating processes, RECJAX_MALLOC=default vs this): recjax step
-    90 / 82 ms -> 52.5 / 52.8 ms (torch in the same processes 53-67 ms either way); batch 128 unchanged (3.6-3.9
-    ms); the reference_random step unchanged (432-452 vs 422-435 ms), its peak RSS 3.56-3.58 -> 3.64-3.67 GB.
+    on the Kaggle one-hot step at batch 2048 the step spent its time re-faulting fresh pages. Tuned, that step takes
+    about the time torch's does and the other shapes are unchanged; disabling mmap altogether was measured too and
+    costs peak memory (figures and commands: benchmarks/RESULTS.md#glibc-malloc-at-the-entry-points).
 
     Applied by the entry points (the launcher, sweeps, benchmarks) at start; returns whether it applied: not on a
     non-glibc system, not when the user tuned malloc already (GLIBC_TUNABLES glibc.malloc.*, MALLOC_*_

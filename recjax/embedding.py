@@ -126,9 +126,9 @@ def resolve_dedup(mode: str, kernel: str, optimizer: SparseOptimizer, multi_hot:
     be scatter-added (`optimizer.sums_duplicates`), the update runs in XLA (the Pallas update kernel works on
     distinct rows) and some feature has multi-hot bags (`multi_hot`).
 
-    Measured with SGD (benchmarks/kernels.py, idle 2-core CPU): multi-hot reference_random steps take 476 ms without
-    dedup vs 975 ms with it, but the one-hot Kaggle shape is slower without (batch 2048: ~78 vs ~58 ms; batch 128:
-    4.0 vs 3.3 ms), for a reason not yet found -- so one-hot-only data keeps dedup.
+    Measured with SGD: multi-hot steps are much faster without dedup, but the one-hot Kaggle shape is slower
+    without, for a reason not yet found -- so one-hot-only data keeps dedup
+    (benchmarks/RESULTS.md#dedup-or-not-embeddingdedup--auto).
     """
     if mode not in DEDUP_MODES:
         raise ValueError(f"unknown dedup mode '{mode}'; use one of {DEDUP_MODES}")
@@ -432,8 +432,8 @@ class EmbeddingGlue(nn.Module):
 
     Every (feature, physical table) that pools first is pooled in one gather-reduce per (group, bag size), over
     slots stacked to [K, B, L]: autodiff then transposes one gather into one scatter-add into the group's rows,
-    instead of one full-size scatter-add per feature (measured on the reference_random shape: 8 features into one
-    group made the glue's backward ~4x the cost of the single scatter).
+    instead of one full-size scatter-add per feature (which made the glue's backward several times costlier with 8
+    features in one group: benchmarks/RESULTS.md#embedding-engine-internals).
     """
 
     collection: EmbeddingCollection
@@ -468,8 +468,8 @@ def _init_uniform_rows(rng: jax.Array, rows: int, dim: int, scales: jax.Array,
     """f32[rows, dim] with row r ~ centers[r] + U(-scales[r], scales[r]) (centers None: 0), built chunk by chunk
     inside one jit.
 
-    Drawing the whole table at once makes XLA hold the random bits and the result together (4x the table
-    at 10M rows); chunks keep the peak near 1x.
+    Drawing the whole table at once makes XLA hold the random bits and the result together (a peak of several
+    tables); chunks keep the peak near one table (benchmarks/RESULTS.md#embedding-engine-internals).
     """
     assert scales.shape == (rows,), (scales.shape, rows)
     chunk = min(_INIT_CHUNK_ROWS, rows)

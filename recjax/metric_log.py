@@ -2,7 +2,8 @@
 
 One row per train log point and per evaluation (`split` = train / validation / test). The rows are also kept in
 memory (`history`): a checkpoint saves them, and a resumed run rewrites `metrics.csv` from them, so rows a crashed
-run logged after its last checkpoint are dropped, never duplicated.
+run logged after its last checkpoint are dropped, never duplicated. TensorBoard events of a resumed run go to a new
+events file, so there the steps between the checkpoint and a crash appear twice.
 
 Not `clu.metric_writers`: its TensorBoard writers need TensorFlow (or torch) and it has no CSV writer, so it would
 add a dependency without replacing either writer here; tensorboardX writes the event files without TensorFlow.

@@ -5,9 +5,9 @@ and overrides what its data needs, so `--config.model.name=lr` (or fm, dcnv2, wu
 every knob has one name everywhere. `recjax/config_check.py` validates the result before a run starts.
 
 Learning rates and regularisation are tuned for one model family (`model.tuned_for`): a row L2 that DLRM needs on
-MovieLens costs logistic regression 0.045 AUC. So a model swap goes through `swap_model`, which brings the values the
-config tuned for the new family (`config.model_defaults`, built by `model_defaults`), or says which values were
-tuned for another family when the config has none for it.
+MovieLens costs logistic regression test AUC (benchmarks/RESULTS.md, model swaps). So a model swap goes through
+`swap_model`, which brings the values the config tuned for the new family (`config.model_defaults`, built by
+`model_defaults`), or says which values were tuned for another family when the config has none for it.
 """
 
 from collections.abc import Collection, Mapping

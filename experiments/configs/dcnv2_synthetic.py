@@ -4,8 +4,8 @@ embeddings, optimizer and training as in dlrm_synthetic.py (small preset: 26 fea
 
     python -m experiments.train --config=experiments/configs/dcnv2_synthetic.py --workdir=runs/dcnv2
 
-Measured (seed 0, 6000 steps = 3.1M examples): AUC 0.797 vs 0.806 for DLRM (bayes_auc 0.829), 0.61 MFLOPs per
-example vs 0.31; ~3 min on 2 shared CPU cores (add --config.train.steps=2000 for ~1 min, AUC ~0.780).
+Test AUC, FLOPs per example and time against DLRM on the same data: benchmarks/RESULTS.md#models-on-the-synthetic-data
+(add --config.train.steps=2000 for a shorter run).
 MLPerf DLRMv2's shape (with dim 128): `--config.model.dcnv2.bottom_mlp=512,256,128 --config.model.dcnv2.low_rank=512
 --config.model.dcnv2.num_cross_layers=3 --config.model.dcnv2.deep_mlp=1024,1024,512,256 --config.embedding.dim=128`.
 """

@@ -62,10 +62,10 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     config.model.dlrm.bottom_mlp = bottom  # widths; the last must equal embedding.dim for dot interaction
     config.model.dlrm.top_mlp = top  # widths; ends in 1 (the logit)
 
-    # Lazy Adam reaches the teacher faster than row-wise Adagrad here (0.808 vs 0.800 AUC at 4M examples).
+    # Lazy Adam reaches the teacher faster than row-wise Adagrad here (benchmarks/RESULTS.md, synthetic models).
     config.optimizer = common.optimizer_config("adam", 1e-3, "lazy_adam", 0.003)
 
-    # Synthetic data is an endless stream: the budget is in steps. 3.1M examples: ~70 s on 2 idle CPU cores.
+    # Synthetic data is an endless stream: the budget is in steps (3.1M examples).
     config.train = common.train_config(batch_size=512, steps=6000, eval_every=1000, log_every=100)
     config.checkpoint = common.checkpoint_config()
     return config

@@ -3,8 +3,8 @@ training as in dlrm_synthetic.py (small preset: 26 features, dim 16), only `conf
 
     python -m experiments.train --config=experiments/configs/wukong_synthetic.py --workdir=runs/wukong
 
-Measured (seed 0, 6000 steps = 3.1M examples): AUC 0.802 vs 0.806 for DLRM (bayes_auc 0.829), 0.68 MFLOPs per
-example vs 0.31; ~4 min on 2 shared CPU cores (add --config.train.steps=2000 for ~1 min, AUC ~0.776).
+Test AUC, FLOPs per example and time against DLRM on the same data: benchmarks/RESULTS.md#models-on-the-synthetic-data
+(add --config.train.steps=2000 for a shorter run).
 Scale it along the paper's axes from the command line, e.g.
 `--config.model.wukong.num_layers=4 --config.model.wukong.fm_rank=16`.
 """

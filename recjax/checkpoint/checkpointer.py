@@ -5,7 +5,17 @@ retention that never breaks a chain, and resuming (this run's latest step, else 
 Async saves: the loop waits only for host copies of the tables (the next step donates the originals), made into
 buffers kept from save to save (a table's size of host memory, held between saves); Orbax's save call runs on a
 worker thread and writes in the background, the sha256s are computed on another worker and awaited by the meta
-handler before Orbax finalises the step. The next save (or `close`) first waits for this one.
+handler before Orbax finalises the step. The next save (or `close`) first waits for this one. Only one thread talks
+to Orbax at a time: callers use `wait`, never the manager directly.
+
+Resuming: the latest complete step of the run's own checkpoints wins, if its saved config equals this one but for
+`config.RESUMABLE_CHANGES` (else an error listing the keys); a step marked finished with a summary.json beside it
+ends the run at once. `checkpoint.restore` (another run's checkpoints) is used only while the run has none of its
+own, and gives the tables and dense state but none of the other run's loop state (selection, history and train time
+start at its step; FIITED pools take its capacities, not its memory history). Either way the saved table record must
+equal this run's before any array is read. Not done yet: restoring a multi-process checkpoint under another layout
+in a multi-process run (one process can), and resuming a one-shot chain with several processes starts a new
+baseline.
 """
 
 import concurrent.futures
@@ -167,7 +177,7 @@ class Checkpointer:
         if kind == "full":
             # Host copies into buffers kept from the previous baseline: the next step may donate (overwrite) the
             # tables while Orbax writes these in the background, and reusing the buffers halves the copy (a fresh
-            # allocation page-faults: 1M x 16 rows with lazy Adam, 50 -> 28 ms).
+            # allocation page-faults; benchmarks/RESULTS.md#checkpoints).
             # A synchronous save is finished before the next step: it writes the arrays themselves.
             arrays = {("tables", g): t for g, t in state.tables.items()}
             arrays.update({("sparse_opt", g, k): v for g, o in state.sparse_opt_state.items() for k, v in o.items()})
@@ -208,7 +218,7 @@ class Checkpointer:
                 args["digests"] = ocp.args.StandardSave(unflat(digests))
             self.store.manager.save(step, args=ocp.args.Composite(**args), force=True)
 
-        if self.async_save:  # Orbax's own save call (threads, an event loop) costs ~50 ms: off the loop too
+        if self.async_save:  # Orbax's own save call (threads, an event loop) is a measurable stall: off the loop too
             self._saving = self._saver.submit(issue)
         else:  # and always with several processes (above)
             issue()
@@ -222,7 +232,7 @@ class Checkpointer:
 
     def _host_copies(self, arrays: dict) -> dict:
         """Each array copied into this checkpointer's host buffer for its key (re-allocated when its shape changes),
-        in row blocks over a thread per core (numpy releases the GIL: 28 -> 15 ms for 192 MB on 2 cores)."""
+        in row blocks over a thread per core (numpy releases the GIL; benchmarks/RESULTS.md#checkpoints)."""
         jobs = []
         for key, array in arrays.items():
             buffer = self._host.get(key)

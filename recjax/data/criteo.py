@@ -46,19 +46,19 @@ Statistics (`CriteoStats`): per feature the vocab size, train occurrences per in
 out-of-vocabulary in frequency mode), raw distinct keys in train, missing count, and a histogram of raw keys by
 log2 of their train frequency.
 
-Performance (numbers: `benchmarks/data.py`, 2 cores). Files are read in `chunk_bytes` blocks (default 4 MB,
-measured faster than 32 MB: the working set stays in cache) cut at the last '\n' (gzip via streaming zlib), never
-whole. A block is parsed with numpy only: '\n', '\t' and '\r' positions by comparison, field bounds by indexing
-the tab positions; each field's last (dense) or first (hex) 8 bytes are read as one unaligned uint64 through a
-byte-strided view and validated and converted with SWAR arithmetic (8 characters per uint64 operation). Blocks
-are parsed (and counted, spilled or mapped) on a pool of `num_threads` threads -- numpy releases the GIL in array
-operations -- and results are merged in file order, so reports and errors are deterministic.
+Performance (figures and commands: benchmarks/RESULTS.md#data-criteo-preprocessing). Files are read in `chunk_bytes`
+blocks (default 4 MB, which parsed faster than 32 MB: the working set stays in cache) cut at the last '\n' (gzip via
+streaming zlib), never whole. A block is parsed with numpy only: '\n', '\t' and '\r' positions by comparison, field
+bounds by indexing the tab positions; each field's last (dense) or first (hex) 8 bytes are read as one unaligned
+uint64 through a byte-strided view and validated and converted with SWAR arithmetic (8 characters per uint64
+operation). Blocks are parsed (and counted, spilled or mapped) on a pool of `num_threads` threads -- numpy releases
+the GIL in array operations -- and results are merged in file order, so reports and errors are deterministic.
 Reading, line blocks, reports and the thread pool are shared with the other parsers (`recjax/data/textio.py`), and
 so are key counting and the vocabularies (`recjax/data/vocabulary.py`).
 The vocabulary needs all of train before any id can be mapped, so train is read twice. By default the fitting
 pass spills each train chunk compactly (labels, dense, and per feature its distinct keys plus each row's uint16
-position among them: ~175 bytes a row, less than the text) and train's blocks are built from that: measured
-4.0 CPU-us per train row against 6.7 for parsing train again. The spill needs temporary disk (Kaggle's 39M train
+position among them: ~175 bytes a row, less than the text) and train's blocks are built from that, which costs
+less CPU than parsing train again. The spill needs temporary disk (Kaggle's 39M train
 rows: ~7 GB; it is deleted by `PreparedCriteo.close()`); `CriteoOptions(spill=False)` parses train again instead.
 """
 
@@ -552,8 +552,8 @@ def map_ids(vocabulary: CriteoVocabulary, cats: np.ndarray) -> np.ndarray:
     """Raw keys i64[n, 26] -> indices i32[26, n] (feature-major) in [0, vocab_size_f).
 
     Frequency mode looks up each feature's distinct keys in ascending order (`distinct_inverse`): Criteo's keys
-    repeat a lot, and ascending queries walk the vocabulary monotonically -- measured 3x faster than searching
-    every key in row order.
+    repeat a lot, and ascending queries walk the vocabulary monotonically -- measured faster than searching every
+    key in row order (benchmarks/RESULTS.md#data-criteo-preprocessing).
     """
     n, num_features = cats.shape
     if vocabulary.mode == "hash":

@@ -2,13 +2,16 @@
 
 Each TFDS example is a *block* of up to `block_rows` examples stored as struct-of-arrays (dense f32[n, num_dense],
 ids i32[n, sum(L_f)], lengths i32[n, F], labels f32[n]). One example per row would cost TFDS's per-example
-Python encoding (~22k rows/s to write, ~1.5k rows/s per-record reads measured here); blocks write and read at
-array_record speed. Builders subclass `BlockBuilder` and implement `_split_blocks()`.
+Python encoding on every write and read (measured far slower: benchmarks/RESULTS.md#data-prepared-blocks); blocks
+write and read at array_record speed. Builders subclass `BlockBuilder` and implement `_split_blocks()`.
 
 Training reads through `PreparedDataset`: `tfds.data_source` (no TensorFlow import) for random access to blocks,
 Grain's `MapDataset` to read blocks on worker threads in a seeded order, and a re-batcher that cuts the stream of
 rows into fixed-size batches. Order is a pure function of (seed, epoch), so step i is reproducible and a run can
-resume at any step.
+resume at any step. A multi-host process asks for its rows of every batch (`rows=`): blocks without one of them
+are not read, and a shared block's rows are cut after the same shuffle, so the shares are disjoint and side by side
+are the single-process batch. When a share (B / processes) is smaller than `block_rows` every process still
+decodes most blocks; the decode is disjoint only for shares of whole blocks.
 """
 
 import abc

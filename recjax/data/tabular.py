@@ -57,8 +57,8 @@ How it runs (`prepare_tabular`, every pass on `num_threads` threads, results mer
                (Chan et al.'s parallel mean / variance).
     4. map     each chunk once: ids of its distinct keys looked up, dense standardised, each split's rows written to
                their own file; `blocks(split)` then only reads that split's files.
-    The spill is deleted by `close()`, and on any error. Measured (benchmarks/data.py `tabular_csv`, 1M rows of a
-    40-column Criteo-like CSV, 2 threads on the shared 2-core machine): see the WORKSPACE notes.
+    The spill is deleted by `close()`, and on any error. Throughput (`benchmarks/data.py --only tabular_csv`):
+    benchmarks/RESULTS.md#data-tabular-preparation.
 
 Statistics (`stats`, a `VocabularyStats`): per feature the vocabulary, vocab size, bag size, train occurrences,
 raw distinct values in train, out-of-vocabulary and missing occurrences in train, truncated bags (every split),
@@ -150,8 +150,9 @@ def default_data_config() -> ml_collections.ConfigDict:
     data.dense = ml_collections.ConfigDict()
     data.dense.columns = ()  # dense (numeric) columns, in the order the model sees them
     # "+"-joined chain in the order clip, log1p, standardise, or "none". "standardise" ((x - train mean) / train std)
-    # is safe on any column and beat "none" by 0.022 test AUC on ML-100K and 0.027 on the Criteo sample, every seed
-    # (benchmarks/RESULTS.md); count-like columns gain more from "clip+log1p+standardise" with clip_min 0.
+    # is safe on any column and beat "none" on ML-100K and on the Criteo sample at every seed
+    # (benchmarks/RESULTS.md#tabular-data-the-default-datadensetransform); count-like columns gain more from
+    # "clip+log1p+standardise" with clip_min 0.
     data.dense.transform = "standardise"
     data.dense.transforms = ml_collections.ConfigDict()  # per-column chain: {column: "log1p"}
     data.dense.clip_min = config_dict.placeholder(float)  # lower bound of "clip" (None = unbounded)
@@ -656,7 +657,8 @@ def _rounded(fraction: float, n: int) -> int:
 
 def _write_arrays(path: pathlib.Path, arrays: Mapping[str, np.ndarray]) -> dict[str, tuple[int, str, tuple]]:
     """Arrays' raw bytes one after the other (8-byte aligned) -> their layout {name: (offset, dtype, shape)}.
-    (np.savez / np.load cost ~0.2 ms per array in zip and header parsing, more than the reads themselves.)"""
+    (np.savez / np.load's per-array zip and header parsing cost more than the reads themselves:
+    benchmarks/RESULTS.md#data-tabular-preparation.)"""
     layout, offset = {}, 0
     with open(path, "wb") as f:
         for name, array in arrays.items():
@@ -755,8 +757,8 @@ class FeatureVocabulary:
         """Distinct raw keys i64[u] -> ids i32[u]."""
         if self.settings.vocab == "hash":
             return (raw_keys % self.settings.hash_buckets).astype(np.int32)
-        # Looked up in ascending order: the binary searches then walk the vocabulary monotonically (measured 3x
-        # faster than a dictionary's order, the sort included; a numpy hash table was slower still at ~6k keys).
+        # Looked up in ascending order: the binary searches then walk the vocabulary monotonically (measured faster
+        # than a dictionary's order, the sort included, and than a numpy hash table: benchmarks/RESULTS.md).
         order = np.argsort(raw_keys)
         ids = np.empty(raw_keys.size, np.int32)
         ids[order] = lookup(self.keys, self.ids, raw_keys[order])

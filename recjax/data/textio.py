@@ -31,7 +31,7 @@ import numpy as np
 
 from recjax.errors import DataError
 
-DEFAULT_CHUNK_BYTES = 4 << 20  # measured on Criteo: smaller blocks stay in cache (see benchmarks/data.py)
+DEFAULT_CHUNK_BYTES = 4 << 20  # smaller blocks stay in cache (benchmarks/RESULTS.md#data-criteo-preprocessing)
 MAX_REPORTED = 10  # bad / blank line numbers kept in a ParseReport
 MAX_LINE_BYTES = 1 << 20  # longer lines are skipped without being held in memory (a wrong or binary file)
 

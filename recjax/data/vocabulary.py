@@ -124,7 +124,8 @@ class KeyCounter:
 
     Chunk counts are buffered and summed into the running total (one sort) once the buffer holds as many keys as
     the total (at least `min_buffer`): memory stays within ~3x the distinct keys and each buffered key is sorted
-    about once -- measured 4x cheaper than merging every chunk into the total (a log-structured merge).
+    about once -- measured cheaper than merging every chunk into the total (a log-structured merge;
+    benchmarks/RESULTS.md#data-criteo-preprocessing).
     """
 
     def __init__(self, min_buffer: int = 1 << 20, key_bits: int = KEY_BITS):

@@ -1,4 +1,4 @@
-"""Sharded embeddings and data parallelism on a device mesh (see WORKSPACE.md, "How a lookup crosses the mesh").
+"""Sharded embeddings and data parallelism on a device mesh (how a lookup crosses it: recjax/sharding/exchange.py).
 
     mesh.py      config.mesh.shape -> jax Mesh (axes data, model); None for one device (the single-device engine)
     plan.py      the plan format, the analytic cost model, the simple planner, the printed table

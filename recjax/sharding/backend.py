@@ -34,8 +34,9 @@ from recjax.sharding.placement import ALL_AXES, put_global, to_host
 from recjax.sharding.plan import ShardingPlan, format_plan
 from recjax.sparse_optim import SparseOptimizer
 
-# The trainer waits for the mesh step dispatched this many steps earlier (measured on 8 CPU devices, 1M-row tables:
-# unbounded, 400 queued steps deadlocked XLA:CPU's collectives; 64 once; 2-16 never in 3 x 1500 steps, same speed).
+# The trainer waits for the mesh step dispatched this many steps earlier: hundreds of queued steps deadlocked
+# XLA:CPU's collectives on 8 CPU devices, a few in flight never did and ran as fast
+# (benchmarks/RESULTS.md#sharding-steps-in-flight).
 MESH_STEPS_IN_FLIGHT = 4
 
 Replan = Callable[[EmbeddingCollection, SparseOptimizer], ShardingPlan]

@@ -29,6 +29,22 @@ holds its local block; a step (per device, on its slice of the batch):
     local rows (`unique_rows`), sums their gradients in f32, and `sparse_apply`s them in place (donated). Replicated
     storages all_gather the touched rows' ids and gradients from every device. No collective carries a table: each
     moves ids, rows or gradients of a batch.
+
+Limits of this version (what it costs: benchmarks/RESULTS.md#sharding-the-exchange-per-plan):
+  - Buckets are static. The owner's dedup + `sparse_apply` run over the worst case's received ids even when the
+    small buckets sufficed (a cond around them would take the table as an operand, and XLA:CPU copies it).
+  - Expected counts assume ids spread evenly over a table's rows: a frequency-sorted vocabulary split by `range`
+    sends the hot head to one owner, so steps may overflow every time; use `sharding.row_split=mod` there.
+  - A table read more than once per id (FIITED reads its pool once per chunk) fills `slots_per_example` slots per
+    example, and capacities count those, not the bag size.
+  - A storage is one [n L, d] array, so a table-wise plan whose devices hold different row counts pads the others
+    to the fullest; the `auto` planner evens blocks (`plan.balance_blocks`), a ragged layout would remove it.
+  - `exchange_dtype` bf16 / f16 halves the bytes on GPU / TPU; XLA:CPU widens such collectives back to f32, so on
+    CPU it only rounds. Accumulation (the owner's sum, the optimizer) stays f32.
+  - Column-wise storages need element-wise optimizer state (row-wise Adagrad's per-row accumulator would need the
+    whole row's gradient norm).
+  - Initialisation is the single-device one, built on the host and laid out by the plan, so the host briefly holds
+    every table once.
 """
 
 import dataclasses
