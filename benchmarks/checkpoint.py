@@ -1,6 +1,7 @@
-r"""Checkpoint benchmark: bytes written and capacity of full vs Check-N-Run incremental (+ 4-bit) checkpoints at
-0.1 %, 1 % and 10 % of the rows touched per interval, the train loop's stall per save (sync vs async), the cost of
-the dirty-row bitmap on step time, the AUC of models restored from 2-, 4- and 8-bit deltas, and crash trials.
+r"""Checkpoint benchmark: bytes written and capacity of full vs Check-N-Run incremental (+ 4-bit rows, + 8-bit
+optimizer rows) checkpoints at 0.1 %, 1 % and 10 % of the rows touched per interval with the bytes split into ids,
+table rows and optimizer rows, the train loop's stall per save (sync vs async), the cost of the dirty-row bitmap on
+step time, the AUC of models restored from quantized deltas (and of their training continued), and crash trials.
 
     python benchmarks/checkpoint.py                          # everything (~5-10 min on 2 shared cores)
     python benchmarks/checkpoint.py --only bytes,stall --rows 1000000
@@ -12,16 +13,21 @@ Measurements
   bytes      a DLRM over 4 one-hot features of `rows / 4` ids each (dim 16, lazy Adam: table + m + v), trained on the
              synthetic stream with Zipf-distributed ids (exponent 1.05); the checkpoint interval (in steps) is
              calibrated so the bitmap really holds ~0.1 %, 1 % or 10 % of the rows when a save comes. Per policy
-             (full; consecutive deltas; consecutive + 4-bit) and fraction: the measured touched fraction, bytes per
-             interval (the step directories' size on disk, the first baseline excluded) and their ratio to full, and
-             the capacity (the checkpoint dir's size with keep = 1 after `intervals` intervals, baseline included).
+             (full; consecutive deltas; + 4-bit rows; + 8-bit optimizer rows) and fraction: the measured touched
+             fraction, bytes per interval (the step directories' size on disk, the first baseline excluded) and their
+             ratio to full, the logical bytes per interval split into ids / table rows / optimizer rows (from the
+             arrays meta records) and their ratio to f32 deltas, and the capacity (the checkpoint dir's size with
+             keep = 1 after `intervals` intervals, baseline included).
   bitmap     the compiled train step's time on the same device batches with the dirty-row bitmap (policy
              consecutive) vs without (full), alternating, medians.
   stall      how long the train loop waits per save of the `rows` model, synchronous (the whole write) vs async (the
              host copy + checksums; Orbax writes in the background), alternating, medians.
-  quality    the default synthetic DLRM (`small` preset) trained `--quality_steps` steps, checkpointed every 1/5 of the
-             run with consecutive deltas at 0 (f32), 2, 4 and 8 bits: the test AUC and logloss of the model restored
-             from the final checkpoint, and the difference to the f32 one (training itself is the same f32 run).
+  quality    the default synthetic DLRM (`small` preset, lazy Adam) trained 3/5 of `--quality_steps` steps,
+             checkpointed every 1/5 of the run with consecutive deltas per (row bits, optimizer bits) in QUALITY: the
+             test AUC and logloss of the model restored from its last checkpoint (a delta: the table rows' loss;
+             training itself is the same f32 run), and of a new run that restores it (`checkpoint.restore`) and
+             trains to `--quality_steps` (where the optimizer rows' loss shows), each with its difference to f32
+             (whose continuation is exactly the uninterrupted run); the deltas' logical bytes split as above.
   With --mesh, bytes / bitmap / stall train on that mesh (tables split by `sharding.plan=row`, every device's block
   saved where it lives); on a CPU machine --cpu_devices gives JAX that many devices.
   crash      tests/crash_driver.py with `--crash_trials` SIGKILLs (mid-save and mid-steps): how many resumed from the
@@ -49,8 +55,13 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 MEASUREMENTS = ("bytes", "bitmap", "stall", "quality", "crash")
 FRACTIONS = (0.001, 0.01, 0.1)
-MODES = {"full": dict(policy="full", quantize_bits=0), "incremental": dict(policy="consecutive", quantize_bits=0),
-         "incremental_4bit": dict(policy="consecutive", quantize_bits=4)}
+MODES = {"full": dict(policy="full", quantize_bits=0, quantize_optimizer_bits=0),
+         "incremental": dict(policy="consecutive", quantize_bits=0, quantize_optimizer_bits=0),
+         "incremental_4bit": dict(policy="consecutive", quantize_bits=4, quantize_optimizer_bits=0),
+         "incremental_4bit_opt8": dict(policy="consecutive", quantize_bits=4, quantize_optimizer_bits=8)}
+# quality: (table row bits, optimizer row bits) of the deltas; 0 = f32.
+QUALITY = {"f32": (0, 0), "rows8": (8, 0), "rows4": (4, 0), "rows2": (2, 0), "opt8": (0, 8), "rows8_opt8": (8, 8),
+           "rows4_opt8": (4, 8)}
 
 
 def _log(message: str) -> None:
@@ -71,6 +82,21 @@ def machine() -> dict[str, Any]:
 
 def du(path: pathlib.Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def byte_split(meta: dict) -> dict[str, int]:
+    """A checkpoint's embedding bytes as written (before tensorstore's compression), from its meta's array records:
+    "ids" (a delta's row ids), "table_rows" (f32 rows, or codes + offset + scale) and "optimizer_rows" (f32 rows, or
+    codes + absmax)."""
+    split = {"ids": 0, "table_rows": 0, "optimizer_rows": 0}
+    for path, (dtype, shape, _) in meta["arrays"].items():
+        item, *rest = path.split("/")
+        nbytes = np.dtype(dtype).itemsize * int(np.prod(shape))
+        if item == "rows":  # rows/<group>/ids | rows | codes | offset | scale | opt/<field>[/codes | /absmax]
+            split["ids" if rest[1] == "ids" else "optimizer_rows" if rest[1] == "opt" else "table_rows"] += nbytes
+        elif item == "state" and rest[0] in ("tables", "sparse_opt"):  # a baseline
+            split["table_rows" if rest[0] == "tables" else "optimizer_rows"] += nbytes
+    return split
 
 
 MESH = ""  # --mesh: the mesh shape the bytes / bitmap / stall trainers use ("" = one device)
@@ -182,8 +208,9 @@ def bytes_measurement(rows: int, batch: int, intervals: int, info: dict) -> None
             workdir = pathlib.Path(tempfile.mkdtemp(prefix="ckpt_bench_"))
             trainer = Trainer(table_config(rows, batch, keep=1, async_save=False, **ckpt))
             checkpointer = Checkpointer(trainer.config, workdir)
+            checkpointer.task = trainer.task
             trainer.state = checkpointer.track(trainer.state)
-            checkpointer_steps, touched, sizes, logical = [], [], [], []
+            checkpointer_steps, touched, sizes, logical, splits = [], [], [], [], []
             for i in range(intervals + 1):
                 trainer.train(interval)
                 if i:
@@ -193,10 +220,14 @@ def bytes_measurement(rows: int, batch: int, intervals: int, info: dict) -> None
                 checkpointer_steps.append(trainer.step)
                 if i:  # the first save is everyone's baseline
                     sizes.append(du(checkpointer.directory / str(trainer.step)))
-                    logical.append(checkpointer.store.meta(trainer.step)["table_bytes"])
+                    meta = checkpointer.store.meta(trainer.step)
+                    logical.append(meta["table_bytes"])
+                    splits.append(byte_split(meta))
+                    assert sum(splits[-1].values()) == meta["table_bytes"], (splits[-1], meta["table_bytes"])
             checkpointer.close()
             results[mode] = {"bytes_per_interval": statistics.mean(sizes), "capacity_bytes": du(
                 checkpointer.directory), "table_bytes_per_interval": statistics.mean(logical),
+                "split_per_interval": {k: statistics.mean(s[k] for s in splits) for k in splits[0]},
                 "touched_fraction": statistics.mean(touched) if mode != "full" else None}
             shutil.rmtree(workdir, ignore_errors=True)
         touched = results["incremental"]["touched_fraction"]
@@ -205,6 +236,8 @@ def bytes_measurement(rows: int, batch: int, intervals: int, info: dict) -> None
                    "interval_steps": interval, "intervals": intervals, **r,
                    "bytes_vs_full": r["bytes_per_interval"] / results["full"]["bytes_per_interval"],
                    "table_bytes_vs_full": r["table_bytes_per_interval"] / results["full"]["table_bytes_per_interval"],
+                   "table_bytes_vs_incremental": (r["table_bytes_per_interval"]
+                                                  / results["incremental"]["table_bytes_per_interval"]),
                    "capacity_vs_full": r["capacity_bytes"] / results["full"]["capacity_bytes"],
                    "config": {"rows": rows, "dim": 16, "batch": batch, "sparse": "lazy_adam", "zipf": 1.05,
                               "mesh": MESH},
@@ -245,6 +278,8 @@ def stall_measurement(rows: int, batch: int, repeats: int, info: dict) -> None:
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="ckpt_bench_"))
     checkpointers = {mode: Checkpointer(table_config(rows, batch, keep=1, async_save=mode == "async"),
                                         workdir / mode) for mode in stalls}
+    for checkpointer in checkpointers.values():
+        checkpointer.task = trainer.task
     for _ in range(repeats):
         for mode, checkpointer in checkpointers.items():
             trainer.train(1)
@@ -268,40 +303,56 @@ def quality_measurement(steps: int, info: dict) -> None:
 
     from experiments.configs.dlrm_synthetic import get_config
     from recjax import checkpoint
+    from recjax.data import make_dataset
     from recjax.train import build_task, evaluate, init_state, make_predict_step, train_and_evaluate
 
-    results = {}
-    for bits in (0, 8, 4, 2):
-        _log(f"quality: {bits or 32}-bit deltas, {steps} steps")
+    restore_at, every = 3 * steps // 5, steps // 5
+
+    def run(workdir: pathlib.Path, train_steps: int, **ckpt) -> dict:
         config = get_config()
-        config.train.steps = steps
-        config.train.eval_every = steps
+        config.train.steps = train_steps
+        config.train.eval_every = train_steps  # one evaluation, at the end
         config.train.progress_bar = False
-        config.checkpoint.policy = "consecutive"
-        config.checkpoint.quantize_bits = bits
-        config.checkpoint.every_steps = steps // 5
-        config.checkpoint.keep = 1
-        workdir = pathlib.Path(tempfile.mkdtemp(prefix="ckpt_quality_"))
+        for key, value in ckpt.items():
+            config.checkpoint[key] = value
         with contextlib.redirect_stdout(sys.stderr):  # the run's console lines are progress, not measurements
             summary = train_and_evaluate(config, workdir)
-        from recjax.data import make_dataset
+        return {"config": config, "summary": summary}
 
+    results = {}
+    for name, (bits, optimizer_bits) in QUALITY.items():
+        _log(f"quality: {name}, {restore_at} steps, then restored and trained to {steps}")
+        root = pathlib.Path(tempfile.mkdtemp(prefix="ckpt_quality_"))
+        first = run(root / "first", restore_at, policy="consecutive", quantize_bits=bits,
+                    quantize_optimizer_bits=optimizer_bits, every_steps=every, keep=10)
+        config = first["config"]
         dataset = make_dataset(config.data, seed=config.seed)
-        task = build_task(config, dataset.spec, dataset, steps)
-        first = jax.device_put(next(dataset.train_batches(config.train.batch_size)))
-        like = jax.eval_shape(lambda b, task=task: init_state(task, jax.random.key(0), b), first)
-        point = checkpoint.open_checkpoint(workdir / "checkpoints")
-        state = checkpoint.restore_state(point, like)
+        task = build_task(config, dataset.spec, dataset, restore_at)
+        batch = jax.device_put(next(dataset.train_batches(config.train.batch_size)))
+        like = jax.eval_shape(lambda b, task=task: init_state(task, jax.random.key(0), b), batch)
+        point = checkpoint.open_checkpoint(root / "first" / "checkpoints")
+        state = checkpoint.restore_state(
+            point, like, record=checkpoint.table_record(task.collection, task.sparse_optimizer, like))
         restored = evaluate(task, make_predict_step(task), state, dataset, config.train.batch_size, "test")
-        results[bits] = {"restored_auc": restored["auc"], "restored_logloss": restored["logloss"],
-                         "trained_test_auc_at_selected_step": summary["auc"],
-                         "checkpoint_bytes": du(workdir / "checkpoints")}
-        shutil.rmtree(workdir, ignore_errors=True)
-    for bits, r in results.items():
-        _emit({"measurement": "quality", "quantize_bits": bits, **r,
-               "auc_minus_f32": r["restored_auc"] - results[0]["restored_auc"],
-               "logloss_minus_f32": r["restored_logloss"] - results[0]["restored_logloss"],
-               "config": {"preset": "small", "steps": steps, "policy": "consecutive", "every_steps": steps // 5},
+        deltas = [point.store.meta(s) for s in point.meta["chain"][1:]]
+        continued = run(root / "continued", steps, restore=str(root / "first" / "checkpoints"), every_minutes=0.0)
+        results[name] = {
+            "quantize_bits": bits, "quantize_optimizer_bits": optimizer_bits,
+            "delta_bytes": statistics.mean(m["table_bytes"] for m in deltas),
+            "delta_split": {k: statistics.mean(byte_split(m)[k] for m in deltas) for k in byte_split(deltas[0])},
+            "delta_bytes_on_disk": statistics.mean(du(root / "first" / "checkpoints" / str(m["step"])) for m in deltas),
+            "restored_auc": restored["auc"], "restored_logloss": restored["logloss"],
+            "continued_auc": continued["summary"]["auc"], "continued_logloss": continued["summary"]["logloss"]}
+        shutil.rmtree(root, ignore_errors=True)
+    f32 = results["f32"]
+    for name, r in results.items():
+        _emit({"measurement": "quality", "name": name, **r,
+               "delta_bytes_vs_f32": r["delta_bytes"] / f32["delta_bytes"],
+               "restored_auc_minus_f32": r["restored_auc"] - f32["restored_auc"],
+               "continued_auc_minus_f32": r["continued_auc"] - f32["continued_auc"],
+               "continued_logloss_minus_f32": r["continued_logloss"] - f32["continued_logloss"],
+               "config": {"preset": "small", "sparse": "lazy_adam", "steps": steps, "restored_at": restore_at,
+                          "policy": "consecutive", "every_steps": every},
                "machine": info})
 
 

@@ -10,26 +10,32 @@ Its items, written by Orbax's handlers (arrays through tensorstore, JSON through
             (FIITED) "aux": {feature: {name: array}} in every checkpoint, and a baseline after each compaction}
     rows/   StandardSave, only in a *delta*: {group: {"ids": i32[n] (stacked row ids, ascending), "rows": f32[n, dim]
             or, quantized, "codes": u8[n, dim * bits / 8], "offset": f32[n], "scale": f32[n], "opt": {name:
-            f32[n, ...]}}} -- the rows touched since the previous checkpoint (consecutive) or since the baseline
-            (one-shot), with their sparse-optimizer rows. Groups without touched rows are left out.
-    meta/   JSON (Orbax's JSON handler, subclassed only to await the checksums in its background commit): the
+            f32[n, ...] or, quantized (`quantize_optimizer_bits`), {"codes": u8[n, dim], "absmax": f32[n]}}}} -- the
+            rows touched since the previous checkpoint (consecutive) or since the baseline (one-shot), with their
+            sparse-optimizer rows. Groups without touched rows are left out.
+    meta/   JSON (Orbax's JSON handler, subclassed to await the checksums in its background commit): the
             format version, step, kind ("full" / "delta"), policy, `chain` (the steps whose tables this restore point
-            reads, baseline first), quantize bits, byte counts, the sha256 of every array written, the dense
-            leaves' tree paths, the trainer's loop state (selection, early stopping, metrics history, train time),
-            the resolved config and whether the run finished.
+            reads, baseline first), quantize bits (rows; optimizer rows and `optimizer_codes`, {field: "signed" |
+            "unsigned"}), byte counts, the sha256 of every array written, what the table arrays hold
+            (`table_record`: compared with this run's before a restore reads any), the dense leaves' tree paths, the
+            trainer's loop state (selection, early stopping, metrics history, train time), the resolved config and
+            whether the run finished; and "sha256", the digest of all that (its canonical JSON): the metadata is
+            covered by its own digest, every array by the sha256 it records.
 
 Restore = the latest complete step: the baseline's tables, then each delta of its chain in order (rows replaced by
-id), then that step's dense state, step and RNG. Every array read is checked against its sha256; a missing or
-corrupt link of the chain is a `CheckpointError` naming the step and path. Data needs no saved position: step i's
-batch is a pure function of (seed, i) for synthetic and prepared data, so the trainer restarts the stream at the
-restored step.
+id), then that step's dense state, step and RNG. Every meta read (the chain's too) is checked against its own
+sha256 and every array read against the sha256 in its meta; a missing or corrupt link of the chain is a
+`CheckpointError` naming the step and path. Data needs no saved position: step i's batch is a pure function of
+(seed, i) for synthetic and prepared data, so the trainer restarts the stream at the restored step.
 
 Policies (Eisenman et al. 2022, "Check-N-Run", Sec. 4): "full" (every checkpoint a baseline), "one_shot" (one
 baseline, then cumulative deltas since it: each restore point reads 2 steps), "consecutive" (per-interval deltas;
 restore reads the whole chain) and "intermittent" (consecutive, with a new baseline once the chain's delta bytes
 exceed `baseline_fraction` of the baseline's). The dirty-row bitmap (bool[rows] per stacked group) lives in the
 TrainState and is set inside the jitted train step (`mark_dirty_rows`); a save reads it and clears it (one-shot:
-only at a baseline).
+only at a baseline). Deltas may quantize their table rows (`quantize_bits`: Check-N-Run's row-wise asymmetric codes)
+and their optimizer rows (`quantize_optimizer_bits`: block-wise 8-bit dynamic codes, Dettmers et al. 2022, one block
+per row; unsigned for non-negative state): with lazy Adam the two moments are 2/3 of a delta's f32 bytes.
 
 Async saves: the loop waits only for host copies of the tables (the next step donates the originals), made into
 buffers kept from save to save (a table's size of host memory, held between saves); Orbax's save call runs on a
@@ -55,6 +61,7 @@ background thread they crossed them and both processes waited forever).
 import concurrent.futures
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import pathlib
@@ -72,11 +79,13 @@ from recjax import quantize
 from recjax.config_check import _get, boolean, check_number, choice, integer, known_keys
 from recjax.errors import CheckpointError, ConfigError
 
-FORMAT_VERSION = 1
+# 2: meta holds its own sha256 and what each table array holds (`table_record`); format 1 had neither.
+FORMAT_VERSION = 2
 POLICIES = ("full", "one_shot", "consecutive", "intermittent")
 QUANTIZE_BITS = (0, 2, 4, 8)
+QUANTIZE_OPTIMIZER_BITS = (0, *quantize.STATE_BITS)
 KEYS = {"enabled", "dir", "every_steps", "every_minutes", "keep", "async_save", "policy", "baseline_fraction",
-        "quantize_bits", "restore"}
+        "quantize_bits", "quantize_optimizer_bits", "restore"}
 # Config keys that may change between a run and its resumption (everything else must match).
 # The mesh and plan may change too: the tables are re-laid out on restore.
 RESUMABLE_CHANGES = ("checkpoint.", "train.progress_bar", "mesh.", "sharding.")
@@ -85,6 +94,7 @@ _ITEMS = ("state", "rows", "meta", "digests")
 AGREE_EVERY_STEPS = 20
 BLOCKS = "blocks"  # meta["arrays"] marker: an array saved by blocks (each process its own), checked by digests
 DIGESTS = "digests"  # meta["arrays"] marker: the sha256s of those blocks (the `digests` item)
+META_DIGEST = "sha256"  # meta's own key: the sha256 of everything else in it (`_meta_digest`)
 
 
 def check_checkpoint_config(config: Mapping) -> None:
@@ -108,6 +118,15 @@ def check_checkpoint_config(config: Mapping) -> None:
         raise ConfigError("checkpoint.quantize_bits", f"{bits} quantizes the rows of deltas, but checkpoint.policy "
                                                       "'full' writes none; set checkpoint.policy to 'one_shot', "
                                                       "'consecutive' or 'intermittent' (or quantize_bits to 0)")
+    bits = _get(config, "checkpoint.quantize_optimizer_bits")
+    if bits not in QUANTIZE_OPTIMIZER_BITS or isinstance(bits, bool):
+        raise ConfigError("checkpoint.quantize_optimizer_bits",
+                          f"must be one of {list(QUANTIZE_OPTIMIZER_BITS)} (0 = f32), got {bits!r}")
+    if bits and _get(config, "checkpoint.policy") == "full":
+        raise ConfigError("checkpoint.quantize_optimizer_bits",
+                          f"{bits} quantizes the optimizer rows of deltas, but checkpoint.policy 'full' writes none; "
+                          "set checkpoint.policy to 'one_shot', 'consecutive' or 'intermittent' (or "
+                          "quantize_optimizer_bits to 0)")
 
 
 # ------------------------------------------------------------------------------------------ dirty rows
@@ -185,6 +204,14 @@ def _describe_arrays(item: str, tree: Mapping) -> dict[str, list]:
             [str(np.asarray(a).dtype), list(np.shape(a)), _sha256(np.asarray(a))] for p, a in _flat(tree).items()}
 
 
+def _meta_digest(meta: Mapping) -> str:
+    """The sha256 of `meta` without its own digest, as canonical JSON (sorted keys, no spaces) of what JSON reads back
+    (tuples become lists, keys strings), so the dict saved and the dict read hash alike. The arrays' sha256s are in
+    meta, so this one digest covers every byte a restore uses."""
+    content = json.loads(json.dumps({k: v for k, v in meta.items() if k != META_DIGEST}))
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def _local(array) -> np.ndarray:
     """The host value of an array every process holds whole (a replicated multi-process array: its local copy)."""
     if blocks.is_global(array):
@@ -218,7 +245,8 @@ def _meta_handler_types():
             async def _save_fn(self, x, directory):
                 if isinstance(x.get("arrays"), _Checksums):
                     x = {**x, "arrays": x["arrays"].result()}
-                await super()._save_fn(x, directory)
+                # Inside the item, so Orbax's atomic finalize covers the digest with the content it hashes.
+                await super()._save_fn({**x, META_DIGEST: _meta_digest(x)}, directory)
 
         @ocp.args.register_with_handler(MetaHandler, for_save=True)
         @dataclasses.dataclass
@@ -235,6 +263,72 @@ def _meta_handler_types():
 
 
 _META_TYPES = None
+
+
+# ---------------------------------------------------------------------------------------- table records
+def table_record(collection, optimizer, state) -> dict:
+    """What the table arrays of a checkpoint hold (meta["tables"]), compared with this run's before a restore reads
+    any: tables of equal dim share one stacked array, so equal shapes do not mean equal tables.
+
+        "features": {feature: {"method", "vocab_size", "dim",
+                               "physical_tables": [{"name", "rows", "dim", "group", "offset"}, ...]}}
+        "groups": {group: {"rows", "dim", "dtype", "sparse_opt": {field: [dtype, shape per row]}}}
+        "sparse_optimizer": its name
+
+    `offset` is the table's first row in its stacked group; a mesh run's storages are a function of these and of
+    meta["layout"]'s placements (`sharding.relayout` rebuilds them). `state` (arrays or shapes; keyed by group, or
+    by storage "<group>/<kind>" on a mesh) gives the dtypes."""
+    dtypes = {key.split("/")[0]: str(t.dtype) for key, t in state.tables.items()}
+    field_dtypes = {(key.split("/")[0], f): str(v.dtype) for key, fields in state.sparse_opt_state.items()
+                    for f, v in fields.items()}
+    features: dict[str, dict] = {}
+    for p in collection.physical_tables():  # in stacking order
+        spec = collection.table_specs[p.feature]
+        entry = features.setdefault(p.feature, {"method": spec.method, "vocab_size": spec.vocab_size, "dim": spec.dim,
+                                                "physical_tables": []})
+        entry["physical_tables"].append({"name": p.table.name, "rows": p.table.rows, "dim": p.table.dim,
+                                         "group": p.group, "offset": p.offset})
+    groups = {}
+    for g in sorted(collection.group_rows):
+        shapes = optimizer.state_shapes(1, collection.group_dims[g])
+        groups[g] = {"rows": collection.group_rows[g], "dim": collection.group_dims[g], "dtype": dtypes.get(g),
+                     "sparse_opt": {f: [field_dtypes.get((g, f)), list(shape[1:])]
+                                    for f, shape in sorted(shapes.items())}}
+    return {"features": features, "groups": groups, "sparse_optimizer": optimizer.name}
+
+
+def table_differences(saved: Mapping, now: Mapping) -> list[str]:
+    """What differs between a checkpoint's table record and this run's, "saved -> now", one entry per logical table
+    (or stacked group, or the optimizer); [] when the checkpoint's arrays hold exactly this run's tables."""
+    out = []
+    if saved["sparse_optimizer"] != now["sparse_optimizer"]:
+        out.append(f"sparse optimizer {saved['sparse_optimizer']} -> {now['sparse_optimizer']}")
+    features = [*saved["features"], *(f for f in now["features"] if f not in saved["features"])]
+    for f in features:
+        a, b = saved["features"].get(f), now["features"].get(f)
+        if a is None or b is None:
+            out.append(f"table {f}: {'not in the checkpoint' if a is None else 'not in this config'}")
+            continue
+        what = [f"{k} {a[k]} -> {b[k]}" for k in ("method", "vocab_size", "dim") if a[k] != b[k]]
+        names = [[t["name"] for t in x["physical_tables"]] for x in (a, b)]
+        if names[0] != names[1]:
+            what.append(f"physical tables {names[0]} -> {names[1]}")
+        else:
+            for ta, tb in zip(a["physical_tables"], b["physical_tables"], strict=True):
+                what += [f"{ta['name']} {k} {ta[k]} -> {tb[k]}" for k in ("rows", "dim", "group", "offset")
+                         if ta[k] != tb[k]]
+        if what:
+            out.append(f"table {f}: {', '.join(what)}")
+    for g in [*saved["groups"], *(g for g in now["groups"] if g not in saved["groups"])]:
+        a, b = saved["groups"].get(g), now["groups"].get(g)
+        if a is None or b is None:
+            continue  # its tables differ (above)
+        what = [f"dtype {a['dtype']} -> {b['dtype']}"] if a["dtype"] != b["dtype"] else []
+        if a["sparse_opt"] != b["sparse_opt"] and saved["sparse_optimizer"] == now["sparse_optimizer"]:
+            what.append(f"sparse optimizer state {a['sparse_opt']} -> {b['sparse_opt']}")
+        if what:
+            out.append(f"stacked group {g}: {', '.join(what)}")
+    return out
 
 
 def _config_dict(config: ml_collections.ConfigDict) -> dict:
@@ -294,11 +388,25 @@ class _Store:
             self._metas[step] = {**cached, "arrays": cached["arrays"].result()}
         if step not in self._metas:
             meta = self.item(step, "meta")
-            if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
-                raise CheckpointError(f"checkpoint step {step}: {self.directory / str(step) / 'meta'} is not a "
-                                      f"recjax checkpoint of format {FORMAT_VERSION}; use a new workdir")
+            where = self.directory / str(step) / "meta" / "metadata"  # Orbax's JSON handler's file
+            if not isinstance(meta, dict) or "format" not in meta:
+                raise CheckpointError(f"checkpoint step {step}: {where} is not a recjax checkpoint's metadata; use "
+                                      "a new workdir")
+            if meta["format"] != FORMAT_VERSION:
+                raise CheckpointError(
+                    f"checkpoint step {step}: {where} is of checkpoint format {meta['format']}, this recjax reads "
+                    f"format {FORMAT_VERSION} only (it checks a digest of the metadata and what each table array "
+                    "holds, which older checkpoints do not record); restore it with the recjax that wrote it, or "
+                    "train from scratch in a new workdir")
+            if meta.get(META_DIGEST) != _meta_digest(meta):
+                raise CheckpointError(f"checkpoint step {step}: {where} does not match the sha256 recorded in it (it "
+                                      f"was changed after the save); the checkpoint is corrupt. {self._todo(step)}")
             self._metas[step] = meta
         return self._metas[step]
+
+    def _todo(self, step: int) -> str:
+        return (f"Delete {self.directory / str(step)} (and the later steps built on it) to resume from an earlier "
+                "checkpoint, or use a new workdir")
 
     def item(self, step: int, item: str, meta: dict | None = None, placed: Mapping | None = None):
         """One item of a step, its arrays checked against the sha256, dtype and shape recorded in `meta`. Arrays a
@@ -307,8 +415,7 @@ class _Store:
         import orbax.checkpoint as ocp
 
         where = self.directory / str(step) / item
-        todo = (f"Delete {self.directory / str(step)} (and the later steps built on it) to resume from an earlier "
-                "checkpoint, or use a new workdir")
+        todo = self._todo(step)
         if not where.exists():
             raise CheckpointError(f"checkpoint step {step}: {where} is missing; the checkpoint is incomplete or was "
                                   f"deleted. {todo}")
@@ -403,19 +510,22 @@ def _chain_tables(point: ResumePoint, top: dict, placed: Mapping | None = None) 
         bits = delta_meta["quantize_bits"]
         where = _delta_shardings(tables, sparse_opt) if placed else None
         rows = _decode(store.item(s, "rows", delta_meta, where)) if delta_meta["groups"] else {}
+        codes = delta_meta["optimizer_codes"]  # {field: "signed" | "unsigned"}: stored in 8-bit dynamic codes
         for g, part in rows.items():
             if placed:
                 tables[g] = blocks.apply_blocks(tables[g], part["ids"], blocks.block_values(part, bits, tables[g]))
                 for k, v in part.get("opt", {}).items():
-                    sparse_opt[g][k] = blocks.apply_blocks(sparse_opt[g][k], part["ids"],
-                                                     {b.device: np.asarray(b.data) for b in v.addressable_shards})
+                    values = (blocks.state_block_values(v, codes[k] == "signed") if k in codes else
+                              {b.device: np.asarray(b.data) for b in v.addressable_shards})
+                    sparse_opt[g][k] = blocks.apply_blocks(sparse_opt[g][k], part["ids"], values)
                 continue
             ids = np.asarray(part["ids"])
             valid = ids >= 0
             values = _dequantize(part, bits, tables[g].shape[1]) if "codes" in part else np.asarray(part["rows"])
             tables[g][ids[valid]] = values[valid]
             for k, v in part.get("opt", {}).items():
-                sparse_opt[g][k][ids[valid]] = np.asarray(v)[valid]
+                values = _dequantize_state(v, codes[k] == "signed") if k in codes else np.asarray(v)
+                sparse_opt[g][k][ids[valid]] = values[valid]
     return tables, sparse_opt
 
 
@@ -431,6 +541,18 @@ def _dequantize(part: Mapping, bits: int, dim: int) -> np.ndarray:
                                                     dim // c_blocks) for c in range(c_blocks)], axis=1)
 
 
+def _dequantize_state(part: Mapping, signed: bool) -> np.ndarray:
+    """A delta's optimizer rows f32[n, ...] from their dynamic codes; a column-split field's blocks were quantized each
+    on its own (absmax f32[n, C] for C column blocks)."""
+    codes, absmax = np.asarray(part["codes"]), np.asarray(part["absmax"])
+    if absmax.ndim == 1:
+        return quantize.dequantize_state_rows({"codes": codes, "absmax": absmax}, signed)
+    width = codes.shape[1] // absmax.shape[1]
+    return np.concatenate([quantize.dequantize_state_rows({"codes": codes[:, c * width:(c + 1) * width],
+                                                           "absmax": absmax[:, c]}, signed)
+                           for c in range(absmax.shape[1])], axis=1)
+
+
 # ------------------------------------------------------------------------- multi-process deltas, by blocks
 def _delta_shardings(tables: Mapping, sparse_opt: Mapping) -> dict:
     """Where each array of a multi-process delta goes ({path in the rows item: sharding}): ids split like the table's
@@ -443,6 +565,8 @@ def _delta_shardings(tables: Mapping, sparse_opt: Mapping) -> dict:
         out[f"{key}/rows"] = out[f"{key}/codes"] = t.sharding
         out[f"{key}/offset"] = out[f"{key}/scale"] = blocks.digest_sharding(t.sharding)
         out.update({f"{key}/opt/{k}": v.sharding for k, v in sparse_opt[g].items()})
+        out.update({f"{key}/opt/{k}/codes": v.sharding for k, v in sparse_opt[g].items()})  # quantized: by blocks too
+        out.update({f"{key}/opt/{k}/absmax": blocks.digest_sharding(v.sharding) for k, v in sparse_opt[g].items()})
     return out
 
 
@@ -460,12 +584,19 @@ def read_arrays(point: ResumePoint) -> dict[str, np.ndarray]:
             **{f"aux/{f}/{k}": np.asarray(v) for f, a in top.get("aux", {}).items() for k, v in a.items()}}
 
 
-def restore_state(point: ResumePoint, like, relayout=None):
+def restore_state(point: ResumePoint, like, relayout=None, *, record: Mapping):
     """The TrainState of `point` (without dirty-row bitmaps); `like` is a TrainState of this config (arrays or
     shapes) that gives the tree structure, the shape every array must have and, for arrays on a mesh, where they
-    go. `relayout(by_key, saved_layout)` maps tables (or one optimizer field) {key: array} saved under
+    go; `record` is this run's `table_record`, which the checkpoint's must equal before any array is read.
+    `relayout(by_key, saved_layout)` maps tables (or one optimizer field) {key: array} saved under
     `point.meta["layout"]` to this run's layout (None: the same layout)."""
     store, meta, step = point.store, point.meta, point.step
+    differences = table_differences(meta["tables"], record)
+    if differences:
+        shown = "; ".join(differences[:6]) + (f"; and {len(differences) - 6} more" if len(differences) > 6 else "")
+        raise CheckpointError(f"checkpoint step {step} in {store.directory} holds other embedding tables than this "
+                              f"config builds (saved -> now: {shown}), so their rows would load into the wrong "
+                              "features; restore it with the config that trained it, or train from scratch")
     other_model = (f"checkpoint step {step} in {store.directory} holds another model than this config builds "
                    "({}); restore it with its own config")
     paths, like_leaves, treedef = _dense_leaves(like)
@@ -569,6 +700,7 @@ class Checkpointer:
         self.policy = ck.policy
         self.baseline_fraction = float(ck.baseline_fraction)
         self.bits = int(ck.quantize_bits)
+        self.optimizer_bits = int(ck.quantize_optimizer_bits)
         self.restore_from = ck.restore
         self.async_save = bool(ck.async_save)
         if jax.process_count() > 1:
@@ -592,6 +724,7 @@ class Checkpointer:
         self._saving: concurrent.futures.Future | None = None  # the async save call in flight
         self._pending_retain = False
         self.layout: dict | None = None  # the tables' layout on a mesh (the trainer sets it; None on one device)
+        self.task = None  # the run's Task: what its tables hold (`table_record`); the trainer sets it
         self.relayout = None  # (by_key, saved layout) -> by_key in this run's layout (the trainer sets it)
 
     # ---------------------------------------------------------------------------------------- resume
@@ -617,12 +750,19 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint.restore: {error}") from None
 
     def restore(self, point: ResumePoint, like) -> tuple[Any, dict]:
-        """(TrainState, the trainer's loop state) of `point`, with dirty-row bitmaps as the policy needs."""
+        """(TrainState, the trainer's loop state) of `point`, with dirty-row bitmaps as the policy needs. The loop
+        state (selection, early stopping, metrics history, times) is the checkpoint's when this run resumes itself,
+        and {} for another run's checkpoint (`checkpoint.restore`): its history is not this run's."""
         if jax.process_count() > 1 and _by_blocks(point.meta) and point.meta.get("layout") != self.layout:
             raise CheckpointError(f"checkpoint step {point.step} in {point.store.directory} was saved by a "
                                   "multi-process run on another mesh or plan; restore it on the same mesh.shape and "
                                   "sharding.*, or in one process (which re-lays its tables out)")
-        state = self.track(restore_state(point, like, self.relayout))
+        try:
+            state = self.track(restore_state(point, like, self.relayout, record=self._record(like)))
+        except CheckpointError as error:
+            if point.own:
+                raise
+            raise CheckpointError(f"checkpoint.restore: {error}") from None
         self._baseline_shapes = _table_shapes(state)  # the chain restored reads tables of these shapes
         meta = point.meta
         # Another layout (or number of processes, which changes how deltas are written): a new baseline next.
@@ -639,7 +779,13 @@ class Checkpointer:
                     state = state.replace(dirty_rows={
                         g: d.at[jnp.asarray(rows[g]["ids"])].set(True) if g in rows else d
                         for g, d in state.dirty_rows.items()})
-        return state, meta["loop"]
+        return state, (meta["loop"] if point.own else {})
+
+    def _record(self, state) -> dict:
+        if self.task is None:
+            raise ValueError("Checkpointer.task is not set: set it to the run's Task (what its tables hold) before a "
+                             "save or a restore")
+        return table_record(self.task.collection, self.task.sparse_optimizer, state)
 
     # ------------------------------------------------------------------------------------------ save
     def track(self, state):
@@ -716,10 +862,13 @@ class Checkpointer:
         meta = {
             "format": FORMAT_VERSION, "step": step, "kind": kind, "policy": self.policy, "chain": self._chain,
             "quantize_bits": self.bits if kind == "delta" else 0, "groups": sorted(_decode(rows_item)),
+            "quantize_optimizer_bits": self.optimizer_bits if kind == "delta" else 0,
+            "optimizer_codes": self._optimizer_codes() if kind == "delta" else {},
             "table_bytes": table_bytes, "bytes": _nbytes(item_state) + _nbytes(rows_item),
             "baseline_bytes": self._baseline_bytes, "chain_bytes": self._chain_bytes,
             "dense_paths": paths, "dense_shapes": [[str(leaf.dtype), list(leaf.shape)] for leaf in leaves],
             "rng_impl": str(jax.random.key_impl(state.dropout_rng)), "layout": self.layout,
+            "tables": self._record(state),
             "processes": jax.process_count(),
             "arrays": arrays, "loop": loop, "config": self.config_dict, "finished": finished,
         }
@@ -762,7 +911,8 @@ class Checkpointer:
             for g, cap in zip(groups, caps, strict=True):
                 if cap:  # Orbax cannot store empty arrays; a group without touched rows is left out
                     rows_item[_encode(g)] = blocks.delta_blocks(state.dirty_rows[g], state.tables[g],
-                                                          state.sparse_opt_state[g], int(cap), self.bits)
+                                                          state.sparse_opt_state[g], int(cap), self.bits,
+                                                          self._optimizer_codes())
             groups = ()
         else:
             groups = sorted(state.dirty_rows)
@@ -774,7 +924,10 @@ class Checkpointer:
             part = {"ids": ids}
             rows = _gather_rows(state.tables[g], ids)
             part.update(quantize.quantize_rows(rows, self.bits) if self.bits else {"rows": rows})
+            codes = self._optimizer_codes()
             opt = {k: _gather_rows(v, ids) for k, v in state.sparse_opt_state[g].items()}
+            opt = {k: quantize.quantize_state_rows(v, codes[k] == "signed") if k in codes else v
+                   for k, v in opt.items()}
             if opt:
                 part["opt"] = opt
             rows_item[_encode(g)] = part
@@ -783,6 +936,17 @@ class Checkpointer:
                                               > self.baseline_fraction * self._baseline_bytes):
             return "full", {}, 0
         return "delta", rows_item, delta_bytes
+
+    def _optimizer_codes(self) -> dict[str, str]:
+        """{field: "signed" | "unsigned"}: the sparse-optimizer fields a delta stores in 8-bit dynamic codes
+        (`quantize_optimizer_bits`): those with a vector per row (lazy Adam's m and v, Adagrad's accumulator); a
+        per-row scalar (row-wise Adagrad's accumulator, 1 / D of the row's bytes) stays f32, as its block would be
+        the one value. Unsigned for the fields the optimizer keeps non-negative."""
+        if not self.optimizer_bits:
+            return {}
+        optimizer = self.task.sparse_optimizer
+        return {k: "unsigned" if k in optimizer.nonnegative_state else "signed"
+                for k, shape in sorted(optimizer.state_shapes(1, 1).items()) if len(shape) > 1}
 
     def _host_copies(self, arrays: dict) -> dict:
         """Each array copied into this checkpointer's host buffer for its key (re-allocated when its shape changes),

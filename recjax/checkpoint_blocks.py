@@ -132,11 +132,13 @@ def _assemble(shape: tuple[int, ...], sharding, blocks: Mapping[tuple[int, int],
     return jax.make_array_from_callback(shape, sharding, lambda index: blocks[_block_of(index, block)])
 
 
-def delta_blocks(dirty: jax.Array, table: jax.Array, opt: Mapping[str, jax.Array], cap: int, bits: int) -> dict:
+def delta_blocks(dirty: jax.Array, table: jax.Array, opt: Mapping[str, jax.Array], cap: int, bits: int,
+                 optimizer_codes: Mapping[str, str] | None = None) -> dict:
     """One group's part of a multi-process delta: every row block's marked rows padded to `cap` (the most any block
     has), as global arrays placed like the table, so each process writes its blocks: "ids" i32[R cap] (global row
     ids, -1 = padding), "rows" [R cap, d] or quantized per (row, column) block "codes" / "offset" / "scale", and
-    "opt"."""
+    "opt" (the fields of `optimizer_codes`, {field: "signed" | "unsigned"}, as 8-bit dynamic "codes" per (row, column)
+    block with their "absmax")."""
     marked = dirty_blocks(dirty)
     blocks = dirty.shape[0] // dirty.sharding.shard_shape(dirty.shape)[0]
 
@@ -159,9 +161,22 @@ def delta_blocks(dirty: jax.Array, table: jax.Array, opt: Mapping[str, jax.Array
                                    {k: q[name][:, None] for k, q in quantized.items()})
     else:
         part["rows"] = _assemble((blocks * cap, *table.shape[1:]), table.sharding, rows)
+    optimizer_codes = optimizer_codes or {}
     if opt:
-        part["opt"] = {k: _assemble((blocks * cap, *v.shape[1:]), v.sharding, _gathered_blocks(v, marked, cap))
-                       for k, v in opt.items()}
+        part["opt"] = {}
+        for k, v in opt.items():
+            gathered = _gathered_blocks(v, marked, cap)
+            if k not in optimizer_codes:
+                part["opt"][k] = _assemble((blocks * cap, *v.shape[1:]), v.sharding, gathered)
+                continue
+            quantized = {key: quantize.quantize_state_rows(x, optimizer_codes[k] == "signed")
+                         for key, x in gathered.items()}
+            columns = v.shape[1] // v.sharding.shard_shape(v.shape)[1]
+            part["opt"][k] = {
+                "codes": _assemble((blocks * cap, *v.shape[1:]), v.sharding,
+                                   {key: q["codes"] for key, q in quantized.items()}),
+                "absmax": _assemble((blocks * cap, columns), digest_sharding(v.sharding),
+                                    {key: q["absmax"][:, None] for key, q in quantized.items()})}
     return part
 
 
@@ -174,6 +189,14 @@ def block_values(part: Mapping, bits: int, table: jax.Array) -> dict:
     scale = {b.device: np.asarray(b.data)[:, 0] for b in part["scale"].addressable_shards}
     return {b.device: quantize.dequantize_rows({"codes": np.asarray(b.data), "offset": offset[b.device],
                                                 "scale": scale[b.device]}, bits, width)
+            for b in part["codes"].addressable_shards}
+
+
+def state_block_values(part: Mapping, signed: bool) -> dict:
+    """{device: a delta's optimizer rows for the block on that device}, dequantized from their dynamic codes."""
+    absmax = {b.device: np.asarray(b.data)[:, 0] for b in part["absmax"].addressable_shards}
+    return {b.device: quantize.dequantize_state_rows({"codes": np.asarray(b.data), "absmax": absmax[b.device]},
+                                                     signed)
             for b in part["codes"].addressable_shards}
 
 

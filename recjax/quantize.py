@@ -88,3 +88,51 @@ def unpack_codes(packed: np.ndarray, bits: int, dim: int) -> np.ndarray:
 def quantized_row_bytes(dim: int, bits: int) -> int:
     """Bytes per stored row: packed codes plus the f32 offset and scale."""
     return -(-dim * bits // 8) + 8
+
+
+# ------------------------------------------------------------------------------------ optimizer state rows
+# Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization": each block of a state tensor is divided by its
+# absolute maximum and every value stored as the index of the nearest entry of a 256-value *dynamic* code (Sec. 2).
+# A delta's unit is the row, so a block here is one row's state (D values, one f32 absmax): a row-wise asymmetric
+# linear code (above) fits table rows, but Adam's moments and Adagrad's accumulators span decades within a row.
+STATE_BITS = (8,)
+
+
+def dynamic_code(signed: bool) -> np.ndarray:
+    """The 8-bit dynamic tree code (Dettmers 2016; Dettmers et al. 2022, Sec. 2.2), ascending, f64: after the sign bit
+    (signed only), e zero bits give the decade 10^-e, a one bit ends them, and the f remaining bits are a linear
+    fraction in (0.1, 1]: the value is 10^-e (0.1 + 0.9 k / 2^f), k = 1..2^f; the code of all zeros is 0. Large values
+    keep ~2-3 significant digits and values down to 10^-6 (signed) or 10^-7 (unsigned: the sign bit becomes one more
+    decade, for non-negative state) of the block's maximum stay non-zero, where an 8-bit linear code would round
+    everything below 1/255 of it to 0. 255 values signed (+0 and -0 are one), 256 unsigned; 1 is exact."""
+    magnitude_bits = 7 if signed else 8
+    positive = np.concatenate([10.0**-e * (0.1 + 0.9 * np.arange(1, 2**f + 1) / 2**f)
+                               for e, f in ((e, magnitude_bits - 1 - e) for e in range(magnitude_bits))])
+    positive = np.sort(positive)
+    return np.concatenate([-positive[::-1], [0.0], positive]) if signed else np.concatenate([[0.0], positive])
+
+
+def quantize_state_rows(x: np.ndarray, signed: bool) -> dict[str, np.ndarray]:
+    """x f32[N, D] -> {"codes": u8[N, D] (indices into `dynamic_code(signed)`), "absmax": f32[N]}: each row
+    divided by its absolute maximum, each value the nearest code -- except that the unsigned code never rounds a
+    positive value to 0 (it takes the smallest positive code): Adam's v and Adagrad's accumulator are under a square
+    root in the update's denominator, and a 0 there would make the row's next step lr * m / eps."""
+    x = np.asarray(x, np.float32)
+    assert x.ndim == 2, x.shape
+    if not signed and np.any(x < 0):
+        raise ValueError("the unsigned dynamic code holds non-negative state only; quantize signed state with "
+                         "signed=True")
+    code = dynamic_code(signed)
+    absmax = np.abs(x).max(axis=1) if x.shape[1] else np.zeros(len(x), np.float32)
+    scaled = x.astype(np.float64) / np.where(absmax > 0, absmax, 1.0)[:, None]
+    codes = np.searchsorted((code[1:] + code[:-1]) / 2, scaled)  # the nearest code (a tie: the lower one)
+    if not signed:
+        codes = np.where((x > 0) & (codes == 0), 1, codes)
+    return {"codes": codes.astype(np.uint8), "absmax": absmax.astype(np.float32)}
+
+
+def dequantize_state_rows(quantized: dict[str, np.ndarray], signed: bool) -> np.ndarray:
+    """The inverse of `quantize_state_rows`: f32[N, D]."""
+    code = dynamic_code(signed)
+    absmax = np.asarray(quantized["absmax"], np.float64)
+    return (code[np.asarray(quantized["codes"])] * absmax[:, None]).astype(np.float32)

@@ -40,6 +40,9 @@ class SparseOptimizer(abc.ABC):
     # True when the rule is rows + f(grads) with f linear and no state (plain SGD): the update of a row is then the
     # sum of its occurrences' updates, so it can be scattered with duplicates, without deduplicating ids first.
     linear_in_grads: ClassVar[bool] = False
+    # State fields that are never negative (sums / averages of squared gradients): checkpoint deltas may store them
+    # in an unsigned code (recjax/quantize.py `quantize_state_rows`).
+    nonnegative_state: ClassVar[frozenset[str]] = frozenset()
 
     def __post_init__(self):
         if not self.weight_decay >= 0:
@@ -104,6 +107,7 @@ class Adagrad(SparseOptimizer):
     eps: float = 1e-8
     initial_accumulator_value: float = 0.0
     name: ClassVar[str] = "adagrad"
+    nonnegative_state: ClassVar[frozenset[str]] = frozenset({"accumulator"})
 
     def state_shapes(self, rows, dim):
         return {"accumulator": (rows, dim)}
@@ -123,6 +127,7 @@ class RowwiseAdagrad(SparseOptimizer):
     eps: float = 1e-8
     initial_accumulator_value: float = 0.0
     name: ClassVar[str] = "rowwise_adagrad"
+    nonnegative_state: ClassVar[frozenset[str]] = frozenset({"accumulator"})
 
     def state_shapes(self, rows, dim):
         return {"accumulator": (rows,)}
@@ -152,6 +157,7 @@ class LazyAdam(SparseOptimizer):
     eps: float = 1e-7
     form: str = "tf"
     name: ClassVar[str] = "lazy_adam"
+    nonnegative_state: ClassVar[frozenset[str]] = frozenset({"v"})
 
     def __post_init__(self):
         super().__post_init__()

@@ -473,17 +473,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     # --- data and task ----------------------------------------------------------------------------
     dataset = make_dataset(config.data, seed=config.seed)
     budget = resolve_budget(config.train, dataset)
+    if resume and not resume.own and resume.step >= budget.steps:  # nothing left to train, nothing of its own to select
+        key = "train.steps" if config.train.steps is not None else "train.epochs"
+        raise ConfigError(key, f"the budget of {budget.steps:,} steps ends at or before step {resume.step:,} of the "
+                               f"checkpoint.restore {resume.store.directory / str(resume.step)}; raise {key} to train "
+                               "on from there")
     print(f"train: {budget.describe()}", flush=True)
     task = build_task(config, dataset.spec, dataset, budget.steps)
     dynamic = DynamicTables.create(task.collection, budget.steps, int(config.seed))
-    if resume and dynamic is not None:  # the pools were compacted: restore into the checkpoint's capacities
-        task = dynamic.resume(task, resume.meta["loop"]["dynamic"])
+    saved_dynamic = resume.meta["loop"].get("dynamic") if resume else None
+    if saved_dynamic and dynamic is not None:  # the pools were compacted: restore into the checkpoint's capacities
+        # (with its memory history only when the run resumes itself; another run's history is its own)
+        task = (dynamic.resume(task, saved_dynamic) if resume.own
+                else dynamic.with_capacities(task, saved_dynamic["capacities"]))
     sharded = sharding.setup(config, task)  # None on one device: the single-device engine below, untouched
     validate = lambda b, where: validate_batch(b, task.spec, any_id=task.collection.any_id_features,
                                                where=where)
     if checkpointer is not None:  # where the tables' rows are, and how to restore a checkpoint saved elsewhere
         checkpointer.layout = sharding.layout(sharded)
         checkpointer.relayout = sharding.relayout(task.collection, sharded)
+        checkpointer.task = task  # what the tables hold: checked on restore
     put = jax.device_put if sharded is None else sharded.put_batch
     # Step i's batch is a pure function of (seed, i), so a resumed run restarts the stream at its step.
     start = resume.step if resume else 0
@@ -551,11 +560,15 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
             return checkpointer.track(like) if checkpointer else like
         state, loop_state = checkpointer.restore(resume, like)
         loop.update(loop_state)
+        where = resume.store.directory / str(resume.step)
+        if not resume.own:  # another run's checkpoint: selection, early stopping and history start here
+            loop["restored_from"] = {"checkpoint": str(where), "step": resume.step}
         saved = resume.meta.get("layout")
         moved = "" if saved == checkpointer.layout else (
             f"; its tables re-laid out from {_describe_layout(saved)} to {_describe_layout(checkpointer.layout)}")
-        print(f"resuming from checkpoint step {resume.step:,} of {budget.steps:,} "
-              f"({resume.store.directory / str(resume.step)}){moved}", flush=True)
+        fresh = "" if resume.own else "; another run's checkpoint: selection and metrics history start anew"
+        print(f"resuming from checkpoint step {resume.step:,} of {budget.steps:,} ({where}){moved}{fresh}",
+              flush=True)
         return state
 
     if sharded is not None:  # the single-device initial state laid out by the plan; steps under shard_map
@@ -624,16 +637,17 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
     if dynamic is not None:
         selection.selectable_from = dynamic.ramp_end(task.collection)
         if not dynamic.history:  # a resumed run restored its history
-            dynamic.record(task.collection, task.sparse_optimizer, state, 0)
+            dynamic.record(task.collection, task.sparse_optimizer, state, resume.step if resume else 0)
         print(f"dynamic tables {', '.join(dynamic.features)}: budgets reached at step {selection.selectable_from:,}; "
               "validation selects from there", flush=True)
     test_warned = loop.get("test_warned", False)
     train_time, run_start = loop.get("train_time", 0.0), time.perf_counter() - loop.get("wall_time", 0.0)
     loss = loop.get("loss", float("nan"))
+    restored_from = loop.get("restored_from")  # {"checkpoint", "step"}: this run began from another run's checkpoint
 
     def loop_state() -> dict:
         return {"selection": dataclasses.asdict(selection), "test_warned": test_warned, "train_time": train_time,
-                "wall_time": time.perf_counter() - run_start, "loss": loss,
+                "wall_time": time.perf_counter() - run_start, "loss": loss, "restored_from": restored_from,
                 "history": list(history),  # a copy: an async save serialises it while the loop appends
                 **({} if dynamic is None else {"dynamic": dynamic.loop_state(task.collection)})}
 
@@ -660,6 +674,8 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
             else:
                 task, sharded, state, recompile = _adjust_on_mesh(config, dynamic, task, sharded, state, step,
                                                                   checkpointer)
+            if checkpointer is not None:
+                checkpointer.task = task  # a compaction re-sized the pools
             if recompile:  # a pool was compacted: new shapes
                 t0 = time.perf_counter()
                 predict_step, train_step = compile_steps(task, state)
@@ -733,6 +749,7 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
                       for metric, best in selection.by_metric.items()},
         "stopped_early": stopped_early,
         "warnings": selection.warnings + ([disagreement] if disagreement else []),
+        "restored_from": restored_from,
         **dataset.info(),
         "params": dense_params + accounting["params"],
         "dense_params": dense_params,
@@ -742,7 +759,8 @@ def _train_loop(config: ml_collections.ConfigDict, workdir: pathlib.Path, datase
         "compression_ratio": accounting["full_bytes"] / accounting["bytes"],
         "flops_per_example": forward_flops,
         "train_flops_per_example": train_flops,
-        "examples_per_sec": step * batch_size / train_time,
+        # Steps this run (and its resumes) trained: not those of a checkpoint.restore's run.
+        "examples_per_sec": (step - (restored_from["step"] if restored_from else 0)) * batch_size / train_time,
         "compile_time_s": compile_time,
         "train_time_s": train_time,
         "wall_time_s": time.perf_counter() - run_start,

@@ -5,7 +5,8 @@ device, where the single-device runs happen).
 
 Writes OUT_DIR/reference (data=4,model=2, consecutive deltas, uninterrupted), OUT_DIR/resumed (the same run killed
 after its step-20 save and resumed, one-shot deltas) and OUT_DIR/from_single (data=2,model=4, started from the
-single-device run's step-20 checkpoint).
+single-device run's step-20 checkpoint), and prints the error of a restore of that checkpoint onto the mesh by a
+config whose tables C1 and C2 have each other's sizes ("swapped: <message>").
 """
 
 import contextlib
@@ -15,8 +16,9 @@ import sys
 import jax
 import pytest
 
+from recjax.errors import CheckpointError
 from recjax.train import train_and_evaluate
-from tests.test_checkpoint import crash_after_save, tiny
+from tests.test_checkpoint import VOCABS, crash_after_save, tiny
 
 STEP = 20  # the interruption, and the checkpoint another layout starts from
 
@@ -43,6 +45,13 @@ def main(out: pathlib.Path, single: pathlib.Path) -> None:
 
     train_and_evaluate(mesh_config("data=2,model=4", restore=str(single / "checkpoints" / str(STEP))),
                        out / "from_single")
+
+    swapped = mesh_config("data=2,model=4", restore=str(single / "checkpoints" / str(STEP)))
+    swapped.data.vocab_sizes = (VOCABS[1], VOCABS[0], *VOCABS[2:])
+    try:
+        train_and_evaluate(swapped, out / "swapped")
+    except CheckpointError as error:
+        print(f"swapped: {error}", flush=True)
 
 
 if __name__ == "__main__":

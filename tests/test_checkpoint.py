@@ -2,6 +2,7 @@
 data, every incremental policy), deltas hold exactly the rows the batches touched, integrity errors name the step
 and path, partial saves are never loaded, nothing is unpickled, and the quantizer against plain numpy."""
 
+import csv
 import json
 import os
 import pathlib
@@ -124,11 +125,72 @@ def test_resuming_with_another_config_is_an_error(reference):
         train_and_evaluate(config, reference)
 
 
-def test_restore_starts_from_another_runs_checkpoint(reference, tmp_path, capsys):
+def metrics_rows(workdir: pathlib.Path) -> list[dict]:
+    """metrics.csv's rows but their timing columns."""
+    with (workdir / "metrics.csv").open() as f:
+        return [{k: v for k, v in row.items() if k not in ("examples_per_sec", "elapsed_s")}
+                for row in csv.DictReader(f)]
+
+
+def test_restore_starts_from_another_runs_checkpoint_with_a_history_of_its_own(reference, tmp_path, capsys):
+    """The model goes on exactly as the donor's did; selection, early stopping and metrics.csv hold only this run's
+    evaluations (after step 30), never the donor's best step and test AUC."""
     config = tiny(restore=str(reference / "checkpoints" / "30"))
-    train_and_evaluate(config, tmp_path)
-    assert "resuming from checkpoint step 30" in capsys.readouterr().out
-    assert_same_run(reference, tmp_path)
+    summary = train_and_evaluate(config, tmp_path)
+    out = capsys.readouterr().out
+    assert "resuming from checkpoint step 30" in out and "selection and metrics history start anew" in out
+    assert_same_arrays(final_arrays(reference), final_arrays(tmp_path))
+    after = [row for row in metrics_rows(reference) if int(row["step"]) > 30]  # the oracle: the donor's own log
+    assert metrics_rows(tmp_path) == after
+    validation = [row for row in after if row["split"] == "validation"]
+    best = max(validation, key=lambda row: float(row["auc"]))
+    assert summary["selected_step"] == int(best["step"])
+    assert summary["validation"]["auc"] == pytest.approx(float(best["auc"]), rel=1e-12)
+    assert summary["restored_from"] == {"checkpoint": str(reference / "checkpoints" / "30"), "step": 30}
+    # Its speed counts the 10 steps it trained, in its own train time.
+    assert summary["examples_per_sec"] * summary["train_time_s"] == pytest.approx(10 * 128, rel=1e-9)
+    assert json.loads((reference / "summary.json").read_text())["restored_from"] is None
+
+
+@pytest.mark.parametrize("change, differences", [
+    # Two tables' sizes swapped: the stacked group dim8 keeps its shape, so shapes alone would load C1's rows into C2.
+    (lambda c: setattr(c.data, "vocab_sizes", (50, 200, *VOCABS[2:])),
+     "table C1: vocab_size 200 -> 50, C1 rows 200 -> 50; table C2: vocab_size 50 -> 200, C2 rows 50 -> 200, C2 "
+     "offset 200 -> 50"),
+    # Same rows, another method: hashing 1000 ids into 1000 buckets has C3's shape and another meaning.
+    (lambda c: c.embedding.tables.update({"C3": {"method": "hashing", "options": {"buckets": 1000}}}),
+     "table C3: method full -> hashing"),
+    (lambda c: setattr(c.optimizer.sparse, "name", "adagrad"), "sparse optimizer lazy_adam -> adagrad"),
+])
+def test_restore_of_other_tables_is_an_error_naming_them(reference, tmp_path, change, differences):
+    config = tiny(restore=str(reference / "checkpoints" / "30"))
+    change(config)
+    with pytest.raises(CheckpointError) as error:
+        train_and_evaluate(config, tmp_path)
+    assert str(error.value) == (
+        f"checkpoint.restore: checkpoint step 30 in {reference / 'checkpoints'} holds other embedding tables than this "
+        f"config builds (saved -> now: {differences}), so their rows would load into the wrong features; restore it "
+        "with the config that trained it, or train from scratch")
+
+
+def test_restore_at_the_end_of_its_budget_is_an_error(reference, tmp_path):
+    """Nothing would be trained or evaluated: there is no selection of this run's own to report."""
+    with pytest.raises(ConfigError, match=r"train.steps: the budget of 30 steps ends at or before step 30 of the "
+                                          r"checkpoint.restore .*checkpoints/30; raise train.steps"):
+        train_and_evaluate(tiny(steps=30, restore=str(reference / "checkpoints" / "30")), tmp_path)
+
+
+def test_checkpoint_of_an_older_format_is_refused(reference, tmp_path):
+    """Format 1 recorded neither a metadata digest nor what its tables hold: nothing to check it against."""
+    run = copy_run(reference, tmp_path)
+    path = run / "checkpoints" / "40" / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    for key in ("tables", "sha256"):
+        del meta[key]
+    path.write_text(json.dumps({**meta, "format": 1}))
+    with pytest.raises(CheckpointError, match=r"checkpoint step 40: .*checkpoints/40/meta/metadata is of checkpoint "
+                                              r"format 1, this recjax reads format 2 only"):
+        checkpoint.open_checkpoint(run / "checkpoints")
 
 
 def test_prepared_data_resumes_exactly(tmp_path, monkeypatch):
@@ -265,6 +327,63 @@ def test_corrupt_array_is_an_error_naming_step_and_file(reference, tmp_path):
         train_and_evaluate(reference_config(), run)
 
 
+def unchecked_item(checkpoints: pathlib.Path, step: int, item: str) -> dict:
+    """An item as Orbax and tensorstore decode it, without the sha256 comparison."""
+    point = checkpoint.open_checkpoint(checkpoints, step)
+    return checkpoint._flat(point.store.item(step, item))
+
+
+def test_flipped_byte_that_decodes_is_an_error(reference, tmp_path):
+    """One byte of one stored table value changed, re-encoded through tensorstore itself (the chunks are zstd
+    compressed, so a byte flipped in the file would most likely fail to decode): the array decodes cleanly to the
+    wrong value, and only the sha256 comparison can tell."""
+    import tensorstore as ts
+
+    run = copy_run(reference, tmp_path)
+    item = run / "checkpoints" / "10" / "state"  # the chain's baseline: every later step reads its tables
+    spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{item}/", "path": "tables.dim8/"}}
+    stored = ts.open(spec).result()
+    values = stored.read().result()
+    flipped = values.copy()
+    flipped.view(np.uint8).reshape(-1)[4 * 1234] ^= 0x01  # the lowest mantissa bit of one float: a 1e-7 change
+    stored.write(flipped).result()
+    decoded = unchecked_item(run / "checkpoints", 10, "state")["tables/dim8"]
+    assert np.count_nonzero(decoded.view(np.uint8) != values.view(np.uint8)) == 1
+    with pytest.raises(CheckpointError, match=r"checkpoint step 10: array state/tables/dim8 in .*checkpoints/10/state "
+                                              r"does not match the sha256"):
+        final_arrays(run)
+
+
+def test_item_copied_from_another_step_is_an_error(reference, tmp_path):
+    """Step 30's state item copied over step 40's: every file is valid and decodes, to step 30's values."""
+    run = copy_run(reference, tmp_path)
+    checkpoints = run / "checkpoints"
+    shutil.rmtree(checkpoints / "40" / "state")
+    shutil.copytree(checkpoints / "30" / "state", checkpoints / "40" / "state")
+    decoded, donor = (unchecked_item(checkpoints, s, "state") for s in (40, 30))
+    assert_same_arrays(decoded, donor)
+    with pytest.raises(CheckpointError, match=r"checkpoint step 40: array state/\S+ in .*checkpoints/40/state does "
+                                              r"not match the sha256"):
+        final_arrays(run)
+
+
+@pytest.mark.parametrize("step, edit", [
+    (40, lambda meta: meta["loop"]["selection"]["best_validation"].update(auc=0.99)),  # the restore point's
+    (20, lambda meta: meta["loop"]["history"].pop()),  # a delta the chain of step 40 reads
+])
+def test_edited_metadata_is_an_error_naming_step_and_file(reference, tmp_path, step, edit):
+    """Metadata still valid JSON, but changed after the save: a resume must refuse it, not report a wrong selection."""
+    run = copy_run(reference, tmp_path)
+    path = run / "checkpoints" / str(step) / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    edit(meta)
+    path.write_text(json.dumps(meta))
+    (run / "summary.json").unlink()
+    with pytest.raises(CheckpointError, match=rf"checkpoint step {step}: .*checkpoints/{step}/meta/metadata does not "
+                                              r"match the sha256 recorded in it .* corrupt\. Delete "):
+        train_and_evaluate(reference_config(), run)
+
+
 def test_missing_delta_is_an_error(reference, tmp_path):
     run = copy_run(reference, tmp_path)
     shutil.rmtree(run / "checkpoints" / "20")
@@ -304,6 +423,9 @@ def test_loading_unpickles_nothing(reference, monkeypatch):
     ("policy", "sometimes", r"checkpoint.policy: unknown value 'sometimes'"),
     ("quantize_bits", 3, r"checkpoint.quantize_bits: must be one of \[0, 2, 4, 8\]"),
     ("quantize_bits", 4, r"checkpoint.quantize_bits: 4 quantizes the rows of deltas, but checkpoint.policy 'full'"),
+    ("quantize_optimizer_bits", 4, r"checkpoint.quantize_optimizer_bits: must be one of \[0, 8\]"),
+    ("quantize_optimizer_bits", 8, r"checkpoint.quantize_optimizer_bits: 8 quantizes the optimizer rows of deltas, "
+                                   r"but checkpoint.policy 'full'"),
     ("keep", 0, r"checkpoint.keep: must be >= 1"),
     ("every_minutes", -1.0, r"checkpoint.every_minutes: must be >= 0"),
 ])
@@ -356,3 +478,67 @@ def test_quantized_deltas_restore_within_their_step(reference, tmp_path):
         if k != "tables/dim8":
             np.testing.assert_array_equal(exact[k], lossy[k], err_msg=k)
     assert store.meta(40)["table_bytes"] < store.meta(20)["table_bytes"] * 10
+
+
+def nearest_codes(x: np.ndarray, signed: bool) -> np.ndarray:
+    """The oracle of `quantize_state_rows`: per row, each value / the row's absolute maximum rounded to the nearest
+    code by brute force (an unsigned positive value to the nearest positive code), times that maximum."""
+    code = quantize.dynamic_code(signed)
+    absmax = np.abs(x).max(axis=1, keepdims=True)
+    scaled = x / np.where(absmax > 0, absmax, 1)
+    candidates = np.where(signed | (scaled[..., None] <= 0) | (code > 0), code, np.inf)  # positive: positive codes
+    return (code[np.argmin(np.abs(candidates - scaled[..., None]), axis=-1)] * absmax).astype(np.float32)
+
+
+def test_dynamic_code_and_state_quantizer():
+    """The 8-bit dynamic tree code by hand, and block-wise (per-row) quantization against the brute-force nearest code
+    (Dettmers et al. 2022)."""
+    unsigned, signed = quantize.dynamic_code(False), quantize.dynamic_code(True)
+    assert len(np.unique(unsigned)) == 256 and len(np.unique(signed)) == 255
+    # Decade e has 2^(f) values 10^-e (0.1 + 0.9 k / 2^f), f = 7 - e (unsigned) or 6 - e (signed) fraction bits.
+    np.testing.assert_allclose(unsigned[[0, 1, 2, -2, -1]], [0, 1e-7, 1e-6 * 0.55, 0.1 + 0.9 * 127 / 128, 1])
+    np.testing.assert_allclose(signed[[0, 1, 126, 127, 128, -1]], [-1, -(0.1 + 0.9 * 63 / 64), -1e-6, 0, 1e-6, 1])
+    assert np.count_nonzero((unsigned > 0.1) & (unsigned <= 1)) == 128  # the top decade: 7 fraction bits
+    rng = np.random.default_rng(0)
+    m = (rng.standard_t(3, size=(200, 16)) * 10.0 ** rng.uniform(-6, 0, (200, 1))).astype(np.float32)
+    v = (m**2 * 10.0 ** rng.uniform(-4, 0, m.shape)).astype(np.float32)  # non-negative, spanning decades in a row
+    m[0], v[1], v[2, 3] = 0.0, 0.0, 1e-30  # a zero row; a tiny positive value far below the row's maximum
+    for x, is_signed in ((m, True), (v, False)):
+        q = quantize.quantize_state_rows(x, is_signed)
+        assert q["codes"].dtype == np.uint8 and q["codes"].shape == x.shape and q["absmax"].shape == (len(x),)
+        back = quantize.dequantize_state_rows(q, is_signed)
+        np.testing.assert_allclose(back, nearest_codes(x, is_signed), rtol=1e-6)
+        np.testing.assert_array_equal(np.abs(back).max(axis=1), np.abs(x).max(axis=1))  # each block's max is exact
+        np.testing.assert_array_equal(back == 0, x == 0)  # zeros stay zero; positive state never becomes 0
+        assert np.all(np.sign(back) == np.sign(x))
+    assert quantize.dequantize_state_rows(quantize.quantize_state_rows(v, False), False)[2, 3] == np.float32(
+        1e-7 * np.abs(v[2]).max())
+    with pytest.raises(ValueError, match="non-negative state only"):
+        quantize.quantize_state_rows(m, False)
+
+
+def test_quantized_optimizer_rows_restore_to_their_nearest_codes(reference, tmp_path):
+    """8-bit optimizer rows (lazy Adam: m signed, v unsigned) in every delta: training is the reference's exactly;
+    the restored tables are exact and every optimizer row a delta holds is its exact value's nearest code (its last
+    delta holds its final value: the rows no later step touched did not change); bytes by hand."""
+    config = reference_config()
+    config.checkpoint.quantize_optimizer_bits = 8
+    train_and_evaluate(config, tmp_path)
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (reference, tmp_path))
+    assert {k: v for k, v in sa.items() if k not in TIMING} == {k: v for k, v in sb.items() if k not in TIMING}
+    exact, lossy = final_arrays(reference), final_arrays(tmp_path)
+    store = checkpoint.open_checkpoint(tmp_path / "checkpoints").store
+    in_deltas = np.unique(np.concatenate([store.item(s, "rows", store.meta(s))["dim8"]["ids"] for s in (20, 30, 40)]))
+    for k in exact:
+        if not k.startswith("sparse_opt/"):
+            np.testing.assert_array_equal(lossy[k], exact[k], err_msg=k)
+    for field, is_signed in (("m", True), ("v", False)):
+        expected = exact[f"sparse_opt/dim8/{field}"].copy()
+        expected[in_deltas] = nearest_codes(expected[in_deltas], is_signed)
+        np.testing.assert_allclose(lossy[f"sparse_opt/dim8/{field}"], expected, rtol=1e-6, atol=0, err_msg=field)
+        assert not np.array_equal(lossy[f"sparse_opt/dim8/{field}"], exact[f"sparse_opt/dim8/{field}"])
+    meta = store.meta(40)
+    n = len(store.item(40, "rows", meta)["dim8"]["ids"])
+    assert meta["optimizer_codes"] == {"m": "signed", "v": "unsigned"} and meta["quantize_optimizer_bits"] == 8
+    assert meta["table_bytes"] == n * 4 + n * 8 * 4 + 2 * (n * 8 + n * 4)  # ids, f32 rows, m and v: codes + absmax
+

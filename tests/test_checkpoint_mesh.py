@@ -16,9 +16,10 @@ import pytest
 
 from recjax import checkpoint, sharding
 from recjax.data import make_dataset
+from recjax.errors import CheckpointError
 from recjax.train import build_task, train_and_evaluate
 from tests.checkpoint_mesh_runs import STEP, mesh_config
-from tests.test_checkpoint import assert_same_run
+from tests.test_checkpoint import VOCABS, assert_same_run
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TOL = {"rtol": 2e-4, "atol": 2e-5}
@@ -94,3 +95,22 @@ def test_single_device_checkpoint_restores_onto_another_mesh(runs):
     assert "re-laid out from one device to mesh data=2,model=4" in log
     final = lambda d: by_group(checkpoint.open_checkpoint(d / "checkpoints"))
     assert_close(final(runs / "from_single"), final(runs / "reference"))
+
+
+# C1 and C2 with each other's sizes: the storages' shapes stay the same (200 + 50 rows either way).
+SWAPPED = (f"holds other embedding tables than this config builds (saved -> now: table C1: vocab_size {VOCABS[0]} -> "
+           f"{VOCABS[1]}, C1 rows {VOCABS[0]} -> {VOCABS[1]}; table C2: vocab_size {VOCABS[1]} -> {VOCABS[0]}, C2 rows "
+           f"{VOCABS[1]} -> {VOCABS[0]}, C2 offset {VOCABS[0]} -> {VOCABS[1]})")
+
+
+def test_other_tables_are_refused_across_layouts(runs, tmp_path):
+    """The table record is checked whatever the layouts: a mesh checkpoint restored onto one device, and a
+    single-device checkpoint restored onto a mesh (in the subprocess)."""
+    config = mesh_config("", restore=str(runs / "reference" / "checkpoints" / str(STEP)))
+    config.data.vocab_sizes = (VOCABS[1], VOCABS[0], *VOCABS[2:])
+    with pytest.raises(CheckpointError) as error:
+        train_and_evaluate(config, tmp_path)
+    assert f"checkpoint.restore: checkpoint step {STEP} in {runs / 'reference' / 'checkpoints'} {SWAPPED}" in str(
+        error.value)
+    assert (f"swapped: checkpoint.restore: checkpoint step {STEP} in {runs / 'single' / 'checkpoints'} {SWAPPED}"
+            in (runs / "mesh.log").read_text())

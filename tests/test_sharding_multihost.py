@@ -120,7 +120,8 @@ def test_two_processes_equal_one_process_with_four_devices(tmp_path):
     # Its checkpoints: each process wrote the blocks its devices hold (Orbax's per-process OCDBT stores) with their
     # sha256s, a baseline at step 1 and row deltas at 2 and 3; one process reads the chain whole (every block checked)
     # and finds the single process's state. Another 2-process run restores the chain (each process its blocks),
-    # continues to equal the single process, and writes 8-bit deltas.
+    # continues to equal the single process (with a history of its own: the evaluations after step 3), and writes
+    # deltas of 8-bit rows and 8-bit optimizer rows.
     kinds = [checkpoint.open_checkpoint(tmp_path / "multi" / "checkpoints", s).meta["kind"] for s in (1, 2, 3)]
     assert kinds == ["full", "delta", "delta"]
     step_dir = tmp_path / "multi" / "checkpoints" / "1"
@@ -131,12 +132,22 @@ def test_two_processes_equal_one_process_with_four_devices(tmp_path):
     assert_close_arrays(multi_arrays, arrays_at(tmp_path / "single", 3), atol=1e-6)
     cont = two_processes(tmp_path / "cont", "--config.train.steps=6", *SAVE_EVERY_STEP,
                          "--config.checkpoint.policy=consecutive", "--config.checkpoint.quantize_bits=8",
+                         "--config.checkpoint.quantize_optimizer_bits=8",
                          f"--config.checkpoint.restore={tmp_path / 'multi' / 'checkpoints'}")
     assert all("resuming from checkpoint step 3 of 6" in out for out in cont), cont[0][-3000:]
-    assert_same_metrics(rows(tmp_path / "cont" / "metrics.csv"), single)
-    assert checkpoint.open_checkpoint(tmp_path / "cont" / "checkpoints").meta["quantize_bits"] == 8
-    # 8-bit rows: within a step of their row's range / 255 (the optimizer rows are f32).
-    assert_close_arrays(arrays_at(tmp_path / "cont", 6), arrays_at(tmp_path / "single", 6), atol=2e-3)
+    assert_same_metrics(rows(tmp_path / "cont" / "metrics.csv"), [r for r in single if int(r["step"]) > 3])
+    meta = checkpoint.open_checkpoint(tmp_path / "cont" / "checkpoints").meta
+    assert meta["quantize_bits"] == 8 and meta["optimizer_codes"] == {"m": "signed", "v": "unsigned"}
+    # 8-bit rows: within a step of their row's range / 255; 8-bit dynamic codes of the optimizer rows: within half a
+    # code step of the top decade (0.9 / 64 / 2 of the block's largest value, signed) of the single process's.
+    cont_arrays, single_arrays = arrays_at(tmp_path / "cont", 6), arrays_at(tmp_path / "single", 6)
+    optimizer = sorted(k for k in single_arrays if k.startswith("sparse_opt/"))
+    assert optimizer and sorted(cont_arrays) == sorted(single_arrays)
+    assert_close_arrays({k: v for k, v in cont_arrays.items() if k not in optimizer},
+                        {k: v for k, v in single_arrays.items() if k not in optimizer}, atol=2e-3)
+    for key in optimizer:
+        bound = 0.9 / 64 / 2 * np.abs(single_arrays[key]).max(axis=-1, keepdims=True) + 1e-6
+        assert np.all(np.abs(cont_arrays[key] - single_arrays[key]) <= bound), key
     # A corrupt delta (a byte flipped in each of its data files) is an error naming the step (unreadable, or a block
     # that does not match its sha256: test_block_digests_name_a_changed_block).
     for data in sorted((tmp_path / "multi" / "checkpoints" / "3" / "rows").glob("**/d/*")):

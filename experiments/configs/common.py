@@ -177,6 +177,9 @@ def checkpoint_config() -> ml_collections.ConfigDict:
     # Row-wise asymmetric k-bit quantization of the delta rows (0 = f32; 2, 4 or 8): only the checkpoint is lossy,
     # training stays f32; a run restored from a quantized delta continues from the dequantized rows.
     checkpoint.quantize_bits = 0
+    # The deltas' sparse-optimizer rows (lazy Adam's m and v, Adagrad's accumulator; not row-wise Adagrad's per-row
+    # scalar) in 8-bit block-wise dynamic codes (Dettmers et al. 2022), one block per row (0 = f32, exact restores).
+    checkpoint.quantize_optimizer_bits = 0
     checkpoint.restore = ""  # start from another run's checkpoint: its checkpoints dir or one step's dir in it
     return checkpoint
 
