@@ -205,7 +205,9 @@ def check_embedding(config: Mapping) -> None:
     if "bounds_check" in _get(config, "embedding"):
         choice(config, "embedding.bounds_check", ("zero", "error", "off"))
     if "kernel" in _get(config, "embedding"):
-        choice(config, "embedding.kernel", ("auto", "xla", "pallas"))
+        choice(config, "embedding.kernel", ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu"))
+    if "pool_from" in _get(config, "embedding"):
+        choice(config, "embedding.pool_from", ("auto", "distinct_rows", "table"))
     if "dedup" in _get(config, "embedding"):
         choice(config, "embedding.dedup", ("auto", "always"))
 
