@@ -40,11 +40,27 @@ Measurements
                     (SplitTableBatchedEmbeddingBagsCodegen, HOST / CPU, the optimizer fused into the backward) on the
                     same lookups: the embedding stage with EXACT_SGD and EXACT_ROWWISE_ADAGRAD, and the recjax/fbgemm
                     ratios against this run's embedding_stage.
+  pool_from_bytes   analytic, no timing: the HBM bytes one training step's embedding pass moves on the two
+                    deduplicated paths (pallas_kernels/traffic.py) -- "distinct_rows" (gather the distinct rows, pool
+                    from them) and "table" (pool from the table in the kernel, the update reads its rows) -- for the
+                    shape's batch of uniform ids (the distinct count measured on it), per sparse optimizer.
+  kernel_tracing    (once, not per shape) what embedding.kernel="auto" costs a CPU program: it traces every
+                    platform's kernel at every call site (lax.platform_dependent decides at lowering). CPU seconds to
+                    lower and compile the train and predict steps of a small DLRM (8 features, bags of 1-3, row-wise
+                    Adagrad) with "xla" and "auto", alternating, in one process (the first "auto" traces the kernels'
+                    shapes for the first time; later ones reuse the jitted pallas_call traces).
+
+Accelerator (`--accelerator`; README, Benchmarks): on a GPU / TPU, every kernel against the XLA reference on the device,
+then per shape (reference_random, kaggle_b2048) XLA vs the Pallas kernels -- the forward pooled from the table, the
+gather of the distinct rows, the fused update (rows given or read in the kernel) -- with ms, the bytes each cannot
+avoid, GB/s and the fraction of the copy bandwidth measured in the same run (and of the HBM spec on TPU), and the
+whole train step per embedding.kernel / pool_from. On a CPU it prints that there is no accelerator and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -63,7 +79,7 @@ SHAPES = {
     "kaggle_b2048": dict(tables=None, dim=16, bag=1, batch=2048, bottom=(512, 256, 64, 16), top=(512, 256, 1),
                          sparse="sgd", lr=0.01),
 }
-MEASUREMENTS = ("copy_bandwidth", "stages", "embedding_stage", "torch", "fbgemm")
+MEASUREMENTS = ("copy_bandwidth", "stages", "embedding_stage", "torch", "fbgemm", "pool_from_bytes", "kernel_tracing")
 NUM_DENSE = 13
 
 
@@ -123,9 +139,10 @@ def vocab_sizes(shape: dict) -> tuple[int, ...]:
     return tuple(KAGGLE_VOCAB_SIZES)
 
 
-def build(shape: dict, sparse: str, seed: int = 0, dedup: str = "auto"):
-    """(task, state, batch) for `shape` with sparse optimizer `sparse` (dense SGD) and `embedding.dedup`, on
-    device."""
+def build(shape: dict, sparse: str, seed: int = 0, dedup: str = "auto", kernel: str = "auto",
+          pool_from: str = "auto"):
+    """(task, state, batch) for `shape` with sparse optimizer `sparse` (dense SGD), `embedding.dedup`,
+    `embedding.kernel` and `embedding.pool_from`, on device."""
     import jax
     import ml_collections
 
@@ -136,18 +153,21 @@ def build(shape: dict, sparse: str, seed: int = 0, dedup: str = "auto"):
     from recjax.task import build_task
 
     sizes = vocab_sizes(shape)
+    bags = shape["bag"] if isinstance(shape["bag"], tuple) else (shape["bag"],)  # per feature, cycled
     config = get_config("small")
     config.embedding.dim = shape["dim"]
     config.model.dlrm.bottom_mlp = shape["bottom"]
     config.model.dlrm.top_mlp = shape["top"]
     config.train.batch_size = shape["batch"]
     config.embedding.dedup = dedup
+    config.embedding.kernel = kernel
+    config.embedding.pool_from = pool_from
     config.optimizer.dense = ml_collections.ConfigDict({"name": "sgd", "learning_rate": shape["lr"],
                                                         "weight_decay": 0.0})
     config.optimizer.sparse = ml_collections.ConfigDict({"name": sparse, "learning_rate": shape["lr"],
                                                          "weight_decay": 0.0})
     spec = DatasetSpec(num_dense=NUM_DENSE, features=tuple(
-        FeatureSpec(f"C{i + 1}", v, shape["bag"]) for i, v in enumerate(sizes)))
+        FeatureSpec(f"C{i + 1}", v, bags[i % len(bags)]) for i, v in enumerate(sizes)))
     task = build_task(config, spec)
     rng = np.random.default_rng(seed)
     b = shape["batch"]
@@ -291,6 +311,44 @@ def embedding_stage(shape_name: str, shape: dict, contenders: tuple[tuple[str, s
     return out
 
 
+def pool_from_bytes(shape_name: str, shape: dict, seed: int = 0) -> list[dict[str, Any]]:
+    """The analytic HBM bytes of the two deduplicated training paths for one batch of `shape` (numpy only)."""
+    from pallas_kernels.traffic import training_pass_bytes
+
+    rng = np.random.default_rng(seed)
+    sizes = vocab_sizes(shape)
+    b, bag, dim = shape["batch"], shape["bag"], shape["dim"]
+    # One stacked group (every table has the same dim): distinct rows are counted per table (disjoint row ranges).
+    distinct = sum(np.unique(rng.integers(0, v, b * bag)).size for v in sizes)
+    ids, bags = len(sizes) * b * bag, len(sizes) * b
+    records = []
+    for sparse, state_floats in (("sgd", 0), ("rowwise_adagrad", 1), ("lazy_adam", 2 * dim)):
+        counts = {path: training_pass_bytes(path, ids=ids, distinct=distinct, bags=bags, dim=dim,
+                                            state_floats_per_row=state_floats) for path in ("distinct_rows", "table")}
+        records.append({"name": "pool_from_bytes", "shape": shape_name, "sparse_optimizer": sparse, "ids": ids,
+                        "distinct_rows": int(distinct), "bags": bags, **{f"{k}_bytes": v for k, v in counts.items()},
+                        "table_over_distinct_rows": counts["table"] / counts["distinct_rows"]})
+    return records
+
+
+def kernel_tracing(repeats: int) -> dict[str, Any]:
+    from recjax.step import make_predict_step, make_train_step
+
+    shape = dict(tables=(50,) * 8, dim=8, bag=(1, 2, 3), batch=64, bottom=(32, 8), top=(32, 1),
+                 sparse="rowwise_adagrad", lr=0.01)
+    seconds: dict[str, list[float]] = {"xla": [], "auto": []}
+    for _ in range(repeats):
+        for kernel in seconds:
+            task, state, batch = build(shape, "rowwise_adagrad", kernel=kernel)
+            start = time.process_time()
+            make_train_step(task).lower(state, batch).compile()
+            make_predict_step(task).lower(state, batch).compile()
+            seconds[kernel].append(time.process_time() - start)
+            del task, state, batch  # jax's caches stay: a run compiles its steps in one process
+    return {"name": "kernel_tracing", "cpu_s": seconds, "first_auto_over_xla": seconds["auto"][0] / seconds["xla"][0],
+            "median_auto_over_xla": statistics.median(seconds["auto"]) / statistics.median(seconds["xla"])}
+
+
 def torch_comparison(shape_name: str, shape: dict, repeats: int, recjax_step_ms: float | None,
                      recjax_stage_ms: float | None) -> dict[str, Any] | None:
     """The same model in PyTorch (EmbeddingBag + sparse SGD); None when torch is not installed."""
@@ -409,19 +467,291 @@ def fbgemm_comparison(shape_name: str, shape: dict, repeats: int, recjax_ms: dic
     return records
 
 
+# ------------------------------------------------------------------------------------------- accelerator
+# `--accelerator`: the one command for the first GPU / TPU session (section "accelerator" of the module docstring).
+# The kernels' impl there is "pallas" (the platform's kernel, as embedding.kernel="auto" picks it); a dry run on a
+# CPU (`--accelerator_dry_run`) interprets the Mosaic kernels ("pallas_tpu") on tiny shapes to check this code runs.
+ACCELERATOR_SHAPES = ("reference_random", "kaggle_b2048")
+DRY_RUN_SHAPES = {
+    "reference_random": dict(tables=(300,) * 2, dim=64, bag=4, batch=8, bottom=(16, 64), top=(16, 1), sparse="sgd",
+                             lr=0.01),
+    "kaggle_b2048": dict(tables=(50,) * 3, dim=16, bag=1, batch=16, bottom=(16, 16), top=(16, 1), sparse="sgd",
+                         lr=0.01),
+}
+
+
+def _accelerator_target(dry_run: bool) -> tuple[str, bool]:
+    """(impl, interpret) of the kernels under test."""
+    return ("pallas_tpu", True) if dry_run else ("pallas", False)
+
+
+def accelerator_check(dry_run: bool) -> list[dict[str, Any]]:
+    """Every kernel against its XLA reference on the device: gather-reduce (VPU and MXU pooling, f32 and bf16,
+    D 16 / 64 / 128 / 200, ids with padding and negatives), gather (bags, and sorted distinct ids: merged runs), and
+    the fused update (every sparse optimizer, with and without the rows given). One record per case."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import gather, gather_reduce, gather_reduce_reference, gather_reference
+    from recjax.sparse_optim import SPARSE_OPTIMIZERS
+
+    impl, interpret = _accelerator_target(dry_run)
+    rng = np.random.default_rng(0)
+    records = []
+
+    def record(kernel: str, case: dict, got, want, bound) -> None:
+        err = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
+        bound = np.broadcast_to(np.asarray(bound, np.float64), err.shape)
+        records.append({"name": "accelerator_check", "kernel": kernel, **case, "impl": impl, "interpret": interpret,
+                        "max_abs_err": float(err.max(initial=0.0)), "ok": bool(np.all(err <= bound))})
+
+    lookups = [(1, 16, 300), (1, 64, 300), (4, 128, 60), (20, 64, 30), (100, 200, 9)] if dry_run else [
+        (1, 16, 65536), (1, 64, 65536), (4, 128, 16384), (20, 64, 8192), (100, 64, 2048), (100, 200, 512)]
+    for length, dim, bags in lookups:
+        for dtype in (jnp.float32, jnp.bfloat16):
+            num_rows = 1000 if dry_run else 1_000_000
+            table = jnp.asarray(rng.normal(size=(num_rows, dim)), dtype)
+            ids = rng.integers(0, num_rows, (bags, length))
+            ids[rng.random(ids.shape) < 0.1] = num_rows  # padding
+            ids[rng.random(ids.shape) < 0.01] = -3  # never read
+            ids = jnp.asarray(ids, jnp.int32)
+            weights = jnp.asarray(rng.normal(size=ids.shape), jnp.float32)
+            case = {"length": length, "dim": dim, "bags": bags, "dtype": jnp.dtype(dtype).name}
+            got = jax.jit(lambda t, r, w: gather_reduce(t, r, w, impl=impl, interpret=interpret))(table, ids, weights)
+            magnitude = gather_reduce_reference(jnp.abs(table), ids, jnp.abs(weights))
+            record("gather_reduce", case, got, gather_reduce_reference(table, ids, weights),
+                   2 * length * np.finfo(np.float32).eps * np.asarray(magnitude) + 1e-30)
+            got = jax.jit(lambda t, r: gather(t, r, impl=impl, interpret=interpret))(table, ids)
+            record("gather", case, got, gather_reference(table, ids), 0.0)
+    # The distinct-rows gather of the training step: sorted distinct ids, many adjacent (merged DMAs).
+    num_rows, dim = (1000, 64) if dry_run else (1_000_000, 64)
+    table = jnp.asarray(rng.normal(size=(num_rows, dim)), jnp.float32)
+    unique = np.unique(np.concatenate([rng.integers(0, num_rows, 200 if dry_run else 100_000),
+                                       np.arange(64, 64 + (64 if dry_run else 50_000))]))
+    unique = jnp.asarray(np.pad(unique, (0, 40), constant_values=num_rows), jnp.int32)[:, None]
+    got = jax.jit(lambda t, r: gather(t, r, impl=impl, interpret=interpret))(table, unique)
+    record("gather", {"case": "sorted_distinct_rows", "dim": dim, "bags": int(unique.shape[0])}, got,
+           gather_reference(table, unique), 0.0)
+    # The fused update: each optimizer (with weight decay), rows given or read by the kernel.
+    for name, cls in SPARSE_OPTIMIZERS.items():
+        for dim in (16, 64, 128):
+            for given in (True, False):
+                got, want, rows = _update_case(cls(0.05, weight_decay=1e-3), dim, given, rng, dry_run)
+                case = {"optimizer": name, "dim": dim, "rows": rows, "rows_given": given}
+                record("fused_row_update", case, got, want, 1e-5 * np.abs(want) + 1e-6)
+    return records
+
+
+def _update_case(optimizer, dim: int, given: bool, rng: np.random.Generator, dry_run: bool):
+    """(kernel, XLA reference, rows) of one fused update of sorted distinct rows, table and state flattened."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import fused_row_update, row_update_reference
+
+    impl, interpret = _accelerator_target(dry_run)
+    num_rows, count = (500, 300) if dry_run else (1_000_000, 200_000)
+    table = jnp.asarray(rng.normal(size=(num_rows, dim)), jnp.float32)
+    state = {k: v + 0.1 for k, v in optimizer.init(num_rows, dim).items()}
+    ids = np.unique(rng.integers(0, num_rows, count))
+    ids = jnp.asarray(np.pad(ids, (0, 17), constant_values=num_rows), jnp.int32)
+    grads = jnp.asarray(rng.normal(size=(ids.shape[0], dim)), jnp.float32)
+    current = jnp.take(table, ids, axis=0, mode="fill", fill_value=0)
+
+    def rule(rows, state_rows, grads, lr, step):
+        return optimizer.update_rows(rows, state_rows, grads + optimizer.weight_decay * rows, lr, step)
+
+    want = jax.jit(lambda t, s, c: row_update_reference(t, s, ids, c, grads, rule, jnp.float32(0.05),
+                                                        jnp.int32(3)))(table, state, current)
+    got = jax.jit(lambda t, s, c: fused_row_update(t, s, ids, c, grads, rule, 0.05, 3, impl=impl,
+                                                   interpret=interpret))(table, state, current if given else None)
+    flat = lambda tree: np.concatenate([np.ravel(tree[0])] + [np.ravel(tree[1][k]) for k in sorted(tree[1])])  # noqa: E731
+    return flat(got), flat(want), int(ids.shape[0])
+
+
+def _group_lookup(shape: dict, rng: np.random.Generator, dry_run: bool):
+    """The engine's view of `shape`: one stacked group (all tables), ids i32[K, B, L] (stacked row ids), weights,
+    and the batch's sorted distinct rows (padded with the sentinel to the ids' count, as `unique_rows` returns)."""
+    import jax.numpy as jnp
+
+    sizes = vocab_sizes(shape)
+    offsets = np.cumsum((0,) + sizes)
+    rows = int(offsets[-1])
+    ids = np.stack([rng.integers(0, v, (shape["batch"], shape["bag"])) + o for v, o in zip(sizes, offsets,
+                                                                                             strict=False)])
+    unique = np.unique(ids)
+    unique = np.pad(unique, (0, ids.size - unique.size), constant_values=rows)
+    table = jnp.asarray(rng.uniform(-0.01, 0.01, (rows, shape["dim"])).astype(np.float32))
+    return table, jnp.asarray(ids, jnp.int32), jnp.ones(ids.shape, jnp.float32), jnp.asarray(unique, jnp.int32)
+
+
+def accelerator_timings(shape_name: str, shape: dict, repeats: int, bandwidth: float, spec_bandwidth: float | None,
+                        dry_run: bool) -> list[dict[str, Any]]:
+    """XLA vs the Pallas kernels on the engine's lookups for `shape`: the forward pooled from the table, the gather of
+    the distinct rows, the fused update (SGD and row-wise Adagrad; rows given or read in the kernel). Each record:
+    ms, the bytes the op cannot avoid, GB/s, its fraction of the copy bandwidth measured in this run (and of the
+    chip's HBM spec when jax knows it), and the Pallas / XLA time ratio."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import gather, gather_reduce
+    from recjax.sparse_optim import SGD, RowwiseAdagrad
+
+    impl, interpret = _accelerator_target(dry_run)
+    rng = np.random.default_rng(0)
+    table, ids, weights, unique = _group_lookup(shape, rng, dry_run)
+    dim, count = shape["dim"], int(np.sum(np.asarray(unique) < table.shape[0]))
+    row = dim * 4
+    kw = {"xla": {}, impl: {"interpret": interpret} if interpret else {}}
+    # op -> (bytes it cannot avoid, () -> {impl: a call that runs it once}). Contenders are made per op and dropped
+    # after it: each update contender owns a copy of the table and state (2 GB each at reference_random), so
+    # holding every op's at once would not fit a 16 GB accelerator.
+    ops = {
+        "pooled_from_table": (ids.size * row + ids.shape[0] * ids.shape[1] * row, lambda: {
+            i: functools.partial(jax.jit(lambda t, i=i: gather_reduce(t, ids, weights, impl=i, **kw[i])), table)
+            for i in kw}),
+        "distinct_rows_gather": (2 * count * row, lambda: {
+            i: functools.partial(jax.jit(lambda t, i=i: gather(t, unique[:, None], impl=i, **kw[i])), table)
+            for i in kw}),
+    }
+    grads = jnp.full((unique.shape[0], dim), 1e-3, jnp.float32)
+    for name, optimizer in (("sgd", SGD(0.01)), ("rowwise_adagrad", RowwiseAdagrad(0.01))):
+        state_row = sum(int(np.prod(s[1:], dtype=np.int64)) for s in optimizer.state_shapes(1, dim).values())
+        for given in (True, False):
+            # Rows read (the given buffer, or the table inside the kernel), grads read, rows written; state read
+            # and written.
+            moved = count * (3 * row + 2 * 4 * state_row)
+            current = jnp.zeros((unique.shape[0], dim), jnp.float32) if given else None
+            ops[f"update_{name}_rows_{'given' if given else 'read'}"] = (
+                moved, lambda optimizer=optimizer, current=current: {
+                    i: _donated_update(table, optimizer, unique, current, grads, i, kw[i]) for i in kw})
+    records = []
+    for op, (moved, make_contenders) in ops.items():
+        times = interleaved(make_contenders(), repeats)
+        ms_by = {i: ms(t) for i, t in times.items()}
+        for i, t in ms_by.items():
+            rate = moved / (t / 1000) / 1e9
+            record = {"name": "accelerator_kernel", "shape": shape_name, "op": op, "impl": i,
+                      "interpret": bool(interpret) and i != "xla", "ms": t, "bytes": moved, "gb_per_s": rate,
+                      "copy_fraction": rate / bandwidth}
+            if spec_bandwidth:
+                record["hbm_spec_fraction"] = rate / spec_bandwidth
+            if i != "xla":
+                record["ratio_over_xla"] = t / ms_by["xla"]
+            records.append(record)
+    return records
+
+
+def _donated_update(table, optimizer, unique, current, grads, impl: str, kw: dict):
+    """A call that runs one donated fused update of `unique` on its own copy of the table and state."""
+    import jax
+
+    from pallas_kernels import fused_row_update
+
+    fn = jax.jit(lambda t, s: fused_row_update(t, s, unique, current, grads, optimizer.update_rows, 0.01, 1,
+                                               impl=impl, **kw), donate_argnums=(0, 1))
+    box = [(table.copy(), optimizer.init(*table.shape))]
+
+    def run():
+        box[0] = fn(*box[0])
+        return box[0]
+
+    return run
+
+
+def accelerator_steps(shape_name: str, shape: dict, repeats: int, dry_run: bool) -> list[dict[str, Any]]:
+    """The whole train step with each embedding.kernel / pool_from: XLA, the kernels on the distinct rows, the
+    kernels pooling from the tables, and "auto" (what a run gets); in one run, with ratios over XLA. The variants
+    run one after another, each freed before the next is built: reference_random's state is 2 GB of tables, and
+    four at once would not fit a 16 GB accelerator (a dedicated device times steadily; on a shared CPU host the
+    round-robin `interleaved` matters more)."""
+    import gc
+
+    from recjax.step import make_train_step
+
+    impl, _ = _accelerator_target(dry_run)
+    variants = {"xla": ("xla", "auto"), "kernels_distinct_rows": (impl, "distinct_rows"),
+                "kernels_table": (impl, "table"), "auto": ("auto", "auto")}
+    records = []
+    for name, (kernel, pool_from) in variants.items():
+        task, state, batch = build(shape, shape["sparse"], kernel=kernel, pool_from=pool_from)
+        step = make_train_step(task).lower(state, batch).compile()
+        box = [state]
+        del state
+
+        def run(step=step, box=box, batch=batch):
+            box[0], metrics = step(box[0], batch)
+            return metrics["loss"]
+
+        step_ms = ms(interleaved({name: run}, repeats)[name])
+        records.append({"name": "accelerator_step", "shape": shape_name, "variant": name, "kernel": kernel,
+                        "pool_from": task.collection.pool_from, "dedup": task.collection.dedup, "ms": step_ms,
+                        "ratio_over_xla": step_ms / records[0]["ms"] if records else 1.0})
+        del task, step, box, batch, run
+        gc.collect()
+    return records
+
+
+def accelerator(repeats: int, dry_run: bool) -> int:
+    """The `--accelerator` command: 0 when every kernel matches XLA on the device (or there is no device), else 1."""
+    import jax
+
+    from pallas_kernels.hardware import tpu_budget
+
+    info = machine()
+    if jax.default_backend() not in ("tpu", "gpu") and not dry_run:
+        _log("no accelerator: jax's default backend is "
+             f"{jax.default_backend()}; run this on a GPU or TPU host (nothing to check here)")
+        _emit({"name": "accelerator", "status": "no accelerator", "machine": info})
+        return 0
+    _log("checking every kernel against XLA on the device")
+    failures = 0
+    for record in accelerator_check(dry_run):
+        failures += not record["ok"]
+        _emit({**record, "machine": info})
+    budget = tpu_budget()
+    spec = None  # GB/s of the chip's HBM from jax's table (per TensorCore there), TPU only
+    if jax.default_backend() == "tpu" and budget.hbm_bytes_per_second:
+        spec = budget.hbm_bytes_per_second * budget.num_cores / 1e9
+    _log("copy bandwidth")
+    bandwidth = copy_bandwidth(repeats)["gb_per_s"]
+    _emit({"name": "copy_bandwidth", "gb_per_s": bandwidth, "hbm_spec_gb_per_s": spec, "machine": info})
+    for name in ACCELERATOR_SHAPES:
+        shape = DRY_RUN_SHAPES[name] if dry_run else SHAPES[name]
+        _log(f"{name}: kernels vs XLA")
+        for record in accelerator_timings(name, shape, repeats, bandwidth, spec, dry_run):
+            _emit({**record, "config": shape, "machine": info})
+        _log(f"{name}: train step per embedding.kernel / pool_from")
+        for record in accelerator_steps(name, shape, repeats, dry_run):
+            _emit({**record, "config": shape, "machine": info})
+    _emit({"name": "accelerator", "status": "checked", "kernel_mismatches": failures, "machine": info})
+    return 1 if failures else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {list(SHAPES)}")
     parser.add_argument("--only", default=",".join(MEASUREMENTS), help=f"comma-separated, from {MEASUREMENTS}")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per contender (medians reported)")
+    parser.add_argument("--accelerator", action="store_true",
+                        help="the first-accelerator check: every kernel vs XLA on the device, kernel and train-step "
+                             "times (reference_random, kaggle_b2048); on a CPU it says so and exits 0")
+    parser.add_argument("--accelerator_dry_run", action="store_true",
+                        help="run --accelerator's code on this CPU: tiny shapes, Mosaic kernels interpreted (its "
+                             "times mean nothing)")
     args = parser.parse_args(argv)
+    if args.accelerator or args.accelerator_dry_run:
+        return accelerator(args.repeats, args.accelerator_dry_run)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     only = {m.strip() for m in args.only.split(",") if m.strip()}
     unknown = [s for s in shapes if s not in SHAPES] + sorted(only - set(MEASUREMENTS))
     if unknown:
         parser.error(f"unknown shapes or measurements {unknown}; shapes {list(SHAPES)}, measurements {MEASUREMENTS}")
     info = machine()
+    if "kernel_tracing" in only:
+        _log("kernel tracing: compile time with embedding.kernel xla vs auto")
+        _emit({**kernel_tracing(args.repeats), "machine": info})
     bandwidth = None
     if "copy_bandwidth" in only or "embedding_stage" in only:
         _log("copy bandwidth")
@@ -453,6 +783,9 @@ def main(argv: list[str] | None = None) -> int:
             _log(f"{name}: torch comparator")
             record = torch_comparison(name, shape, args.repeats, step_ms, stage_ms)
             if record:
+                _emit({**record, "config": shape, "machine": info})
+        if "pool_from_bytes" in only:
+            for record in pool_from_bytes(name, shape):
                 _emit({**record, "config": shape, "machine": info})
         if "fbgemm" in only:
             _log(f"{name}: FBGEMM comparator")

@@ -4,54 +4,27 @@ Semantics shared by every implementation: `table` is f32 or bf16 [R, D]; row ids
 padding sentinel -- read zeros; results are f32 and accumulate in f32. Leading dims of `rows` are batch dims, so
 one launch serves [B, L] (one feature) or [B, F, L] (all features of a stacked group).
 
-Implementations (`impl=`):
+Implementations (`impl=`, the same meaning for every kernel family: pallas_kernels/dispatch.py):
   "xla"         the plain-jnp references below: the fastest path on CPU and the oracle for the kernels.
-  "pallas_tpu"  the Mosaic TPU kernel: ids in SMEM (scalar prefetch), the table left in HBM, one DMA per row into a
-                double-buffered VMEM scratch, pooled on the MXU.
+  "pallas_tpu"  the Mosaic TPU kernel: ids in SMEM (scalar prefetch), the table left in HBM, rows DMA'd into a
+                double-buffered VMEM scratch (one DMA per run of 8 adjacent ids, else per row), the DMAs pipelined
+                across grid steps, pooled on the VPU (bags of <= 8 ids) or the MXU.
   "pallas_gpu"  the Triton kernel: a block of bags per program, rows gathered with masked loads, f32 accumulation.
-  "pallas"      Mosaic on TPU, Triton on GPU, chosen when the computation is lowered (`lax.platform_dependent`), so
-                one traced function exports for either platform, from any host (lowering it for CPU fails: Pallas
-                "Only interpret mode is supported on CPU backend").
-  "auto"        "pallas" when `jax.default_backend()` is TPU or GPU, else (CPU) the XLA reference -- decided at trace
-                time, so CPU programs never pay for tracing the kernels at every call site. To export a kernel for
-                TPU / GPU from a CPU host, use "pallas".
-`interpret=True` (or a `pltpu.InterpretParams`) runs a kernel in Pallas interpret mode on CPU: the kernel of
-`jax.default_backend()`, the Mosaic one on CPU, or the one "pallas_tpu" / "pallas_gpu" names.
+  "pallas"      Mosaic on TPU, Triton on CUDA / ROCm, chosen when the computation is lowered.
+  "auto"        as "pallas" on TPU / CUDA / ROCm, the XLA reference elsewhere, chosen when lowered.
+`interpret=True` (or a `pltpu.InterpretParams`) runs the kernel "pallas_tpu" / "pallas_gpu" names ("pallas": the
+Mosaic one) in Pallas interpret mode on CPU.
 
 A case a kernel cannot express falls back to the XLA reference for that case only (`mosaic_fallback_reason`,
-`triton_fallback_reason`; the why of each is in the Mosaic and Triton sections below):
-
-    case                                         TPU: Mosaic kernel           CUDA / ROCm: Triton kernel
-    f32 table, any D (never padded)              kernel                       kernel
-    bf16 table, even R                           kernel (packed row pairs)    kernel
-    bf16 table with odd R; f16 table             XLA                          kernel
-    other dtypes                                 XLA                          XLA
-    long bags past the VMEM estimate             XLA                          kernel
-    more than `_MOSAIC_MAX_IDS_PER_CALL` ids     equal SMEM-sized calls in a `lax.map` (one kernel traced; a Python
-                                                 loop would trace every call) + one for the rest; Triton: one call
-    no bags, or bags of length 0                 XLA (nothing to launch)
-
-What the lowering tests (tests/test_kernel_lowering.py: `jax.export` for "tpu" and "cuda") prove is Pallas' own
-lowering; Mosaic's layout passes and VMEM allocation (libtpu) and Triton's compilation to PTX (XLA:GPU) run only on
-the device, so the first run on a TPU / GPU should repeat tests/test_gather_kernels.py with `interpret=False`. To
-watch there (valid for 32-bit types per the Pallas TPU docs, not verified on hardware): single-row DMAs at
-arbitrary row offsets into VMEM, the uint32 bitcast of the HBM ref, static unaligned sublane slices, and matmuls
-whose contraction (G * L) is not a multiple of 128. No kernel speed has been measured; interpret mode's times on CPU
-mean nothing.
-
-Found with jax / jaxlib 0.10.2 on CPU: `jax.export` refuses Triton calls (their IR has no stable serialization)
-unless given `disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]`; one export for
-platforms=["tpu", "cuda"] fails (every `platform_dependent` branch is lowered for every platform), so export once per
-platform; integer `//` and `%` in a Mosaic kernel lower through `sign`, which asks for the TPU generation and fails
-on a CPU host, so the kernel shifts instead; the TPU simulator (`pltpu.InterpretParams`) cannot run the bf16 variant
-(a DMA through a bitcast ref), `interpret=True` runs both. `pallas_kernels.gather_reduce` is this module's function,
-which shadows the module: reach the module with `importlib.import_module("pallas_kernels.gather_reduce")`.
+`triton_fallback_reason`; pallas_kernels/README.md says why). Block sizes come from the chip the
+kernel is lowered for (pallas_kernels/hardware.py).
 
 Gradients (`jax.custom_vjp`): d table is the transpose, an XLA scatter-add of g (x w) into the rows read (the
 sentinel dropped; duplicates summed exactly, accumulated in f32 and cast to the table's dtype); d weights is
 <g, table[rows]>; ids get none.
 """
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -62,7 +35,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
+from pallas_kernels.dispatch import IMPLS, by_platform, check_impl
+from pallas_kernels.hardware import gpu_budget, tpu_budget
+
+__all__ = ["IMPLS", "gather", "gather_reduce", "gather_reduce_reference", "gather_reference",
+           "mosaic_fallback_reason", "mosaic_plan", "triton_fallback_reason"]
+
 _HIGHEST = jax.lax.Precision.HIGHEST  # f32 products on the MXU (the default rounds operands to bf16 on TPU)
 
 
@@ -165,14 +143,11 @@ def gather(table: jax.Array, rows: jax.Array, *, impl: str = "auto", interpret: 
 
 
 def _check_args(table: jax.Array, rows: jax.Array, impl: str, interpret: Any) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"unknown gather impl '{impl}'; use one of {IMPLS}")
+    check_impl(impl, interpret, "gather")
     if table.ndim != 2:
         raise ValueError(f"table must be [R, D], got shape {table.shape}")
     if rows.ndim < 1 or not jnp.issubdtype(rows.dtype, jnp.integer):
         raise ValueError(f"rows must be integer [..., L], got {rows.dtype}{list(rows.shape)}")
-    if impl == "xla" and interpret:
-        raise ValueError("interpret=True runs a Pallas kernel; impl='xla' has none (use 'pallas_tpu' or 'pallas_gpu')")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -230,22 +205,9 @@ def _scatter_add_rows(table: jax.Array, ids: jax.Array, updates: jax.Array) -> j
 
 def _dispatch(kind: str, table, ids, weights, impl: str, interpret: Any):
     """kind "reduce" -> f32[B, D]; kind "gather" -> f32[B, L, D]. ids i32[B, L], weights f32[B, L] or None."""
-    reference = functools.partial(_reference, kind)
-    mosaic = functools.partial(_mosaic, kind, interpret=interpret)
-    triton = functools.partial(_triton, kind, interpret=interpret)
-    args = (table, ids, weights)
-    backend = jax.default_backend()
-    if impl == "auto" and not interpret:
-        impl = "pallas" if backend in ("tpu", "gpu") else "xla"
-    if impl == "xla":
-        return reference(*args)
-    if impl == "pallas_tpu" or (interpret and backend != "gpu"):
-        return mosaic(*args)
-    if impl == "pallas_gpu" or interpret:
-        return triton(*args)
-    # Chosen per platform when lowered: a TPU export gets Mosaic, a CUDA / ROCm export Triton. Other platforms get
-    # the Mosaic branch, whose lowering there fails with Pallas' own message (a kernel was asked for; none runs).
-    return jax.lax.platform_dependent(*args, tpu=mosaic, cuda=triton, rocm=triton, default=mosaic)
+    return by_platform(impl, interpret, (table, ids, weights), xla=functools.partial(_reference, kind),
+                       mosaic=functools.partial(_mosaic, kind, interpret=interpret),
+                       triton=functools.partial(_triton, kind, interpret=interpret))
 
 
 def _reference(kind: str, table, ids, weights):
@@ -257,81 +219,130 @@ def _reference(kind: str, table, ids, weights):
 # ----------------------------------------------------------------------------------------------------------------
 # Mosaic TPU kernel.
 #
-# Grid: one step per block of BB = _SUB_BLOCKS * G bags ("parallel": steps are independent, so megacore chips split
-# them). A step walks its _SUB_BLOCKS sub-blocks of G bags; a sub-block's G*L rows land in one slot of a 2-slot VMEM
-# buffer by one DMA per row, and the next sub-block's DMAs are issued before the current one is consumed, so row
-# fetches overlap the pooling. Ids outside [0, R) DMA a zero row from VMEM instead: every buffer row gets exactly one
-# DMA (its wait mirrors it), nothing reads out of bounds, and padding costs no HBM traffic. Pooling is one MXU matmul
-# per sub-block with a block-diagonal weight matrix built from iotas (W[g, k] = w[k] when row k belongs to bag g), in
-# f32 (HIGHEST); gather copies the slot into a flat [B * L, D] output block instead. The first sub-block's fetch in a
-# step is not overlapped (a cross-step prefetch would make the grid sequential, and lose the megacore split).
+# Grid: (cores, steps per core), ("parallel", "arbitrary"): megacore chips give each TensorCore one contiguous run of
+# steps, and within a run the steps are sequential, so the row DMAs pipeline across them (the structure of jax's
+# paged-attention TPU kernel: the parallel axis first, the DMA-carrying axes "arbitrary" after it). A step owns
+# _SUB_BLOCKS sub-blocks of G bags; a sub-block's G*L rows land in one slot of a 2-slot VMEM buffer, and the next
+# sub-block's DMAs -- at a step's last sub-block, the next step's first -- are issued before the current one is
+# consumed, so only the first sub-block of each core's run is fetched without overlap. With an even number of
+# sub-blocks per step the slot of every sub-block is static (sub % 2; the next step's first sub-block lands in slot
+# 0), so every VMEM offset stays static and no buffer index has to live in SMEM (the fused update, whose blocks are
+# one per step, keeps one there).
+#
+# DMAs: ids outside [0, R) DMA a VMEM zero row instead (no HBM read for padding, no out-of-bounds DMA). When 8
+# consecutive slot rows read 8 adjacent table rows (sorted distinct ids, e.g. the batch's distinct rows on the
+# distinct-rows training path, or runs of ids in a bag), one 8-row DMA replaces eight. Every wait mirrors its start
+# (the same test on the same SMEM ids picks the same descriptor).
+#
+# Pooling: bags of <= _VPU_MAX_BAG ids pool on the VPU -- the rows of a sub-block are laid out position-major (row
+# l*G + g holds bag g's l-th id), so position l's rows are one contiguous [G, D] slice, scaled by a [G, 1] weight
+# column and summed: L multiply-adds over [G, D]. Longer bags pool with one MXU matmul per sub-block against a
+# block-diagonal weight matrix built from iotas (W[g, k] = w[k] when row k belongs to bag g), in f32 (HIGHEST); at
+# L = 1 that matmul would be a 256x256 mostly-zero product per sub-block. Gather copies the slot into a flat [B * L, D]
+# output block instead.
 #
 # bf16 tables are read as uint32 words: the ref is bitcast to [R/2, D] (TPU packs rows 2i and 2i+1 into the low and
 # high halves of one 32-bit word), a DMA fetches the word row holding the wanted row, and the kernel splits the low
 # (even row) and high (odd row) halves into exact f32 values; the weights arrive split by id parity so each half is
-# pooled with its own matmul. This keeps every DMA and VMEM access 32-bit wide at any row offset (Pallas TPU
-# restricts unaligned slicing of packed 16-bit types), at the cost of reading 2x the bytes of a bf16 row. The bitcast
-# needs an even R, hence the odd-R fallback; f16 would need the same plus an f16 -> f32 conversion (not done). VMEM:
-# the two DMA slots and the double-buffered weights / output blocks are estimated per case, and above
-# _MOSAIC_VMEM_BUDGET the case runs XLA. SMEM holds one call's ids (16 KiB on v2 / v3, 1 MiB on v4 and later).
+# pooled with its own weights. This keeps every DMA and VMEM access 32-bit wide at any row offset (Pallas TPU
+# restricts unaligned slicing of packed 16-bit types), at the cost of reading 2x the bytes of a bf16 row (and no
+# merged runs: adjacent ids share words).
+#
+# Budgets (pallas_kernels/hardware.py): one call's ids are scalar-prefetched into SMEM (`TpuBudget.smem_ids`; a larger
+# batch runs as equal calls in a `lax.map` plus one for the rest), the VMEM buffers are sized to
+# `vmem_buffer_bytes` and the kernel requests `vmem_limit_bytes`.
 
-_SUB_BLOCKS = 8  # sub-blocks per grid step: the weights / output blocks then have 8 rows (TPU sublane tiling)
+_SUB_BLOCKS = 8  # sub-blocks per grid step: even (static slots), and the weights / output blocks get 8k rows
 _MOSAIC_ROWS_PER_SLOT = 256  # target G*L at D <= 128: rows in flight per DMA slot (128 KiB of f32)
-_MOSAIC_MAX_IDS_PER_CALL = 1 << 15  # ids scalar-prefetched into SMEM per pallas_call (128 KiB; SMEM is 1 MiB on v4+)
-_MOSAIC_VMEM_BUDGET = 12 << 20  # bytes of VMEM a call may use (the default scoped limit is 16 MiB on v4 / v5e)
+_VPU_MAX_BAG = 8  # bags of up to this many ids pool on the VPU, longer ones on the MXU
+_RUN = 8  # rows per merged DMA (a whole sublane tile of f32 rows)
 _HIGH_HALF_MASK = 0xFFFF0000  # high half of a packed word: the odd row of a bf16 pair
 
 
-def _bags_per_slot(length: int, dim: int) -> int:
-    """G: the largest power of two whose G * L rows fit a slot of _MOSAIC_ROWS_PER_SLOT rows of 128 lanes (wider
-    rows -> fewer of them, so the output block of 8 G bags stays small at large D); at least 1."""
-    slot_rows = max(8, _MOSAIC_ROWS_PER_SLOT * 128 // _round_up(dim, 128))
-    bags = 1
-    while bags * 2 * length <= slot_rows:
-        bags *= 2
-    return bags
+@dataclasses.dataclass(frozen=True)
+class MosaicPlan:
+    """How the Mosaic kernel runs one case: G bags per sub-block, the pooling unit, merged DMAs, the budgets used."""
+
+    bags: int
+    pooling: str  # "vpu", "mxu", or "none" (gather)
+    merge_runs: bool
+    num_cores: int
+    ids_per_call: int
+    vmem_bytes: int  # the estimate of the kernel's VMEM buffers
+    vmem_limit_bytes: int
 
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def mosaic_fallback_reason(kind: str, num_rows: int, dim: int, dtype: Any, length: int) -> str | None:
-    """Why the Mosaic kernel does not take this case (None when it does); the XLA reference runs instead."""
+def _vmem_estimate(kind: str, bags: int, length: int, dim: int, pooling: str, packed: bool) -> int:
+    """Bytes of VMEM the kernel's blocks, scratch and largest temporaries take: words are 4 bytes, lanes pad to 128,
+    sublanes to 8 (per [.., sublane, lane] tile of a 3-D block), blocks are double-buffered."""
+    lanes, rows, parts = _round_up(dim, 128), bags * length, 2 if packed else 1
+    vmem = 2 * _round_up(rows, 8) * lanes * 4 + 8 * lanes * 4  # the two DMA slots, the zero row
+    if kind == "gather":
+        return vmem + 2 * _SUB_BLOCKS * _round_up(rows, 8) * lanes * 4  # output blocks [8, G*L, D]
+    vmem += 2 * _SUB_BLOCKS * _round_up(bags, 8) * lanes * 4  # output blocks [8, G, D]
+    if pooling == "vpu":  # weights blocks [8, G, L]; the accumulator
+        return vmem + 2 * parts * _SUB_BLOCKS * _round_up(bags, 8) * 128 * 4 + _round_up(bags, 8) * lanes * 4
+    # weights blocks [8, 1, G*L]; the block-diagonal matrix and its mask; the unpacked halves
+    return (vmem + 2 * parts * _SUB_BLOCKS * 8 * _round_up(rows, 128) * 4 + 2 * _round_up(bags, 8)
+            * _round_up(rows, 128) * 4 + parts * _round_up(rows, 8) * lanes * 4)
+
+
+def mosaic_plan(kind: str, num_rows: int, dim: int, dtype: Any, length: int) -> MosaicPlan | str:
+    """The Mosaic kernel's plan for this case on the chip being lowered for, or why it hands the case to XLA."""
     dtype = jnp.dtype(dtype)
     if dtype not in (jnp.float32, jnp.bfloat16):
         return f"{dtype} tables: only f32 rows and bf16 rows (as packed 32-bit words) are DMA'd"
-    if dtype == jnp.bfloat16 and num_rows % 2:
+    packed = dtype == jnp.bfloat16
+    if packed and num_rows % 2:
         return ("bf16 table with an odd row count: rows are fetched as packed pairs of rows (32-bit words), which "
                 "needs an even row count")
-    bags = _bags_per_slot(length, dim)
-    lanes = _round_up(dim, 128)
-    vmem = 2 * _round_up(bags * length, 8) * lanes * 4  # the two DMA slots
-    vmem += 2 * 2 * _SUB_BLOCKS * _round_up(bags * length, 128) * 4  # weights blocks (x2 buffers, x2 for bf16)
-    if kind == "reduce":
-        vmem += 2 * _SUB_BLOCKS * bags * lanes * 4  # output blocks
-    else:
-        vmem += 2 * _SUB_BLOCKS * _round_up(bags * length, 8) * lanes * 4
-    if vmem > _MOSAIC_VMEM_BUDGET:
-        return f"bags of {length} ids x dim {dim} need ~{vmem >> 20} MiB of VMEM (> {_MOSAIC_VMEM_BUDGET >> 20} MiB)"
-    if _SUB_BLOCKS * bags * length > _MOSAIC_MAX_IDS_PER_CALL:
-        return f"one grid step's {_SUB_BLOCKS * bags * length} ids exceed the SMEM budget per call"
-    return None
+    budget = tpu_budget()
+    pooling = "none" if kind == "gather" else "vpu" if length <= _VPU_MAX_BAG else "mxu"
+    # G: the largest power of two whose G * L rows fit a slot of _MOSAIC_ROWS_PER_SLOT rows of 128 lanes (wider rows
+    # -> fewer of them), then halved until the buffers fit the chip's VMEM budget.
+    slot_rows = max(8, _MOSAIC_ROWS_PER_SLOT * 128 // _round_up(dim, 128))
+    bags = 1
+    while bags * 2 * length <= slot_rows:
+        bags *= 2
+    while bags > 1 and _vmem_estimate(kind, bags, length, dim, pooling, packed) > budget.vmem_buffer_bytes:
+        bags //= 2
+    vmem = _vmem_estimate(kind, bags, length, dim, pooling, packed)
+    if vmem > budget.vmem_buffer_bytes:
+        return (f"bags of {length} ids x dim {dim} need ~{vmem >> 20} MiB of VMEM (> {budget.vmem_buffer_bytes >> 20} "
+                f"MiB on {budget.chip})")
+    if _SUB_BLOCKS * bags * length > budget.smem_ids:
+        return f"one grid step's {_SUB_BLOCKS * bags * length} ids exceed the {budget.smem_ids} SMEM ids per call"
+    merge = not packed and (pooling != "vpu" or length == 1) and (bags * length) % _RUN == 0
+    return MosaicPlan(bags, pooling, merge, budget.num_cores, budget.smem_ids, vmem, budget.vmem_limit_bytes)
+
+
+def mosaic_fallback_reason(kind: str, num_rows: int, dim: int, dtype: Any, length: int) -> str | None:
+    """Why the Mosaic kernel does not take this case (None when it does); the XLA reference runs instead."""
+    plan = mosaic_plan(kind, num_rows, dim, dtype, length)
+    return plan if isinstance(plan, str) else None
 
 
 def _mosaic(kind: str, table, ids, weights, *, interpret: Any):
     num_rows, dim = table.shape
     num_bags, length = ids.shape
-    if num_bags == 0 or length == 0 or mosaic_fallback_reason(kind, num_rows, dim, table.dtype, length):
+    plan = mosaic_plan(kind, num_rows, dim, table.dtype, length) if num_bags and length else "nothing to launch"
+    if isinstance(plan, str):
         return _reference(kind, table, ids, weights)
     packed = table.dtype == jnp.bfloat16
     ids = _sanitize(ids, num_rows)
-    bags = _bags_per_slot(length, dim)
-    step_bags = _SUB_BLOCKS * bags
+    step_bags = _SUB_BLOCKS * plan.bags
     # SMEM holds one call's ids: a large batch runs as equal calls in a lax.map (traced once) plus one for the rest.
-    call_bags = max(step_bags, _MOSAIC_MAX_IDS_PER_CALL // length // step_bags * step_bags)
+    # A call's steps are a multiple of the core count when it has several, so each core gets the same run length.
+    max_steps = max(1, plan.ids_per_call // (step_bags * length))
+    if max_steps >= plan.num_cores:
+        max_steps -= max_steps % plan.num_cores
+    call_bags = max_steps * step_bags
     full, rest = divmod(num_bags, call_bags)
-    call = lambda ids_and_w: _mosaic_call(kind, table, *ids_and_w, bags=bags, packed=packed, interpret=interpret)
+    call = lambda ids_and_w: _mosaic_call(kind, table, *ids_and_w, plan=plan, packed=packed, interpret=interpret)
     outs = []
     if full == 1:
         outs.append(call((ids[:call_bags], None if weights is None else weights[:call_bags])))
@@ -355,103 +366,175 @@ def _unpack_bf16_rows(words: jax.Array, ids: jax.Array) -> jax.Array:
     return jnp.where((ids % 2 == 1)[:, :, None], _high_half(words), _low_half(words))
 
 
-def _mosaic_call(kind: str, table, ids, weights, *, bags: int, packed: bool, interpret: Any):
-    """One pallas_call over ids i32[B, L] (already sanitized); see the section comment."""
+# Jitted (and inlined) with its static configuration, so a call site whose shapes, plan and chip were traced before
+# reuses that trace: "auto" traces every platform's kernel at every call site, on a CPU too.
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("plan", "packed", "interpret"), inline=True)
+def _mosaic_call(kind: str, table, ids, weights, *, plan: MosaicPlan, packed: bool, interpret: Any):
+    """One pallas_call over ids i32[B, L] (already sanitized); see the section comment. Returns [B (* L), D]."""
     num_rows, dim = table.shape
     num_bags, length = ids.shape
+    bags = plan.bags
     step_bags = _SUB_BLOCKS * bags
-    padded_bags = _round_up(num_bags, step_bags)
+    steps = pl.cdiv(num_bags, step_bags)
+    cores = min(plan.num_cores, steps)
+    per_core = pl.cdiv(steps, cores)
+    padded_bags = cores * per_core * step_bags
     slot_rows = bags * length
-    # Padding bags read the sentinel; their outputs fall outside the (partial) last output block and are dropped.
-    flat_ids = jnp.pad(ids, ((0, padded_bags - num_bags), (0, 0)), constant_values=num_rows).reshape(-1)
-    step = lambda i, ids_ref: (i, 0)
+    # Padding bags read the sentinel (zero-row DMAs from VMEM, no HBM traffic); their outputs are sliced off.
+    pad = ((0, padded_bags - num_bags), (0, 0))
+    flat_ids = jnp.pad(ids, pad, constant_values=num_rows).reshape(-1)
+    # Every block is [sub-blocks, ...]: the kernel indexes sub-blocks on the leading, untiled dim only, so its
+    # dynamic indices never cut a (sublane, lane) tile.
+    step = lambda c, j, ids_ref: (c * per_core + j, 0, 0)
     in_specs = [pl.BlockSpec(memory_space=pl.ANY)]
     operands = [table]
     if kind == "reduce":
         w = jnp.where(ids < num_rows, weights, 0.0)
         parts = [jnp.where(ids % 2 == 0, w, 0.0), jnp.where(ids % 2 == 1, w, 0.0)] if packed else [w]
-        for part in parts:  # [padded_bags / G, G * L]: one row per sub-block, bag-major
-            part = jnp.pad(part, ((0, padded_bags - num_bags), (0, 0))).reshape(padded_bags // bags, slot_rows)
-            operands.append(part)
-            in_specs.append(pl.BlockSpec((_SUB_BLOCKS, slot_rows), step))
-        out_shape = jax.ShapeDtypeStruct((num_bags, dim), jnp.float32)
-        out_spec = pl.BlockSpec((step_bags, dim), step)
-    else:  # rows flat, [B * L, D]: a [B, L, D] block would pad L to 8 sublanes (8x the VMEM at L = 1)
-        out_shape = jax.ShapeDtypeStruct((num_bags * length, dim), jnp.uint32 if packed else jnp.float32)
-        out_spec = pl.BlockSpec((_SUB_BLOCKS * slot_rows, dim), step)
+        for part in parts:
+            part = jnp.pad(part, pad)
+            if plan.pooling == "vpu":  # [B / G, G, L]: sub-block s's position l is the [G, 1] column [s, :, l]
+                operands.append(part.reshape(padded_bags // bags, bags, length))
+                in_specs.append(pl.BlockSpec((_SUB_BLOCKS, bags, length), step))
+            else:  # [B / G, 1, G * L]: sub-block s's weights, bag-major, are the row [s, 0, :]
+                operands.append(part.reshape(padded_bags // bags, 1, slot_rows))
+                in_specs.append(pl.BlockSpec((_SUB_BLOCKS, 1, slot_rows), step))
+        out_shape = jax.ShapeDtypeStruct((padded_bags // bags, bags, dim), jnp.float32)
+        out_spec = pl.BlockSpec((_SUB_BLOCKS, bags, dim), step)
+    else:  # [B / G, G * L, D]: a sub-block's rows flat (a [B, L, D] block would pad L to 8 sublanes)
+        out_shape = jax.ShapeDtypeStruct((padded_bags // bags, slot_rows, dim), jnp.uint32 if packed else jnp.float32)
+        out_spec = pl.BlockSpec((_SUB_BLOCKS, slot_rows, dim), step)
     word = jnp.uint32 if packed else table.dtype
     kernel = functools.partial(_mosaic_kernel, kind=kind, num_rows=num_rows, length=length, bags=bags,
-                               packed=packed, num_weights=len(operands) - 1)
-    return pl.pallas_call(
+                               packed=packed, pooling=plan.pooling, merge_runs=plan.merge_runs, per_core=per_core,
+                               num_weights=len(operands) - 1)
+    out = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
-            grid=(padded_bags // step_bags,),
+            grid=(cores, per_core),
             in_specs=in_specs,
             out_specs=out_spec,
             scratch_shapes=[pltpu.VMEM((2, slot_rows, dim), word),  # the two DMA slots
                             pltpu.VMEM((1, dim), word),  # the zero row sentinel ids read
                             pltpu.SemaphoreType.DMA((2,))]),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                             vmem_limit_bytes=plan.vmem_limit_bytes),
         interpret=interpret,
-        name=f"gather_{kind}_mosaic",
+        name="gather_mosaic" if kind == "gather" else f"gather_reduce_mosaic_{plan.pooling}",
     )(flat_ids, *operands)
+    return out.reshape(-1, dim)[:num_bags * (length if kind == "gather" else 1)]
 
 
 def _mosaic_kernel(ids_smem, table_hbm, *refs, kind: str, num_rows: int, length: int, bags: int, packed: bool,
-                   num_weights: int):
-    """ids_smem i32[padded B * L]; table_hbm [R, D] in HBM; weights refs (reduce) [8, G*L]; out block; scratch."""
+                   pooling: str, merge_runs: bool, per_core: int, num_weights: int):
+    """ids_smem i32[padded B * L]; table_hbm [R, D] in HBM; weights blocks (reduce); out block; scratch."""
     weight_refs, (out_ref, slots, zero_row, sems) = refs[:num_weights], refs[num_weights:]
     slot_rows = bags * length
     source = table_hbm.bitcast(jnp.uint32) if packed else table_hbm  # [R/2, D] words or [R, D] rows
-    first_id = pl.program_id(0) * (_SUB_BLOCKS * slot_rows)
-    zero_row[...] = jnp.zeros(zero_row.shape, zero_row.dtype)
+    j = pl.program_id(1)
+    first_id = (pl.program_id(0) * per_core + j) * (_SUB_BLOCKS * slot_rows)
 
-    def row_copy(slot: int, k, row, *, issue: bool) -> None:
-        """Row k of `slot` <- table row `row`, or the zero row for the sentinel; start it or wait for it."""
-        def run(src):
-            copy = pltpu.make_async_copy(src, slots.at[slot, pl.ds(k, 1)], sems.at[slot])
-            copy.start() if issue else copy.wait()
+    def copy(src, slot, dst_row, count: int, issue: bool) -> None:
+        dma = pltpu.make_async_copy(src, slots.at[slot, pl.ds(dst_row, count)], sems.at[slot])
+        dma.start() if issue else dma.wait()
 
+    def row_copy(slot, dst_row, row, issue: bool) -> None:
+        """Slot row `dst_row` <- table row `row`, or the zero row for the sentinel; start it or wait for it."""
         @pl.when(row < num_rows)
         def _():
-            run(source.at[pl.ds(jax.lax.shift_right_logical(row, 1) if packed else row, 1)])
+            copy(source.at[pl.ds(jax.lax.shift_right_logical(row, 1) if packed else row, 1)], slot, dst_row, 1, issue)
 
         @pl.when(row >= num_rows)
         def _():
-            run(zero_row)
+            copy(zero_row, slot, dst_row, 1, issue)
 
-    def for_each_row(sub: int, slot: int, *, issue: bool) -> None:
-        def body(k, carry):
-            row_copy(slot, k, ids_smem[first_id + sub * slot_rows + k], issue=issue)
-            return carry
+    def sub_block(first, slot, *, issue: bool) -> None:
+        """Start (or wait for) the DMAs of the sub-block whose ids start at flat index `first`, into `slot`."""
+        # Loops rather than unrolled bodies throughout: every traced body costs compile time at each call site (a
+        # CPU program traces the kernels too: lax.platform_dependent traces every branch).
+        if pooling == "vpu" and length > 1:  # position-major: slot row l*G + g <- bag g's l-th id
+            def by_slot(k, carry):
+                # G is a power of two: a shift and a mask (integer // and % lower through `sign`, which Mosaic
+                # cannot lower without knowing the TPU generation, e.g. when exporting from a CPU host).
+                pos, g = jax.lax.shift_right_logical(k, bags.bit_length() - 1), k & (bags - 1)
+                row_copy(slot, k, ids_smem[first + g * length + pos], issue)
+                return carry
 
-        jax.lax.fori_loop(0, slot_rows, body, 0)
+            jax.lax.fori_loop(0, slot_rows, by_slot, 0)
+        elif merge_runs:  # bag-major, in runs of _RUN slot rows: one DMA when their ids are adjacent table rows
+            def by_run(r, carry):
+                k = pl.multiple_of(r * _RUN, _RUN)
+                base = ids_smem[first + k]
+                adjacent = base + _RUN <= num_rows  # ids are sanitized: base >= 0
+                for t in range(1, _RUN):
+                    adjacent = adjacent & (ids_smem[first + k + t] == base + t)
 
-    def consume(sub: int, slot: int) -> None:
-        rows = slots[slot]  # [G*L, D]
+                @pl.when(adjacent)
+                def _():
+                    copy(source.at[pl.ds(base, _RUN)], slot, k, _RUN, issue)
+
+                @pl.when(jnp.logical_not(adjacent))
+                def _():
+                    def by_row(t, carry):
+                        row_copy(slot, k + t, ids_smem[first + k + t], issue)
+                        return carry
+
+                    jax.lax.fori_loop(0, _RUN, by_row, 0)
+                return carry
+
+            jax.lax.fori_loop(0, slot_rows // _RUN, by_run, 0)
+        else:
+            def by_row(k, carry):
+                row_copy(slot, k, ids_smem[first + k], issue)
+                return carry
+
+            jax.lax.fori_loop(0, slot_rows, by_row, 0)
+
+    def halves(words) -> list:
+        return [_low_half(words), _high_half(words)] if packed else [words.astype(jnp.float32)]
+
+    def consume(sub, slot) -> None:
         if kind == "gather":
-            out_ref[pl.ds(sub * slot_rows, slot_rows), :] = rows.astype(out_ref.dtype)
+            out_ref[sub] = slots[slot].astype(out_ref.dtype)
             return
-        halves = ([_low_half(rows), _high_half(rows)] if packed else [rows.astype(jnp.float32)])
-        # W[g, k] = w[k] when id k belongs to bag g: pools G bags with one matmul (MXU idle otherwise).
-        col = jax.lax.broadcasted_iota(jnp.int32, (bags, slot_rows), 1)
-        first = jax.lax.broadcasted_iota(jnp.int32, (bags, slot_rows), 0) * length
-        in_bag = (col >= first) & (col < first + length)
-        pooled = jnp.zeros((bags, rows.shape[1]), jnp.float32)
-        for w_ref, half in zip(weight_refs, halves, strict=True):
-            w = jnp.where(in_bag, jnp.broadcast_to(w_ref[pl.ds(sub, 1), :], (bags, slot_rows)), 0.0)
-            pooled += jnp.dot(w, half, precision=_HIGHEST, preferred_element_type=jnp.float32)
-        out_ref[pl.ds(sub * bags, bags), :] = pooled
+        pooled = jnp.zeros((bags, out_ref.shape[2]), jnp.float32)
+        if pooling == "vpu":  # position l's rows are slot rows [l*G, (l+1)*G): scale by the [G, 1] column, add
+            weights = [w_ref[sub] for w_ref in weight_refs]  # [G, L] each
+            for pos in range(length):
+                rows = halves(slots[slot, pl.ds(pos * bags, bags), :])
+                for w, half in zip(weights, rows, strict=True):
+                    pooled += half * w[:, pos:pos + 1]
+        else:  # W[g, k] = w[k] when id k belongs to bag g: G bags pooled by one matmul
+            col = jax.lax.broadcasted_iota(jnp.int32, (bags, slot_rows), 1)
+            first = jax.lax.broadcasted_iota(jnp.int32, (bags, slot_rows), 0) * length
+            in_bag = (col >= first) & (col < first + length)
+            for w_ref, half in zip(weight_refs, halves(slots[slot]), strict=True):
+                w = jnp.where(in_bag, jnp.broadcast_to(w_ref[sub], (bags, slot_rows)), 0.0)
+                pooled += jnp.dot(w, half, precision=_HIGHEST, preferred_element_type=jnp.float32)
+        out_ref[sub] = pooled
 
-    # Every row's wait mirrors its start (same source kind, same destination, same semaphore).
-    for_each_row(0, 0, issue=True)
-    for sub in range(_SUB_BLOCKS):  # unrolled: the slot and every VMEM offset are static
-        if sub + 1 < _SUB_BLOCKS:
-            for_each_row(sub + 1, (sub + 1) % 2, issue=True)  # the next rows fly while this sub-block is pooled
-        for_each_row(sub, sub % 2, issue=False)
-        consume(sub, sub % 2)
+    # A core's first step fetches its first sub-block unoverlapped (and zeroes the zero row: later steps' DMAs may
+    # read it while in flight, so it is written only here); every later fetch is issued one sub-block earlier.
+    @pl.when(j == 0)
+    def _():
+        zero_row[...] = jnp.zeros(zero_row.shape, zero_row.dtype)
+        sub_block(first_id, 0, issue=True)
+
+    def by_sub_block(sub, carry):
+        slot = sub & 1  # _SUB_BLOCKS is even: a step's first sub-block is always in slot 0
+        # The next sub-block's ids follow this one's, across the step boundary too (a core's steps are contiguous):
+        # at a step's last sub-block this is the next step's first, unless the core's run ends here.
+        @pl.when((sub + 1 < _SUB_BLOCKS) | (j + 1 < per_core))
+        def _():
+            sub_block(first_id + (sub + 1) * slot_rows, 1 - slot, issue=True)
+
+        sub_block(first_id + sub * slot_rows, slot, issue=False)
+        consume(sub, slot)
+        return carry
+
+    jax.lax.fori_loop(0, _SUB_BLOCKS, by_sub_block, 0)
 
 
 def _low_half(words: jax.Array) -> jax.Array:
@@ -470,9 +553,13 @@ def _high_half(words: jax.Array) -> jax.Array:
 # Grid: (bag blocks of BB, column blocks of DT). A program walks the L ids of its BB bags one column at a time:
 # loads BB ids, gathers BB rows (DT columns each) with one masked load (ids outside [0, R) and columns past D masked
 # to zero), and accumulates w * row in f32 registers. Triton tensors must have power-of-two shapes: DT is D rounded up
-# to a power of two (at most 128), masked past D; the table is not padded.
+# to a power of two (at most 128), masked past D; the table is not padded. BB is as large as the register tile allows
+# (_TRITON_TILE elements) unless that leaves fewer than _TRITON_PROGRAMS_PER_SM programs per SM of the device
+# (`hardware.gpu_budget`); the loads are software-pipelined over as many stages as the device's shared memory per
+# block holds (at most 3).
 
 _TRITON_TILE = 4096  # BB * DT elements per program: 32 f32 accumulator registers per thread at 4 warps
+_TRITON_PROGRAMS_PER_SM = 4
 _TRITON_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -483,14 +570,33 @@ def triton_fallback_reason(kind: str, num_rows: int, dim: int, dtype: Any, lengt
     return None
 
 
+def triton_blocks(num_bags: int, dim: int, itemsize: int) -> tuple[int, int, int]:
+    """(BB bags, DT columns, pipeline stages) per program for this device (section comment)."""
+    budget = gpu_budget()
+    col_block = min(pl.next_power_of_2(dim), 128)
+    bag_block = max(16, min(256, _TRITON_TILE // col_block))
+    col_blocks = pl.cdiv(dim, col_block)
+    while bag_block > 16 and pl.cdiv(num_bags, bag_block) * col_blocks < _TRITON_PROGRAMS_PER_SM * budget.sm_count:
+        bag_block //= 2
+    stages = max(1, min(3, budget.shared_memory_per_block // (bag_block * col_block * itemsize)))
+    return bag_block, col_block, stages
+
+
 def _triton(kind: str, table, ids, weights, *, interpret: Any):
     num_rows, dim = table.shape
     num_bags, length = ids.shape
     if num_bags == 0 or length == 0 or triton_fallback_reason(kind, num_rows, dim, table.dtype, length):
         return _reference(kind, table, ids, weights)
-    ids = _sanitize(ids, num_rows)
-    col_block = min(pl.next_power_of_2(dim), 128)
-    bag_block = max(16, min(256, _TRITON_TILE // col_block))
+    return _triton_call(kind, table, _sanitize(ids, num_rows), weights,
+                        blocks=triton_blocks(num_bags, dim, table.dtype.itemsize), interpret=bool(interpret))
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("blocks", "interpret"), inline=True)
+def _triton_call(kind: str, table, ids, weights, *, blocks: tuple[int, int, int], interpret: bool):
+    """The pallas_call over sanitized ids (jitted like `_mosaic_call`)."""
+    num_rows, dim = table.shape
+    num_bags, length = ids.shape
+    bag_block, col_block, stages = blocks
     operands = [ids] if weights is None else [ids, weights]
     out_shape = (num_bags, dim) if kind == "reduce" else (num_bags, length, dim)
     kernel = functools.partial(_triton_kernel, kind=kind, num_rows=num_rows, num_bags=num_bags, length=length,
@@ -499,9 +605,9 @@ def _triton(kind: str, table, ids, weights, *, interpret: Any):
         kernel,
         out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
         grid=(pl.cdiv(num_bags, bag_block), pl.cdiv(dim, col_block)),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=stages),
         interpret=interpret,
-        name=f"gather_{kind}_triton",
+        name="gather_triton" if kind == "gather" else "gather_reduce_triton",
     )(*operands, table)
 
 

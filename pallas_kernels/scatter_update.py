@@ -9,16 +9,21 @@ Three implementations, one contract:
   * `row_update_reference` (XLA): gather the state rows, apply the rule, scatter with mode="drop". XLA updates a
     donated scatter operand in place, so this path is copy-free too; it is the CPU path and the tests' oracle.
   * TPU (Pallas / Mosaic): the table and the [R, D] state stay in HBM; row ids arrive by scalar prefetch; each
-    block of rows has its state rows DMA'd into VMEM (double-buffered: block i + 1's reads are in flight while
-    block i computes), the rule runs on the block, and new rows and state are DMA'd straight back into the
-    aliased HBM buffers. This is the TPU embedding update (jax-tpu-embedding / SparseCore: gather the touched
-    rows' slot variables, update, scatter) fused into one kernel. As there, step-dependent scalars are computed
+    block of rows has its state rows (and, when the caller has not gathered them, its current rows) DMA'd into
+    VMEM (double-buffered across grid steps with the buffer index in SMEM, as jax's paged-attention kernel does:
+    block i + 1's reads are in flight while block i computes and block i - 1's writes land), the rule runs on the
+    block, and new rows and state are DMA'd straight back into the aliased HBM buffers -- one DMA per run of 8
+    adjacent ids (the distinct ids of a step arrive sorted), else one per row. The grid is (cores, blocks per
+    core), ("parallel", "arbitrary"): megacore chips update disjoint row blocks on both TensorCores. This is the
+    TPU embedding update (jax-tpu-embedding / SparseCore: gather the touched rows' slot variables, update, scatter)
+    fused into one kernel. As there, step-dependent scalars are computed
     once outside the per-row work (jax-tpu-embedding's Adam spec derives alpha_t = lr sqrt(1 - b2^t) / (1 - b1^t)
     on the TensorCore and hands it to the SparseCore update): the part of `rule` that depends only on (lr, step)
     is split off by partial evaluation and run by XLA, so the kernel sees only vector math and scalar constants.
-  * GPU (Pallas / Triton): one program per block of rows; masked gathers of the state rows, the rule, masked
-    scatters -- the structure of FBGEMM TBE's fused backward-optimizer kernels for its EXACT_* optimizers
-    (gradients of duplicate ids are summed first, then each distinct row is updated by one thread block).
+  * GPU (Pallas / Triton): one program per block of rows; masked gathers of the state rows (and the current
+    rows, when not given), the rule, masked scatters -- the structure of FBGEMM TBE's fused backward-optimizer
+    kernels for its EXACT_* optimizers (gradients of duplicate ids are summed first, then each distinct row is
+    updated by one thread block).
 
 Distinctness is the caller's contract: no id < R may appear twice in `unique_rows`. With distinct ids no two GPU
 programs and no two in-flight TPU DMAs touch the same row, which is why neither path needs atomics or ordering
@@ -58,6 +63,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 from jax.extend.core import jaxpr_as_fun
 
+from pallas_kernels.dispatch import by_platform, check_impl
+from pallas_kernels.hardware import gpu_budget, tpu_budget
+
 State = Mapping[str, jax.Array]
 # rule(rows f32[N, D], state_rows {k: f32[N, D] | f32[N]}, grads f32[N, D], lr f32[], step i32[]) ->
 #     (new_rows f32[N, D], new_state_rows with the same keys and shapes)
@@ -65,25 +73,29 @@ RowRule = Callable[[jax.Array, dict[str, jax.Array], jax.Array, jax.Array, jax.A
                    tuple[jax.Array, dict[str, jax.Array]]]
 Impl = Literal["auto", "xla", "pallas", "pallas_tpu", "pallas_gpu"]
 
-# TPU: scalar memory is 16 KiB on v2/v3 (1 MiB from v4 on, `pltpu.get_tpu_info`). The ids of one kernel call are
-# prefetched into it, so longer id lists are processed in chunks of this many ids (a loop of aliased calls).
-TPU_MAX_PREFETCH_IDS = 2048
+# TPU budgets come from the chip being lowered for (pallas_kernels/hardware.py): one call's ids are scalar-prefetched
+# into SMEM (`TpuBudget.smem_ids`: 2048 on v2/v3, 131072 from v4 on), so longer id lists are processed in chunks of
+# that many ids (a loop of aliased calls); the VMEM buffers are sized to `TpuBudget.vmem_buffer_bytes`.
 # TPU: candidate rows per block, largest first; multiples of 8 (the f32 sublane tiling of a VMEM block).
 TPU_BLOCK_ROWS = (256, 128, 64, 32, 16, 8)
-# TPU: VMEM the kernel's buffers may take, well inside the default scoped VMEM (16 MiB on v4/v5e, 32 MiB on v6e).
-TPU_VMEM_BUDGET = 8 * 1024 * 1024
+# TPU: rows per merged DMA: 8 adjacent ids (a whole f32 sublane tile) move as one copy.
+TPU_RUN = 8
 # GPU: elements of a [rows, D] tile held by one program (in registers); 4096 f32 = 16 KiB.
 GPU_TILE_ELEMENTS = 4096
+# GPU: fewer rows per program until the grid has this many programs per SM (`hardware.gpu_budget`), down to 1 row.
+GPU_PROGRAMS_PER_SM = 2
 
 
-def row_update_reference(table: jax.Array, state: State, unique_rows: jax.Array, current: jax.Array,
+def row_update_reference(table: jax.Array, state: State, unique_rows: jax.Array, current: jax.Array | None,
                          grads: jax.Array, rule: RowRule, lr: jax.Array, step: jax.Array
                          ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """XLA path: gather the touched rows' state, apply `rule`, scatter rows and state back (see `fused_row_update`).
 
     Padding ids (>= R) gather zeros (mode="fill") and are dropped by the scatter (mode="drop"), so they are never
-    read out of bounds nor written.
+    read out of bounds nor written. `current` None: the rows are gathered here too.
     """
+    if current is None:
+        current = jnp.take(table, unique_rows, axis=0, mode="fill", fill_value=0)
     state_rows = {k: jnp.take(v, unique_rows, axis=0, mode="fill", fill_value=0) for k, v in state.items()}
     new_rows, new_state = rule(current, state_rows, grads, lr, step)
     table = table.at[unique_rows].set(new_rows.astype(table.dtype), mode="drop")
@@ -91,7 +103,8 @@ def row_update_reference(table: jax.Array, state: State, unique_rows: jax.Array,
     return table, state
 
 
-def fused_row_update(table: jax.Array, state: State, unique_rows: jax.Array, current: jax.Array, grads: jax.Array,
+def fused_row_update(table: jax.Array, state: State, unique_rows: jax.Array, current: jax.Array | None,
+                     grads: jax.Array,
                      rule: RowRule, lr: jax.Array | float, step: jax.Array | int, *, impl: Impl = "auto",
                      interpret: bool | pltpu.InterpretParams = False) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Apply `rule` to the distinct touched rows of `table` and their optimizer state, writing both in place.
@@ -102,29 +115,32 @@ def fused_row_update(table: jax.Array, state: State, unique_rows: jax.Array, cur
       state: per-row optimizer arrays {name: f32[R, D] or f32[R]} (donate them too); may be empty.
       unique_rows: i32[U] DISTINCT row ids -- the caller's contract; the kernels write rows without atomics, so a
         duplicated id would race. Ids >= R are padding: never read, never written. U may exceed R or not.
-      current: f32[U, D] the rows' current values (the forward pass gathered them; the kernels use them rather
-        than re-reading the table). Padding slots may hold anything.
+      current: f32[U, D] the rows' current values, when the forward pass gathered them (the kernels then use them
+        rather than re-reading the table; padding slots may hold anything); None when it pooled straight from the
+        table: each path then reads the touched rows itself (the kernels inside, with the state rows).
       grads: f32[U, D] each row's exactly summed gradient (any weight-decay term is folded into `rule`).
       rule: `rule(rows, state_rows, grads, lr, step) -> (new_rows, new_state_rows)`, a pure jnp function over a
         block of N rows (state rows f32[N, D] or f32[N]); recjax passes `SparseOptimizer.update_rows` with the
         weight-decay term folded into the gradient.
       lr: f32[] learning rate.
       step: i32[] 1-based optimizer step.
-      impl: "xla" (`row_update_reference`); "pallas_tpu" / "pallas_gpu" (that kernel whatever the platform; on a
-        CPU only with `interpret=True`); "pallas" (the kernel of the platform the computation is lowered for --
-        Mosaic on TPU, Triton on CUDA -- and an error elsewhere; with `interpret=True` the TPU kernel under
-        Pallas's TPU interpreter); "auto" (like "pallas" on TPU and CUDA, XLA on every other platform).
-        A case a kernel cannot express (`kernel_fallback_reason`) takes the XLA path instead, for that call only.
+      impl: as for every kernel (pallas_kernels/dispatch.py): "xla" (`row_update_reference`); "pallas_tpu" /
+        "pallas_gpu" (that kernel whatever the platform; on a CPU only with `interpret=True`); "pallas" (the kernel
+        of the platform the computation is lowered for -- Mosaic on TPU, Triton on CUDA and ROCm -- and an error
+        elsewhere; with `interpret=True` the TPU kernel under Pallas's TPU interpreter); "auto" (like "pallas" on
+        TPU, CUDA and ROCm, XLA on every other platform), both decided when lowered. A case a kernel cannot
+        express (`kernel_fallback_reason`) takes the XLA path instead, for that call only.
       interpret: run the Pallas kernel in interpret mode (tests on CPU); a `pltpu.InterpretParams` configures the
         TPU interpreter (e.g. whether DMAs land when issued or only when waited on).
 
     Returns:
       (table f32[R, D], state) with the touched rows and their state updated; every other row bit-identical.
     """
+    check_impl(impl, interpret, "fused_row_update")
     num_rows, dim = table.shape
     (num_unique,) = unique_rows.shape
-    assert current.shape == (num_unique, dim) and grads.shape == (num_unique, dim), \
-        (table.shape, unique_rows.shape, current.shape, grads.shape)
+    assert current is None or current.shape == (num_unique, dim), (table.shape, unique_rows.shape, current.shape)
+    assert grads.shape == (num_unique, dim), (table.shape, unique_rows.shape, grads.shape)
     for k, v in state.items():
         assert v.shape in ((num_rows, dim), (num_rows,)), (k, v.shape, table.shape)
     state = dict(state)
@@ -133,24 +149,10 @@ def fused_row_update(table: jax.Array, state: State, unique_rows: jax.Array, cur
     step = jnp.asarray(step, jnp.int32)
     args = (table, state, unique_rows, current, grads, lr, step)
 
-    tpu = functools.partial(_kernel_or_reference, "tpu", rule=rule, interpret=interpret)
-    gpu = functools.partial(_kernel_or_reference, "gpu", rule=rule, interpret=interpret)
-    xla = functools.partial(_kernel_or_reference, "xla", rule=rule, interpret=interpret)
-    if impl == "xla":
-        return xla(*args)
-    if impl == "pallas_tpu" or (impl == "pallas" and interpret):
-        return tpu(*args)
-    if impl == "pallas_gpu":
-        return gpu(*args)
-    if impl == "pallas":
-        # No default branch: lowering for a platform without a kernel is an error naming the platform.
-        return lax.platform_dependent(*args, tpu=tpu, cuda=gpu)
-    if impl == "auto":
-        # Chosen when the computation is lowered (so `jax.export(..., platforms=["tpu"])` on a CPU host gets the
-        # TPU kernel); only the chosen branch reaches the compiler.
-        return lax.platform_dependent(*args, tpu=tpu, cuda=gpu, default=xla)
-    raise ValueError(f"fused_row_update: unknown impl {impl!r}; use 'auto', 'xla', 'pallas', 'pallas_tpu' or "
-                     f"'pallas_gpu'")
+    return by_platform(impl, interpret, args,
+                       xla=functools.partial(_kernel_or_reference, "xla", rule=rule, interpret=interpret),
+                       mosaic=functools.partial(_kernel_or_reference, "tpu", rule=rule, interpret=interpret),
+                       triton=functools.partial(_kernel_or_reference, "gpu", rule=rule, interpret=interpret))
 
 
 def kernel_fallback_reason(platform: Literal["tpu", "gpu"], rule: RowRule, table: jax.Array | jax.ShapeDtypeStruct,
@@ -166,8 +168,9 @@ def kernel_fallback_reason(platform: Literal["tpu", "gpu"], rule: RowRule, table
     state_shapes = {k: tuple(v.shape) for k, v in state.items()}
     if platform == "tpu":
         if _tpu_block_rows(dim, state_shapes) is None:
+            budget = tpu_budget()
             return (f"TPU: {TPU_BLOCK_ROWS[-1]} rows of D={dim} with {len(state_shapes)} state arrays already "
-                    f"exceed the kernel's VMEM budget ({TPU_VMEM_BUDGET} bytes)")
+                    f"exceed the kernel's VMEM budget ({budget.vmem_buffer_bytes} bytes on {budget.chip})")
         split = _split_step_math(rule, TPU_BLOCK_ROWS[-1], dim, state_shapes)
         return split if isinstance(split, str) else None
     if platform == "gpu":
@@ -233,15 +236,17 @@ def _split_step_math(rule: RowRule, block: int, dim: int, state_shapes: Mapping[
 
 # ------------------------------------------------------------------------------------------ TPU (Mosaic)
 def _tpu_block_rows(dim: int, state_shapes: Mapping[str, tuple[int, ...]]) -> int | None:
-    """Rows per block whose VMEM buffers fit `TPU_VMEM_BUDGET`, or None."""
+    """Rows per block whose VMEM buffers fit the chip's `vmem_buffer_bytes`, or None."""
     wide = sum(len(s) == 2 for s in state_shapes.values())
     narrow = len(state_shapes) - wide
     lanes = -(-dim // 128) * 128  # VMEM pads the minor dim to whole 128-lane tiles
-    # Per row: current + grads (pipelined, 2 buffers each), new rows (2 slots), each [R, D] state in and out
+    # Per row: current (a pipelined block, or the 2 slots it is DMA'd into) + grads (pipelined, 2 buffers), new rows
+    # (2 slots), each [R, D] state in and out
     # (2 slots each), each [R] state as a [N, 1] column in and out (pipelined, 2 buffers each, padded to 128 lanes).
     row_bytes = 4 * (lanes * (2 * 2 + 2 + 2 * 2 * wide) + 128 * 2 * 2 * narrow)
+    budget = tpu_budget().vmem_buffer_bytes
     for rows in TPU_BLOCK_ROWS:
-        if rows * row_bytes <= TPU_VMEM_BUDGET:
+        if rows * row_bytes <= budget:
             return rows
     return None
 
@@ -249,22 +254,26 @@ def _tpu_block_rows(dim: int, state_shapes: Mapping[str, tuple[int, ...]]) -> in
 def _tpu_row_update(table, state, unique_rows, current, grads, rule, lr, step, *, interpret):
     """Mosaic kernel over blocks of rows (see the module docstring); arguments as in `fused_row_update`.
 
-    [R, D] state is DMA'd row by row inside the kernel. [R] state (row-wise Adagrad's accumulator) is gathered
-    and scattered by XLA around the kernel (O(U), in place on the donated buffer) and enters the kernel as an
-    [N, 1] column block. A one-element DMA out of a 1-D HBM array is not a tile-aligned copy (1-D arrays are
-    tiled in runs of 128 or more elements; Mosaic's DMA alignment rules for them are undocumented, so nothing
-    here relies on them), and viewing [R] as [R, 1] would be a table-sized relayout on TPU.
+    [R, D] state (and the current rows, when `current` is None) is DMA'd inside the kernel. [R] state (row-wise
+    Adagrad's accumulator) is gathered and scattered by XLA around the kernel (O(U), in place on the donated buffer)
+    and enters the kernel as an [N, 1] column block. A one-element DMA out of a 1-D HBM array is not a tile-aligned
+    copy (1-D arrays are tiled in runs of 128 or more elements; Mosaic's DMA alignment rules for them are
+    undocumented, so nothing here relies on them), and viewing [R] as [R, 1] would be a table-sized relayout on TPU.
     """
     num_rows, dim = table.shape
     (num_unique,) = unique_rows.shape
     state_shapes = {k: tuple(v.shape) for k, v in state.items()}
     wide = sorted(k for k, s in state_shapes.items() if len(s) == 2)
     narrow = sorted(k for k, s in state_shapes.items() if len(s) == 1)
+    budget = tpu_budget()
     block = _tpu_block_rows(dim, state_shapes)
     if num_unique <= block:
         block = num_unique  # one block spanning the whole array: any size is a legal block shape
     num_blocks = pl.cdiv(num_unique, block)
-    blocks_per_call = max(1, min(num_blocks, TPU_MAX_PREFETCH_IDS // block))
+    # A call's blocks: as many as its ids fit SMEM, split evenly over the cores (a core's run of blocks pipelines).
+    cores = min(budget.num_cores, num_blocks)
+    per_core = max(1, min(pl.cdiv(num_blocks, cores), budget.smem_ids // (block * cores)))
+    blocks_per_call = cores * per_core
     num_calls = pl.cdiv(num_blocks, blocks_per_call)
     ids_per_call = blocks_per_call * block
     # Padding ids (= R) fill the tail so every call sees whole blocks; the kernel issues no DMA for them.
@@ -276,15 +285,16 @@ def _tpu_row_update(table, state, unique_rows, current, grads, rule, lr, step, *
     i32_res = [r for r, d in zip(residuals, residual_dtypes, strict=True) if d == jnp.int32]
     f32_res = jnp.stack(f32_res) if f32_res else jnp.zeros((1,), jnp.float32)
     i32_res = jnp.stack(i32_res) if i32_res else jnp.zeros((1,), jnp.int32)
-    call = _tpu_call(num_rows, dim, block, blocks_per_call, num_blocks, wide, narrow, inside, residual_dtypes,
-                     interpret)
+    call = _tpu_call(num_rows, dim, block, cores, per_core, num_blocks, wide, narrow, inside, residual_dtypes,
+                     read_rows=current is None, vmem_limit_bytes=budget.vmem_limit_bytes, interpret=interpret)
+    given_rows = [] if current is None else [current]
 
     def one_call(c, carry):
         table, state = carry
         call_ids = lax.dynamic_slice_in_dim(ids, c * ids_per_call, ids_per_call)
         narrow_rows = [jnp.take(state[k], call_ids, mode="fill", fill_value=0)[:, None] for k in narrow]
         first_block = jnp.reshape(c * blocks_per_call, (1,)).astype(jnp.int32)
-        table, *outs = call(call_ids, f32_res, i32_res, first_block, current, grads, *narrow_rows, table,
+        table, *outs = call(call_ids, f32_res, i32_res, first_block, *given_rows, grads, *narrow_rows, table,
                             *[state[k] for k in wide])
         state = dict(state)
         state.update(zip(wide, outs[:len(wide)], strict=True))
@@ -297,13 +307,24 @@ def _tpu_row_update(table, state, unique_rows, current, grads, rule, lr, step, *
     return lax.fori_loop(0, num_calls, one_call, (table, state))
 
 
-def _tpu_call(num_rows: int, dim: int, block: int, blocks_per_call: int, num_blocks: int, wide: Sequence[str],
-              narrow: Sequence[str], inside, residual_dtypes, interpret):
-    """The pallas_call for one chunk of `blocks_per_call` blocks (see `_tpu_row_update`)."""
-    n_wide, n_narrow = len(wide), len(narrow)
+def _tpu_call(num_rows: int, dim: int, block: int, cores: int, per_core: int, num_blocks: int, wide: Sequence[str],
+              narrow: Sequence[str], inside, residual_dtypes, *, read_rows: bool, vmem_limit_bytes: int, interpret):
+    """The pallas_call for one chunk of `cores * per_core` blocks (see `_tpu_row_update`).
 
-    def kernel(ids_ref, f32_res_ref, i32_res_ref, first_block_ref, current_ref, grads_ref, *refs):
+    Grid (cores, per_core), ("parallel", "arbitrary"): core c updates blocks c * per_core ... (c + 1) * per_core - 1
+    of the chunk, in order. Within a core's run, step j starts block j + 1's reads, waits for block j's, runs the
+    rule, finishes block j - 1's writes and starts block j's; the slot block j uses lives in SMEM (flipped each step,
+    reset at a run's first step), like the buffer index of jax's paged-attention kernel. Blocks of different cores
+    touch disjoint rows (the ids are distinct), so the cores never race.
+    """
+    n_wide, n_narrow = len(wide), len(narrow)
+    n_given = 0 if read_rows else 1
+    n_gathered = n_wide + (1 if read_rows else 0)  # arrays DMA'd in per block: [R, D] state (+ the rows)
+
+    def kernel(ids_ref, f32_res_ref, i32_res_ref, first_block_ref, *refs):
         del first_block_ref  # read by the index maps only
+        given, refs = refs[:n_given], refs[n_given:]
+        grads_ref, refs = refs[0], refs[1:]
         narrow_in, refs = refs[:n_narrow], refs[n_narrow:]
         # refs[0] and refs[1:1 + n_wide] are the table / [R, D] state inputs: aliased to the outputs (same HBM
         # buffers), so the kernel reads and writes them through the output refs.
@@ -311,53 +332,88 @@ def _tpu_call(num_rows: int, dim: int, block: int, blocks_per_call: int, num_blo
         wide_hbm = refs[2 + n_wide:2 + 2 * n_wide]
         narrow_out = refs[2 + 2 * n_wide:2 + 2 * n_wide + n_narrow]
         rows_buf, *scratch = refs[2 + 2 * n_wide + n_narrow:]
-        wide_in_buf, wide_out_buf = scratch[:n_wide], scratch[n_wide:2 * n_wide]
-        gather_sem, scatter_sem = scratch[2 * n_wide:]
+        in_bufs, wide_out_buf = scratch[:n_gathered], scratch[n_gathered:n_gathered + n_wide]
+        gather_sem, scatter_sem, slot_ref = scratch[n_gathered + n_wide:]
+        sources = (*wide_hbm, table_hbm) if read_rows else tuple(wide_hbm)  # in the order of in_bufs
 
-        i = pl.program_id(0)
-        n = pl.num_programs(0)
-        slot = i % 2
+        c, j = pl.program_id(0), pl.program_id(1)
+        blk = c * per_core + j  # this step's block within the chunk
 
-        def each_row(blk, fn):
-            # Padding ids (>= R) issue no DMA: nothing is read or written for them.
-            def body(j, carry):
-                row = ids_ref[blk * block + j]
+        @pl.when(j == 0)
+        def _():
+            slot_ref[0] = 0
 
+        slot = slot_ref[0]
+        other = 1 - slot
+
+        def transfers(b, fn):
+            """fn(buffer row, table row, count) for every copy block b needs: one per run of TPU_RUN adjacent ids
+            (count TPU_RUN), else one per row (count 1); padding ids (>= R) need none."""
+            def single(k, row):
                 @pl.when(row < num_rows)
                 def _():
-                    fn(j, row)
+                    fn(k, row, 1)
+
+            if block % TPU_RUN:
+                def by_row(k, carry):
+                    single(k, ids_ref[b * block + k])
+                    return carry
+
+                lax.fori_loop(0, block, by_row, 0)
+                return
+
+            def by_run(r, carry):
+                k = pl.multiple_of(r * TPU_RUN, TPU_RUN)
+                base = ids_ref[b * block + k]
+                adjacent = base + TPU_RUN <= num_rows
+                for t in range(1, TPU_RUN):
+                    adjacent = adjacent & (ids_ref[b * block + k + t] == base + t)
+
+                @pl.when(adjacent)
+                def _():
+                    fn(k, base, TPU_RUN)
+
+                @pl.when(jnp.logical_not(adjacent))
+                def _():
+                    def by_row(t, carry):
+                        single(k + t, ids_ref[b * block + k + t])
+                        return carry
+
+                    # A loop, not unrolled: every traced body costs compile time at each call site, on a CPU too
+                    # (lax.platform_dependent traces every branch).
+                    lax.fori_loop(0, TPU_RUN, by_row, 0)
                 return carry
-            lax.fori_loop(0, block, body, 0)
 
-        def gathers(s):
-            return lambda j, row: [pltpu.make_async_copy(hbm.at[pl.ds(row, 1)], buf.at[s, pl.ds(j, 1)],
-                                                         gather_sem.at[s])
-                                   for hbm, buf in zip(wide_hbm, wide_in_buf, strict=True)]
+            lax.fori_loop(0, block // TPU_RUN, by_run, 0)
 
-        def scatters(s):
-            return lambda j, row: [pltpu.make_async_copy(buf.at[s, pl.ds(j, 1)], hbm.at[pl.ds(row, 1)],
-                                                         scatter_sem.at[s])
-                                   for buf, hbm in zip((rows_buf, *wide_out_buf), (table_hbm, *wide_hbm),
-                                                       strict=True)]
+        def gathers(s, action):
+            def fn(k, row, count):
+                for hbm, buf in zip(sources, in_bufs, strict=True):
+                    copy = pltpu.make_async_copy(hbm.at[pl.ds(row, count)], buf.at[s, pl.ds(k, count)],
+                                                 gather_sem.at[s])
+                    copy.start() if action == "start" else copy.wait()
+            return fn
 
-        def start(copies):
-            return lambda j, row: [c.start() for c in copies(j, row)]
+        def scatters(s, action):
+            def fn(k, row, count):
+                for buf, hbm in zip((rows_buf, *wide_out_buf), (table_hbm, *wide_hbm), strict=True):
+                    copy = pltpu.make_async_copy(buf.at[s, pl.ds(k, count)], hbm.at[pl.ds(row, count)],
+                                                 scatter_sem.at[s])
+                    copy.start() if action == "start" else copy.wait()
+            return fn
 
-        def wait(copies):
-            return lambda j, row: [c.wait() for c in copies(j, row)]
-
-        if n_wide:
-            # Double buffering: block i + 1's state rows are read while block i computes. Blocks touch disjoint
-            # rows (ids are distinct), so those reads never race the writes of blocks i and i - 1.
-            @pl.when(i == 0)
+        if n_gathered:
+            # Double buffering: block j + 1's rows are read while block j computes. Blocks touch disjoint rows (ids
+            # are distinct), so those reads never race the writes of blocks j and j - 1.
+            @pl.when(j == 0)
             def _():
-                each_row(0, start(gathers(0)))
+                transfers(blk, gathers(slot, "start"))
 
-            @pl.when(i + 1 < n)
+            @pl.when(j + 1 < per_core)
             def _():
-                each_row(i + 1, start(gathers(1 - slot)))
+                transfers(blk + 1, gathers(other, "start"))
 
-            each_row(i, wait(gathers(slot)))
+            transfers(blk, gathers(slot, "wait"))
 
         residuals, n_f32, n_i32 = [], 0, 0
         for dtype in residual_dtypes:
@@ -367,11 +423,11 @@ def _tpu_call(num_rows: int, dim: int, block: int, blocks_per_call: int, num_blo
             else:
                 residuals.append(i32_res_ref[n_i32])
                 n_i32 += 1
-        state_rows = {k: wide_in_buf[w][slot] for w, k in enumerate(wide)}
+        state_rows = {k: in_bufs[w][slot] for w, k in enumerate(wide)}
         # [N, 1] <-> [N] is a shape cast between a column and the layout a row reduction (row-wise Adagrad's mean
         # over D) produces, so the rule's [N] math needs no relayout.
         state_rows.update({k: narrow_in[w][...][:, 0] for w, k in enumerate(narrow)})
-        rows = current_ref[...]
+        rows = in_bufs[n_wide][slot] if read_rows else given[0][...]
         new_rows, new_state = inside(residuals, rows, state_rows, grads_ref[...])
         _check_rule_output(new_rows, new_state, rows, state_rows)
         rows_buf[slot] = new_rows.astype(jnp.float32)
@@ -380,49 +436,54 @@ def _tpu_call(num_rows: int, dim: int, block: int, blocks_per_call: int, num_blo
         for w, k in enumerate(narrow):
             narrow_out[w][...] = new_state[k][:, None].astype(jnp.float32)
 
-        # Block i - 1's writes overlapped this block's gather wait and compute; its slot is reused by block i + 1,
+        # Block j - 1's writes overlapped this block's gather wait and compute; its slot is reused by block j + 1,
         # so they must land before this step ends.
-        @pl.when(i > 0)
+        @pl.when(j > 0)
         def _():
-            each_row(i - 1, wait(scatters(1 - slot)))
+            transfers(blk - 1, scatters(other, "wait"))
 
-        each_row(i, start(scatters(slot)))
+        transfers(blk, scatters(slot, "start"))
 
-        @pl.when(i + 1 == n)
+        @pl.when(j + 1 == per_core)
         def _():
-            each_row(i, wait(scatters(slot)))
+            transfers(blk, scatters(slot, "wait"))
+
+        slot_ref[0] = other
 
     last_block = num_blocks - 1
 
-    def row_block(i, ids, f32_res, i32_res, first_block):
+    def row_block(c, j, ids, f32_res, i32_res, first_block):
         # The last chunk may run past the end of `current` / `grads`; its ids there are padding, so clamping the
         # block index only re-reads a block whose results are never written.
-        return (jnp.minimum(first_block[0] + i, last_block), 0)
+        return (jnp.minimum(first_block[0] + c * per_core + j, last_block), 0)
 
-    def call_block(i, *_):
-        return (i, 0)
+    def call_block(c, j, *_):
+        return (c * per_core + j, 0)
 
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     column = pl.BlockSpec((block, 1), call_block)
-    in_specs = [pl.BlockSpec((block, dim), row_block), pl.BlockSpec((block, dim), row_block),
+    in_specs = [*[pl.BlockSpec((block, dim), row_block) for _ in range(n_given + 1)],
                 *[column for _ in narrow], hbm, *[hbm for _ in wide]]
     out_specs = [hbm, *[hbm for _ in wide], *[column for _ in narrow]]
     out_shape = [jax.ShapeDtypeStruct((num_rows, dim), jnp.float32),
                  *[jax.ShapeDtypeStruct((num_rows, dim), jnp.float32) for _ in wide],
-                 *[jax.ShapeDtypeStruct((blocks_per_call * block, 1), jnp.float32) for _ in narrow]]
-    scratch = [pltpu.VMEM((2, block, dim), jnp.float32),
-               *[pltpu.VMEM((2, block, dim), jnp.float32) for _ in range(2 * n_wide)],
-               pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,))]
+                 *[jax.ShapeDtypeStruct((cores * per_core * block, 1), jnp.float32) for _ in narrow]]
+    scratch = [pltpu.VMEM((2, block, dim), jnp.float32),  # new rows
+               *[pltpu.VMEM((2, block, dim), jnp.float32) for _ in range(n_gathered + n_wide)],
+               pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,)),
+               pltpu.SMEM((1,), jnp.int32)]  # the slot of this step's block
     # Operand indices count the 4 scalar-prefetch operands; the table and [R, D] state become outputs 0..n_wide.
-    first_hbm = 6 + n_narrow
+    first_hbm = 4 + n_given + 1 + n_narrow
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=4, grid=(blocks_per_call,), in_specs=in_specs,
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=4, grid=(cores, per_core), in_specs=in_specs,
                                                out_specs=out_specs, scratch_shapes=scratch),
         input_output_aliases={first_hbm + w: w for w in range(1 + n_wide)},
-        # Sequential: step i starts block i + 1's reads and finishes block i - 1's writes.
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        # A core's steps are sequential (step j starts block j + 1's reads and finishes block j - 1's writes); the
+        # cores' runs are independent.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                             vmem_limit_bytes=vmem_limit_bytes),
         interpret=(interpret if isinstance(interpret, pltpu.InterpretParams)
                    else pltpu.InterpretParams() if interpret else False),
         name="fused_row_update_tpu",
@@ -431,15 +492,20 @@ def _tpu_call(num_rows: int, dim: int, block: int, blocks_per_call: int, num_blo
 
 # ----------------------------------------------------------------------------------------- GPU (Triton)
 def _gpu_block_rows(num_unique: int, dim: int) -> int:
-    """Rows per program: a power of two (Triton tile shapes must be) with rows * D <= GPU_TILE_ELEMENTS."""
+    """Rows per program: a power of two (Triton tile shapes must be) with rows * D <= GPU_TILE_ELEMENTS, halved while
+    the grid would have fewer than GPU_PROGRAMS_PER_SM programs per SM of the device."""
     rows = min(max(1, GPU_TILE_ELEMENTS // dim), pl.next_power_of_2(num_unique))
-    return 1 << (rows.bit_length() - 1)
+    rows = 1 << (rows.bit_length() - 1)
+    while rows > 1 and pl.cdiv(num_unique, rows) < GPU_PROGRAMS_PER_SM * gpu_budget().sm_count:
+        rows //= 2
+    return rows
 
 
 def _gpu_row_update(table, state, unique_rows, current, grads, rule, lr, step, *, interpret):
     """Triton kernel, one program per block of rows (see the module docstring); arguments as in `fused_row_update`.
 
-    Each program gathers its rows' state with masked loads, applies the rule and scatters rows and state with
+    Each program gathers its rows' state (and the rows, when `current` is None; the table output aliases the
+    input, so it reads them from there) with masked loads, applies the rule and scatters rows and state with
     masked stores into the aliased buffers. Ids are distinct, so no two programs write the same row and plain
     stores suffice; padding ids and the tail past U are masked off, so nothing is read or written for them.
     """
@@ -448,7 +514,11 @@ def _gpu_row_update(table, state, unique_rows, current, grads, rule, lr, step, *
     keys = sorted(state)
     block = _gpu_block_rows(num_unique, dim)
 
-    def kernel(ids_ref, lr_ref, step_ref, current_ref, grads_ref, *refs):
+    given = [] if current is None else [current]
+
+    def kernel(ids_ref, lr_ref, step_ref, *refs):
+        current_ref, refs = (refs[0], refs[1:]) if given else (None, refs)
+        grads_ref, refs = refs[0], refs[1:]
         # refs[:1 + len(keys)] are the table / state inputs: aliased to the outputs, used through those.
         table_out, *state_out = refs[1 + len(keys):]
         start = pl.program_id(0) * block
@@ -468,7 +538,10 @@ def _gpu_row_update(table, state, unique_rows, current, grads, rule, lr, step, *
         def index_and_mask(ref):
             return (wide_index, wide_mask) if len(ref.shape) == 2 else ((row_index,), valid)
 
-        rows = plgpu.load(current_ref.at[pl.ds(start, block), :], mask=in_range_2d, other=0.0)
+        if current_ref is None:
+            rows = plgpu.load(table_out.at[wide_index], mask=wide_mask, other=0.0)
+        else:
+            rows = plgpu.load(current_ref.at[pl.ds(start, block), :], mask=in_range_2d, other=0.0)
         grads_block = plgpu.load(grads_ref.at[pl.ds(start, block), :], mask=in_range_2d, other=0.0)
         state_rows = {}
         for k, ref in zip(keys, state_out, strict=True):
@@ -487,13 +560,13 @@ def _gpu_row_update(table, state, unique_rows, current, grads, rule, lr, step, *
         kernel,
         out_shape=out_shape,
         grid=(pl.cdiv(num_unique, block),),
-        # Operands: ids, lr, step, current, grads, table, *state; the table and state are updated in place.
-        input_output_aliases={5 + i: i for i in range(1 + len(keys))},
+        # Operands: ids, lr, step, (current,) grads, table, *state; the table and state are updated in place.
+        input_output_aliases={4 + len(given) + i: i for i in range(1 + len(keys))},
         # Triton explicitly: this jax lowers a plain pallas_call on GPU with Mosaic GPU by default, whose copies
         # move whole blocks through shared memory in 128-byte units -- no fit for scattered single rows (see the
         # module docstring).
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=bool(interpret),
         name="fused_row_update_gpu",
-    )(unique_rows, lr.reshape(1), step.reshape(1), current, grads, table, *[state[k] for k in keys])
+    )(unique_rows, lr.reshape(1), step.reshape(1), *given, grads, table, *[state[k] for k in keys])
     return outs[0], dict(zip(keys, outs[1:], strict=True))

@@ -17,6 +17,10 @@ Without dedup (`dedup=False`: the sparse optimizer sums over duplicates, i.e. pl
 step), the route skips the sort, `gather` pools straight from the tables (what it returns is then the pooled
 vectors, the values the loss is differentiated against), and `sparse_update` scatter-adds every occurrence's
 update into the table: two passes over the touched rows instead of four plus a sort.
+
+With dedup and `pool_from="table"` (the accelerator default, see `resolve_pool_from`), the forward also pools
+straight from the tables (inside the gather-reduce kernel: no XLA gather reads a table), and the backward sums each
+occurrence's gradient into the batch's distinct rows, which the fused update kernel reads and writes itself.
 """
 
 import dataclasses
@@ -30,7 +34,9 @@ import numpy as np
 
 from compression import EmbeddingMethod, PhysicalTable, TableSpec, build_method
 from compression.registry import METHODS
-from pallas_kernels import gather, gather_reduce, gather_reference, unique_rows
+from pallas_kernels import gather, gather_reduce, unique_rows
+from pallas_kernels.gather_reduce import mosaic_fallback_reason, triton_fallback_reason
+from pallas_kernels.traffic import training_pass_bytes
 from recjax.sparse_optim import SparseOptimizer, scatter_apply, sparse_apply
 from recjax.specs import DatasetSpec
 from recjax.validation import choice, get, integer
@@ -42,9 +48,14 @@ POOLINGS = ("sum", "mean")
 #           WARNING bounds-check mode); "error" also raises on the host, naming the feature and the count; "off"
 #           trusts the caller (an out-of-range id then reads another feature's rows).
 BOUNDS_CHECKS = ("zero", "error", "off")
-# Which implementation the gather-reduce and the sparse update use: "auto" (Pallas kernels on TPU / GPU, the XLA
-# path on CPU), "xla", or "pallas" (on a CPU: the kernels in Pallas's interpreter -- slow, for tests).
-KERNELS = ("auto", "xla", "pallas")
+# Which implementation the gather-reduce and the sparse update use (pallas_kernels/dispatch.py): "auto" (Pallas
+# kernels on TPU / GPU, the XLA path on CPU), "xla", "pallas" (the platform's kernels), or one named kernel family,
+# "pallas_tpu" (Mosaic) / "pallas_gpu" (Triton). On a CPU the Pallas ones run in Pallas's interpreter ("pallas": the
+# Mosaic kernels) -- slow, for tests.
+KERNELS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
+# Where a deduplicated training step's forward pools its bags from: "distinct_rows" (the batch's distinct rows,
+# gathered first), "table" (straight from the tables, inside the kernel), or "auto" (`resolve_pool_from`).
+POOL_FROM = ("auto", "distinct_rows", "table")
 # When the training route deduplicates ids: "auto" (unless the optimizer sums duplicates and the kernel is XLA; see
 # `resolve_dedup`) or "always".
 DEDUP_MODES = ("auto", "always")
@@ -59,6 +70,8 @@ def check_embedding(config: Mapping) -> None:
         choice(config, "embedding.bounds_check", BOUNDS_CHECKS)
     if "kernel" in get(config, "embedding"):
         choice(config, "embedding.kernel", KERNELS)
+    if "pool_from" in get(config, "embedding"):
+        choice(config, "embedding.pool_from", POOL_FROM)
     if "dedup" in get(config, "embedding"):
         choice(config, "embedding.dedup", DEDUP_MODES)
 
@@ -91,6 +104,7 @@ class Routes:
     """What `EmbeddingCollection.route` makes of a batch's ids, the pytree every backend and step passes along.
 
     unique: {group: i32[N_g]} the group's distinct stacked rows (sentinel-padded), or None without dedup.
+    unique_slots: see below (pool_from="table" only).
     features: {feature: FeatureRoute} in the collection's feature order.
     invalid_ids: {feature: i32[]} ids outside [0, vocab_size) the bounds check zeroed.
     """
@@ -98,10 +112,18 @@ class Routes:
     unique: dict[str, jax.Array] | None
     features: dict[str, FeatureRoute]
     invalid_ids: dict[str, jax.Array]
+    # pool_from="table": the features' slots are stacked row ids (the bags pool from the tables), and these say
+    # where each slot's row sits in `unique` {feature: (i32[B, L], ...)}; None on the distinct-rows layout.
+    unique_slots: dict[str, tuple[jax.Array, ...]] | None = None
 
     @property
     def deduplicated(self) -> bool:
         return self.unique is not None
+
+    @property
+    def pools_from_tables(self) -> bool:
+        """The step differentiates against lookups pooled from the tables (no dedup, or pool_from="table")."""
+        return self.unique is None or self.unique_slots is not None
 
     @property
     def batch_size(self) -> int:
@@ -136,6 +158,36 @@ def resolve_dedup(mode: str, kernel: str, optimizer: SparseOptimizer, multi_hot:
     return mode == "always" or not (optimizer.sums_duplicates and xla and multi_hot)
 
 
+def resolve_pool_from(mode: str, kernel: str, cases: Sequence[tuple[str, int, int, int]]) -> str:
+    """"table" or "distinct_rows". "auto" is "table" when
+      - the step runs Pallas kernels (kernel "pallas*" -- on a CPU interpreted --, or "auto" on a TPU / GPU),
+      - that platform's kernel takes every lookup in `cases` ((kind "reduce" / "gather", rows, dim, bag size) per
+        group and bag size), so no lookup falls back to an XLA gather that reads a whole table, and
+      - the analytic traffic of pooling from the table is no larger than that of gathering the distinct rows
+        first (pallas_kernels/traffic.py: it is 2 U D itemsize bytes smaller for any batch);
+    else "distinct_rows"."""
+    if mode not in POOL_FROM:
+        raise ValueError(f"unknown pool_from '{mode}'; use one of {POOL_FROM}")
+    if mode != "auto":
+        return mode
+    backend = jax.default_backend()
+    # The kernel family the step runs: a named one, else the platform's ("pallas" on a CPU: interpreted Mosaic).
+    platform = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}.get(
+        kernel, "tpu" if kernel == "pallas" and backend == "cpu" else backend)
+    if kernel == "xla" or platform not in ("tpu", "gpu"):
+        return "distinct_rows"
+    fallback = mosaic_fallback_reason if platform == "tpu" else triton_fallback_reason
+    if any(fallback(kind, rows, dim, jnp.float32, bag) for kind, rows, dim, bag in cases):
+        return "distinct_rows"
+    # The byte count at the extremes of U (every id distinct, one distinct row) for one bag of each case.
+    for _, _, dim, bag in cases:
+        for distinct in (bag, 1):
+            sizes = dict(ids=bag, distinct=distinct, bags=1, dim=dim)
+            if training_pass_bytes("table", **sizes) > training_pass_bytes("distinct_rows", **sizes):
+                return "distinct_rows"
+    return "table"
+
+
 def group_name(table: PhysicalTable) -> str:
     """"dim16"; tables whose rows take a scaled weight decay stack apart ("dim16_decay0"), so a group has one."""
     return f"dim{table.dim}" if table.decay_scale == 1 else f"dim{table.dim}_decay{table.decay_scale:g}"
@@ -145,7 +197,7 @@ class EmbeddingCollection:
     """All sparse features of a model, compiled to stacked physical tables."""
 
     def __init__(self, spec: DatasetSpec, tables: Sequence[TableSpec], pooling: str = "sum",
-                 bounds_check: str = "zero", kernel: str = "auto", dedup: bool = True):
+                 bounds_check: str = "zero", kernel: str = "auto", dedup: bool = True, pool_from: str = "auto"):
         if pooling not in POOLINGS:
             raise ValueError(f"unknown pooling '{pooling}'; use one of {POOLINGS}")
         if bounds_check not in BOUNDS_CHECKS:
@@ -154,7 +206,8 @@ class EmbeddingCollection:
         if kernel not in KERNELS:
             raise ValueError(f"unknown kernel '{kernel}'; use one of {KERNELS}")
         self.kernel = kernel
-        self.interpret = kernel == "pallas" and jax.default_backend() == "cpu"  # kernels run interpreted on a CPU
+        # Pallas kernels run interpreted on a CPU.
+        self.interpret = kernel.startswith("pallas") and jax.default_backend() == "cpu"
         self.dedup = dedup  # the training route's default; see the module docstring
         by_name = {t.name: t for t in tables}
         missing = set(spec.feature_names) - set(by_name)
@@ -186,6 +239,11 @@ class EmbeddingCollection:
         for group, rows in self.group_rows.items():
             if rows >= np.iinfo(np.int32).max:
                 raise ValueError(f"stacked group {group} has {rows} rows, more than int32 row ids can address")
+        # What the deduplicated training route's forward pools from (module docstring); resolved once, here.
+        lookups = {("reduce" if self.methods[p.feature].pools_before_combine else "gather", self.group_rows[p.group],
+                    p.table.dim, self.spec.features[self.spec.feature_names.index(p.feature)].bag_size)
+                   for placed in self.placements.values() for p in placed}
+        self.pool_from = resolve_pool_from(pool_from, kernel, sorted(lookups))
 
     # ----------------------------------------------------------------------------------------- accounting
     @property
@@ -263,13 +321,16 @@ class EmbeddingCollection:
 
         N_g (the length of a group's `unique`) is the number of bag slots feeding the group, capped at its rows + 1;
         padded slots read the sentinel row (zeros) with weight 0; so do out-of-range ids unless bounds_check is
-        "off" (see BOUNDS_CHECKS). With `dedup` False (default: the collection's `dedup`) `unique` is None and the
-        slots are the stacked row ids themselves, indexing the group's table. `aux` ({feature: arrays}, see
-        `init_aux`) is required when some method keeps routing arrays.
+        "off" (see BOUNDS_CHECKS). With `dedup` False `unique` is None and the slots are the stacked row ids
+        themselves, indexing the group's table. `dedup` None (the training step) takes the collection's `dedup` and
+        `pool_from`: with "table" the slots are the stacked row ids too, and `unique_slots` say where each slot's row
+        sits in `unique`; `dedup` True is always the distinct-rows layout (the mesh exchange works on it). `aux`
+        ({feature: arrays}, see `init_aux`) is required when some method keeps routing arrays.
         """
         aux = aux or {}
         missing = set(self.aux_features) - set(aux)
         assert not missing, f"route needs the aux arrays of {sorted(missing)} (TrainState.aux)"
+        pool_from_table = dedup is None and self.dedup and self.pool_from == "table"
         dedup = self.dedup if dedup is None else dedup
         stacked_by_group: dict[str, list] = {g: [] for g in self.group_rows}
         weights, invalid = {}, {}
@@ -302,16 +363,20 @@ class EmbeddingCollection:
             bounds = np.cumsum([0] + [r.size for r in parts])
             slots_by_group[group] = [inverse[a:b].reshape(r.shape)
                                      for a, b, r in zip(bounds[:-1], bounds[1:], parts, strict=True)]
-        features = {}
+        features, unique_slots = {}, {}
         for name, placed in self.placements.items():
             slots = tuple(slots_by_group[p.group].pop(0) for p in placed)
+            if pool_from_table:
+                unique_slots[name] = slots
+                slots = tuple(stacked_by_group[p.group].pop(0) for p in placed)
             features[name] = FeatureRoute(slots=slots, weights=weights[name])
         if self.bounds_check == "error" and invalid:
             counts = jnp.stack(list(invalid.values()))
             jax.lax.cond(jnp.any(counts > 0), lambda: jax.debug.callback(
                 _raise_invalid_ids, tuple(invalid), {f.name: f.vocab_size for f in self.spec.features}, counts),
                 lambda: None)
-        return Routes(unique=unique if dedup else None, features=features, invalid_ids=invalid)
+        return Routes(unique=unique if dedup else None, features=features, invalid_ids=invalid,
+                      unique_slots=unique_slots if pool_from_table else None)
 
     @property
     def wants_embedding_grads(self) -> bool:
@@ -329,11 +394,14 @@ class EmbeddingCollection:
 
     # ------------------------------------------------------------------------------------------- gather
     def gather(self, tables: Mapping[str, jax.Array], routes: Routes) -> "dict[str, jax.Array] | Lookups":
-        """What the loss is differentiated against: with dedup, each distinct row once, {group: f32[N_g, d]} (the
-        sentinel reads zeros); without, the lookups themselves, pooled from the tables (see `lookup`)."""
-        if not routes.deduplicated:
+        """What the loss is differentiated against: on the distinct-rows layout, each distinct row once,
+        {group: f32[N_g, d]} (the sentinel reads zeros; ids sorted, so the kernels merge runs of adjacent rows into
+        one DMA); without dedup or with `pool_from="table"`, the lookups themselves, pooled from the tables (see
+        `lookup`)."""
+        if routes.pools_from_tables:
             return self.lookup(tables, routes.features)
-        return {g: gather_reference(tables[g], u) for g, u in routes.unique.items()}
+        return {g: gather(tables[g], u[:, None], impl=self.kernel, interpret=self.interpret)[:, 0]
+                for g, u in routes.unique.items()}
 
     def touched_rows(self, routes: Routes) -> dict[str, jax.Array]:
         """The stacked rows a step reads and updates, {group: i32[N_g]}: with dedup the distinct rows, without it
@@ -386,15 +454,37 @@ class EmbeddingCollection:
         """Apply the optimizer to the distinct rows of each group, given d loss / d rows (what `gather` returned).
 
         Without dedup, `row_grads` are d loss / d lookups: each occurrence's gradient (times its pooling weight)
-        is scatter-added by the optimizer's rule into its row (`scatter_apply`; duplicates sum, as in SGD)."""
+        is scatter-added by the optimizer's rule into its row (`scatter_apply`; duplicates sum, as in SGD). With
+        `pool_from="table"` they are too, and are first summed into each distinct row's exact gradient
+        (`distinct_row_grads`); the update then reads the rows' current values itself (`rows` is unused)."""
         if not routes.deduplicated:
             return self._scatter_update(optimizer, tables, state, routes.features, row_grads, lr, step)
+        table_path = routes.pools_from_tables
+        if table_path:
+            row_grads = self.distinct_row_grads(routes, row_grads)
         new_tables, new_state = dict(tables), dict(state)
         for group, unique in routes.unique.items():
             new_tables[group], new_state[group] = sparse_apply(
-                self.group_optimizer(optimizer, group), tables[group], state[group], unique, rows[group],
-                row_grads[group], lr, step, kernel=self.kernel)
+                self.group_optimizer(optimizer, group), tables[group], state[group], unique,
+                None if table_path else rows[group], row_grads[group], lr, step, kernel=self.kernel)
         return new_tables, new_state
+
+    def distinct_row_grads(self, routes: Routes, grads: Lookups) -> dict[str, jax.Array]:
+        """{group: f32[N_g, d]}: d loss / d each distinct row, from d loss / d the lookups pooled from the tables
+        (`pool_from="table"`): each occurrence's gradient (times its pooling weight) added at its slot in
+        `unique`, duplicates summed exactly in f32 -- what autodiff does on the distinct-rows layout."""
+        summed = {g: jnp.zeros((u.shape[0], self.group_dims[g]), jnp.float32) for g, u in routes.unique.items()}
+        features, slots = routes.features, routes.unique_slots
+        for key, members in self.pool_batches(features).items():
+            for k, (name, index) in enumerate(members):
+                group = self.placements[name][index].group
+                per_id = features[name].weights[..., None] * grads.pooled[key][k][:, None, :]  # [B, L, d]
+                summed[group] = summed[group].at[slots[name][index].reshape(-1)].add(
+                    per_id.reshape(-1, per_id.shape[-1]), mode="drop")
+        for name, per_table in grads.per_id.items():
+            for p, s, g in zip(self.placements[name], slots[name], per_table, strict=True):
+                summed[p.group] = summed[p.group].at[s.reshape(-1)].add(g.reshape(-1, g.shape[-1]), mode="drop")
+        return summed
 
     def group_optimizer(self, optimizer: SparseOptimizer, group: str) -> SparseOptimizer:
         """`optimizer` with the weight decay the group's rows take (`PhysicalTable.decay_scale`)."""

@@ -200,7 +200,7 @@ def make_sparse_optimizer(config: ml_collections.ConfigDict) -> SparseOptimizer:
 
 
 def sparse_apply(optimizer: SparseOptimizer, table: jax.Array, state: State, unique_rows: jax.Array,
-                 current: jax.Array, grads: jax.Array, lr: jax.Array, step: jax.Array, *, kernel: str = "auto"
+                 current: jax.Array | None, grads: jax.Array, lr: jax.Array, step: jax.Array, *, kernel: str = "auto"
                  ) -> tuple[jax.Array, State]:
     """Apply one optimizer step to distinct rows of `table` and their state, in place.
 
@@ -208,10 +208,11 @@ def sparse_apply(optimizer: SparseOptimizer, table: jax.Array, state: State, uni
       table: f32[R, D] (donate it: the update then writes in place).
       state: per-row optimizer state, leading dim R.
       unique_rows: i32[U] distinct row ids; ids >= R are padding and ignored.
-      current: f32[U, D] the rows' current values (the forward pass gathered them already).
+      current: f32[U, D] the rows' current values (the forward pass gathered them already), or None when the
+        forward pooled straight from the table: the update then reads the rows itself.
       grads: f32[U, D] summed gradient of each distinct row (of the loss, without weight decay).
-      kernel: "auto" (the Pallas kernel on TPU / GPU, XLA on CPU), "xla", or "pallas" (on a CPU: the kernel in
-        Pallas's interpreter, for tests) -- pallas_kernels/scatter_update.py.
+      kernel: "auto" (the Pallas kernel on TPU / GPU, XLA on CPU), "xla", "pallas", "pallas_tpu" or "pallas_gpu"
+        (on a CPU: the kernel in Pallas's interpreter, for tests) -- pallas_kernels/dispatch.py.
     """
     decay = optimizer.weight_decay
 
@@ -220,7 +221,7 @@ def sparse_apply(optimizer: SparseOptimizer, table: jax.Array, state: State, uni
         # accumulators too).
         return optimizer.update_rows(rows, state_rows, grads + decay * rows if decay else grads, lr, step)
 
-    interpret = kernel == "pallas" and jax.default_backend() == "cpu"  # kernels run interpreted on a CPU
+    interpret = kernel.startswith("pallas") and jax.default_backend() == "cpu"  # kernels run interpreted on a CPU
     return fused_row_update(table, state, unique_rows, current, grads, rule, lr, step, impl=kernel,
                             interpret=interpret)
 

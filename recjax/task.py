@@ -122,7 +122,8 @@ def build_task(config: ml_collections.ConfigDict, spec: DatasetSpec, dataset=Non
         collection = EmbeddingCollection(spec, table_specs(spec, config, dataset, examples), embedding.pooling,
                                          embedding.get("bounds_check", "zero"), kernel,
                                          resolve_dedup(embedding.get("dedup", "auto"), kernel, sparse_optimizer,
-                                                       multi_hot=any(f.bag_size > 1 for f in spec.features)))
+                                                       multi_hot=any(f.bag_size > 1 for f in spec.features)),
+                                         embedding.get("pool_from", "auto"))
     with config_errors("model"):
         model = make_model(config.model, embedding_dim(config))
     return Task(

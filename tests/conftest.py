@@ -95,3 +95,31 @@ def embed(collection, tables, ids, lengths):
 
     emb, variables = run(tables, ids, lengths)
     return np.asarray(emb), variables
+
+
+def pallas_calls(fn, *args) -> list[tuple[str, str]]:
+    """(name, kernel family) of every pallas_call in `fn`'s jaxpr at `args`, nested jaxprs included (jit, cond
+    branches, scans, custom VJPs). The family comes from the compiler params: "mosaic" (Mosaic TPU) or "triton" --
+    so a test can assert which kernel a path traced, not only that its numbers match."""
+    from jax.experimental.pallas import tpu as pltpu
+    from jax.experimental.pallas import triton as plgpu
+    from jax.extend.core import ClosedJaxpr, Jaxpr
+
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                params = eqn.params["compiler_params"]
+                family = ("mosaic" if isinstance(params, pltpu.CompilerParams)
+                          else "triton" if isinstance(params, plgpu.CompilerParams) else type(params).__name__)
+                found.append((eqn.params["name"], family))
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (list, tuple)) else [value]:
+                    if isinstance(sub, ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, Jaxpr):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found

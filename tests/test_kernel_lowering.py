@@ -12,6 +12,7 @@ import pytest
 
 from pallas_kernels import gather, gather_reduce
 from pallas_kernels.gather_reduce import mosaic_fallback_reason
+from pallas_kernels.hardware import for_tpu_chip
 
 MOSAIC_CALL = "tpu_custom_call"
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -20,8 +21,14 @@ ALLOW_TRITON = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
 KERNEL_CALL = {"tpu": MOSAIC_CALL, "cuda": TRITON_CALL, "rocm": TRITON_CALL}
 
 
-def exported_module(fn, platform: str, *args) -> str:
-    return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=ALLOW_TRITON)(*args).mlir_module()
+def exported_module(fn, platform: str, *args, chip: str | None = None) -> str:
+    """StableHLO of `fn` exported for `platform`; TPU kernels sized for `chip` (a device kind) if given, else for
+    the every-chip fallback (pallas_kernels/hardware.py)."""
+    export = lambda: jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=ALLOW_TRITON)(*args)  # noqa: E731
+    if chip is None:
+        return export().mlir_module()
+    with for_tpu_chip(chip):
+        return export().mlir_module()
 
 
 def lookups(num_rows: int, dim: int, dtype, shape: tuple[int, ...]):
@@ -58,7 +65,8 @@ def test_gradients_lower(platform):
     """The kernel in the forward pass, the XLA scatter-add (custom VJP) in the backward."""
     table, rows, weights = lookups(1000, 64, jnp.float32, (64, 3, 10))
     loss = lambda t, r, w: jnp.sum(pooled(t, r, w) ** 2) + jnp.sum(per_id(t, r, w) ** 2)
-    module = exported_module(jax.grad(loss, argnums=(0, 2)), platform, table, rows, weights)
+    # On a v5e one call takes all 1920 ids (the fallback's 2048-id SMEM budget would split the gather-reduce's).
+    module = exported_module(jax.grad(loss, argnums=(0, 2)), platform, table, rows, weights, chip="TPU v5 lite")
     assert module.count(f"@{KERNEL_CALL[platform]}(") == 2
     assert "stablehlo.scatter" in module
 
@@ -66,6 +74,31 @@ def test_gradients_lower(platform):
 def test_triton_lowers_for_rocm_too():
     module = exported_module(pooled, "rocm", *lookups(1000, 64, jnp.float32, (64, 10)))
     assert module.count(f"@{TRITON_CALL}(") == 1
+
+
+@pytest.mark.parametrize("impl", ["auto", "pallas"])
+def test_auto_and_pallas_are_decided_when_lowered(impl):
+    """One traced function: the Mosaic kernel in a TPU export, Triton in CUDA / ROCm exports, and (auto) the XLA
+    reference on CPU -- not decided at trace time by the host's backend, so a CPU host exports the kernels."""
+    args = lookups(1000, 64, jnp.float32, (64, 10))
+    for kind in (lambda t, r, w: gather_reduce(t, r, w, impl=impl), lambda t, r, w: gather(t, r, impl=impl)):
+        assert MOSAIC_CALL in exported_module(kind, "tpu", *args)
+        assert TRITON_CALL in exported_module(kind, "cuda", *args)
+        assert TRITON_CALL in exported_module(kind, "rocm", *args)
+        if impl == "auto":
+            cpu = exported_module(kind, "cpu", *args)
+            assert "custom_call" not in cpu and "stablehlo.gather" in cpu
+        else:
+            with pytest.raises(ValueError, match="Only interpret mode is supported on CPU"):
+                exported_module(kind, "cpu", *args)
+
+
+def test_pooling_units_lower_for_tpu():
+    """Bags of <= 8 ids pool on the VPU, longer ones on the MXU; both lower (with merged-run DMAs for bags of 1),
+    and the kernel requests the chip's VMEM limit."""
+    for length, unit in ((1, "vpu"), (8, "vpu"), (9, "mxu")):
+        module = exported_module(pooled, "tpu", *lookups(1000, 64, jnp.float32, (256, length)), chip="TPU v5 lite")
+        assert module.count(f"@{MOSAIC_CALL}(") == 1 and f"gather_reduce_mosaic_{unit}" in module
 
 
 def test_explicit_kernel_impls_lower_without_platform_dispatch():

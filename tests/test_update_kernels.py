@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import pallas_calls
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_kernels.scatter_update as scatter_update
 from pallas_kernels import fused_row_update, kernel_fallback_reason
+from pallas_kernels.hardware import TpuBudget
 from recjax.sparse_optim import SGD, Adagrad, LazyAdam, RowwiseAdagrad
 
 OPTIMIZERS = {"sgd": lambda wd: SGD(0.1, weight_decay=wd),
@@ -68,16 +70,19 @@ def random_ids(rng, num_rows, num_unique):
     return rng.permutation(np.concatenate([chosen, padding])).astype(np.int32)
 
 
-def run_steps(impl, name, weight_decay, num_rows, dim, num_unique, seed, steps=3, interpret=True):
-    """`steps` updates through `impl` and through numpy; returns both results and the touched-row mask."""
+def run_steps(impl, name, weight_decay, num_rows, dim, num_unique, seed, steps=3, interpret=True, pass_current=True):
+    """`steps` updates through `impl` and through numpy; returns both results and the touched-row mask. Without
+    `pass_current` the update reads the touched rows itself (current=None)."""
     rng = np.random.default_rng(seed)
     optimizer = OPTIMIZERS[name](weight_decay)
     table0 = rng.normal(size=(num_rows, dim)).astype(np.float32)
     state0 = {k: np.asarray(v) + rng.uniform(0, 0.1, v.shape).astype(np.float32)
               for k, v in optimizer.init(num_rows, dim).items()}
     rule = folded_rule(optimizer)
-    update = jax.jit(lambda t, s, i, c, g, st: fused_row_update(t, s, i, c, g, rule, optimizer.learning_rate, st,
-                                                               impl=impl, interpret=interpret),
+    interpret = interpret if impl.startswith("pallas") else False  # "xla" / "auto" run no kernel to interpret
+    update = jax.jit(lambda t, s, i, c, g, st: fused_row_update(t, s, i, c if pass_current else None, g, rule,
+                                                               optimizer.learning_rate, st, impl=impl,
+                                                               interpret=interpret),
                      donate_argnums=(0, 1))
     table, state = jnp.asarray(table0), {k: jnp.asarray(v) for k, v in state0.items()}
     np_table, np_state = table0, state0
@@ -105,10 +110,26 @@ CASES = [("sgd", 0.0, 23, 1, 30), ("sgd", 0.05, 40, 128, 17),
          ("lazy_adam", 0.0, 12, 16, 20), ("lazy_adam", 0.05, 35, 1, 14)]
 
 
+def small_budget(smem_ids: int, num_cores: int = 1) -> TpuBudget:
+    """A chip with room for `smem_ids` ids per call (16 MiB of VMEM) and `num_cores` TensorCores."""
+    return TpuBudget(chip="test", smem_bytes=8 * smem_ids, vmem_bytes=16 << 20, num_cores=num_cores,
+                     hbm_bytes_per_second=None)
+
+
+FAMILY = {"pallas_tpu": ("fused_row_update_tpu", "mosaic"), "pallas_gpu": ("fused_row_update_gpu", "triton")}
+
+
 @pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
 @pytest.mark.parametrize("name,weight_decay,num_rows,dim,num_unique", CASES)
 def test_kernel_matches_numpy_and_xla(impl, name, weight_decay, num_rows, dim, num_unique):
     seed = CASES.index((name, weight_decay, num_rows, dim, num_unique))
+    optimizer = OPTIMIZERS[name](weight_decay)
+    table, rows = jnp.zeros((num_rows, dim)), jnp.zeros((num_unique, dim))
+    state = optimizer.init(num_rows, dim)
+    traced = pallas_calls(lambda t, s, i, c, g: fused_row_update(t, s, i, c, g, folded_rule(optimizer), 0.1, 1,
+                                                                 impl=impl, interpret=True),
+                          table, state, jnp.zeros((num_unique,), jnp.int32), rows, rows)
+    assert traced == [FAMILY[impl]], traced  # the kernel the impl names ran (Triton under the HLO interpreter)
     (table, state), (np_table, np_state), (table0, state0), touched = run_steps(
         impl, name, weight_decay, num_rows, dim, num_unique, seed)
     (xla_table, xla_state), *_ = run_steps("xla", name, weight_decay, num_rows, dim, num_unique, seed)
@@ -131,7 +152,7 @@ def test_tpu_kernel_many_blocks_and_calls(monkeypatch, name, dma_mode):
     kernel calls (the loop over chunks, whose last block index is clamped); DMAs landing at issue or only at
     their wait give the same result."""
     monkeypatch.setattr(scatter_update, "TPU_BLOCK_ROWS", (8,))
-    monkeypatch.setattr(scatter_update, "TPU_MAX_PREFETCH_IDS", 16)
+    monkeypatch.setattr(scatter_update, "tpu_budget", lambda: small_budget(smem_ids=16))
     params = pltpu.InterpretParams(dma_execution_mode=dma_mode)
     # U = 37: 5 blocks of 8, 2 blocks per call, 3 calls (the third re-reads the clamped last block).
     (table, state), (np_table, np_state), (table0, _), touched = run_steps(
@@ -140,6 +161,60 @@ def test_tpu_kernel_many_blocks_and_calls(monkeypatch, name, dma_mode):
     for k in state:
         np.testing.assert_allclose(state[k], np_state[k], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(table[~touched], table0[~touched])
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas_tpu", "pallas_gpu"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[6]])
+def test_update_reads_the_rows_itself(impl, case):
+    """current=None (the forward pooled from the table): each path reads the touched rows from the table -- the
+    kernels inside, beside the state rows -- and matches the numpy loop (sgd with decay, row-wise Adagrad, lazy
+    Adam)."""
+    name, weight_decay, num_rows, dim, num_unique = case
+    (table, state), (np_table, np_state), (table0, _), touched = run_steps(
+        impl, name, weight_decay, num_rows, dim, num_unique, seed=CASES.index(case), steps=2, pass_current=False)
+    np.testing.assert_allclose(table, np_table, rtol=1e-5, atol=1e-6)
+    for k in state:
+        np.testing.assert_allclose(state[k], np_state[k], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(table[~touched], table0[~touched])
+
+
+@pytest.mark.parametrize("read_rows", [False, True])
+def test_tpu_kernel_two_cores_merged_runs_without_races(monkeypatch, read_rows):
+    """Megacore grid (2 cores x 3 blocks, ("parallel", "arbitrary")) with the slot index in SMEM, under the TPU
+    simulator's race detector: sorted distinct ids with runs of 8 adjacent rows (one DMA each: one ending exactly
+    at R), a run broken by a gap, one cut by padding. Each core's blocks pipeline reads and writes across its steps;
+    the cores write disjoint rows."""
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as simulator
+
+    monkeypatch.setattr(scatter_update, "TPU_BLOCK_ROWS", (8,))
+    monkeypatch.setattr(scatter_update, "tpu_budget", lambda: small_budget(smem_ids=64, num_cores=2))
+    num_rows, dim = 48, 8
+    ids = np.concatenate([np.arange(0, 8), np.arange(10, 18), [20, 21, 22, 24, 25, 26, 27, 28],
+                          np.arange(40, 48), [48, 48, 48, 48, 51]]).astype(np.int32)  # 5 blocks (6 with padding)
+    rng = np.random.default_rng(12)
+    optimizer = OPTIMIZERS["lazy_adam"](0.01)
+    table = rng.normal(size=(num_rows, dim)).astype(np.float32)
+    state = {k: np.asarray(v) + rng.uniform(0, 0.1, v.shape).astype(np.float32)
+             for k, v in optimizer.init(num_rows, dim).items()}
+    grads = rng.normal(size=(ids.size, dim)).astype(np.float32)
+    valid = ids < num_rows
+    current = None if read_rows else jnp.asarray(np.where(valid[:, None], table[np.minimum(ids, num_rows - 1)], 0))
+    visits = set()
+
+    def record(token, grid_point, core):
+        visits.add((int(core), *map(int, grid_point)))
+        return token
+
+    params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2, grid_point_recorder=record)
+    new_table, new_state = fused_row_update(jnp.asarray(table), {k: jnp.asarray(v) for k, v in state.items()},
+                                            jnp.asarray(ids), current, jnp.asarray(grads), folded_rule(optimizer),
+                                            optimizer.learning_rate, 2, impl="pallas_tpu", interpret=params)
+    np_table, np_state = numpy_update("lazy_adam", table, state, ids, grads, optimizer.learning_rate, 2, 0.01)
+    np.testing.assert_allclose(np.asarray(new_table), np_table, rtol=1e-5, atol=1e-6)
+    for k in state:
+        np.testing.assert_allclose(np.asarray(new_state[k]), np_state[k], rtol=1e-5, atol=1e-6)
+    assert not simulator.races.races_found
+    assert {core for core, *_ in visits} == {0, 1} and len(visits) == 6, visits
 
 
 @pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
@@ -196,7 +271,7 @@ def export(platform, rule, table, state, num_unique, impl="auto"):
                      donate_argnums=(0, 1))
     # The Triton call carries Triton IR tied to this jaxlib, so export (which promises cross-version stability)
     # refuses it unless told; Mosaic's tpu_custom_call is on export's stable list.
-    checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON)] if platform == "cuda" else []
+    checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON)] if platform in ("cuda", "rocm") else []
     exported = jax.export.export(update, platforms=[platform], disabled_checks=checks)(
         table, state, jax.ShapeDtypeStruct((num_unique,), jnp.int32), rows, rows,
         jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
@@ -240,14 +315,22 @@ def test_kernels_lower_for_tpu_and_cuda(platform, name):
             assert text.count("\"stablehlo.scatter\"(") == 1 + len(state) - in_kernel
 
 
-def test_impl_pallas_lowers_the_kernel_of_each_platform():
+@pytest.mark.parametrize("impl", ["pallas", "auto"])
+def test_pallas_and_auto_lower_the_kernel_of_each_platform(impl):
+    """Decided when lowered, the same for every kernel family: Mosaic on TPU, Triton on CUDA and ROCm; "auto" is
+    XLA on CPU, "pallas" there is Pallas' own error."""
     optimizer = OPTIMIZERS["adagrad"](0.0)
     table = jax.ShapeDtypeStruct((100, 16), jnp.float32)
     state = {"accumulator": jax.ShapeDtypeStruct((100, 16), jnp.float32)}
-    assert "tpu_custom_call" in export("tpu", folded_rule(optimizer), table, state, 10, impl="pallas")
-    assert TRITON in export("cuda", folded_rule(optimizer), table, state, 10, impl="pallas")
-    text = export("cpu", folded_rule(optimizer), table, state, 10, impl="auto")
-    assert "custom_call" not in text and text.count("\"stablehlo.scatter\"(") == 2
+    assert "tpu_custom_call" in export("tpu", folded_rule(optimizer), table, state, 10, impl=impl)
+    assert TRITON in export("cuda", folded_rule(optimizer), table, state, 10, impl=impl)
+    assert TRITON in export("rocm", folded_rule(optimizer), table, state, 10, impl=impl)
+    if impl == "auto":
+        text = export("cpu", folded_rule(optimizer), table, state, 10, impl="auto")
+        assert "custom_call" not in text and text.count("\"stablehlo.scatter\"(") == 2
+    else:
+        with pytest.raises(ValueError, match="Only interpret mode is supported on CPU"):
+            export("cpu", folded_rule(optimizer), table, state, 10, impl="pallas")
 
 
 def test_documented_fallbacks_take_the_xla_path():
@@ -294,6 +377,9 @@ def test_kernel_package_imports_no_recjax():
 
 
 def test_unknown_impl_is_an_error():
+    args = (jnp.zeros((4, 2)), {}, jnp.zeros((1,), jnp.int32), jnp.zeros((1, 2)), jnp.zeros((1, 2)),
+            folded_rule(SGD(0.1)), 0.1, 1)
     with pytest.raises(ValueError, match="unknown impl"):
-        fused_row_update(jnp.zeros((4, 2)), {}, jnp.zeros((1,), jnp.int32), jnp.zeros((1, 2)), jnp.zeros((1, 2)),
-                         folded_rule(SGD(0.1)), 0.1, 1, impl="triton")
+        fused_row_update(*args, impl="triton")
+    with pytest.raises(ValueError, match="impl='auto' names none"):  # a CPU lowering would silently run XLA
+        fused_row_update(*args, interpret=True)

@@ -41,9 +41,14 @@ def embedding_config(dim: int, pooling: str = "sum") -> ml_collections.ConfigDic
     # An id outside [0, vocab) inside a jitted step (the trainer validates batches on the host first): "zero"
     # (reads zeros, no update, counted), "error" (raises naming the feature) or "off" (recjax/embedding.py).
     embedding.bounds_check = "zero"
-    # Gather-reduce and sparse-update implementation: "auto" (Pallas kernels on TPU / GPU, XLA on CPU), "xla", or
-    # "pallas" (on a CPU: the kernels in Pallas's interpreter, slow; for tests).
+    # Gather-reduce and sparse-update implementation: "auto" (Pallas kernels on TPU / GPU, XLA on CPU), "xla",
+    # "pallas" (the platform's kernels), "pallas_tpu" / "pallas_gpu" (on a CPU: those kernels in Pallas's
+    # interpreter, slow; for tests).
     embedding.kernel = "auto"
+    # What a deduplicated training step pools bags from: "distinct_rows" (gathered first), "table" (straight from
+    # the tables inside the kernel; the update kernel reads the rows it writes), or "auto" ("table" wherever the
+    # step runs Pallas kernels that take every lookup; recjax/embedding.py:resolve_pool_from).
+    embedding.pool_from = "auto"
     # Deduplicate a batch's ids before the lookup and the update: "auto" skips it when the sparse optimizer sums
     # over duplicates (plain SGD without weight decay), the kernel is XLA and some bags are multi-hot -- the update
     # is then a scatter-add with duplicates, exact and cheaper; "always" keeps it (recjax/embedding.py).
