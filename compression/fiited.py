@@ -14,30 +14,42 @@ Chunk utility (`utility="gradient"`, FIITED's): every train step, for each row t
 chunks, u <- gamma^(t - t_last) u + ||g||, where g is the gradient this step gives that chunk's D / K columns -- the
 sum over the row's occurrences of (pooling weight) x (d loss / d the feature's embedding). A pruned chunk still has
 that gradient (the model sees its zeros), so its utility keeps growing while it is useful and it can come back.
-The decay is applied lazily (t_last per row), so a step costs O(rows touched) (`update_aux`).
+The decay is applied lazily (t_last per row), so a step costs O(rows touched) (`update_aux`). Summed over steps,
+the utility is "frequency x gradient", what the paper ranks by.
 
-Adjustment (every `interval` steps, `adjust`): the memory budget goes linearly from all chunks to a share `keep` of
-them over the first `ramp` of the run's steps; a row's chunk k scores min(u[0..k]) (so the kept chunks are
-prefixes); the best `budget(t) V K` chunks are kept (ties: lower row, then lower chunk first), trailing chunks below
-the cut are pruned and chunks above it are grown (values `grow_init`: zeros, so the model's function does not jump;
-their optimizer state starts fresh), and the pool is laid out again for the new counts (`chunk_pool.resize`: kept
-chunks move with their optimizer state, freed slots are zeroed). The selection is one sort of the V K scores, on
-device, inside the same jitted function as the re-layout. When the pool holds more than (1 + `compact_slack`) times
-the budget's chunks, the trainer compacts it to exactly the budget (`chunk_pool.compact`: a new, smaller array and a
-re-compile of the steps; recjax/dynamic.py), and at the end of the ramp to exactly the final budget, so the
-allocated bytes follow the budget down in a few geometric steps (slack 1: at most twice the budget; 4 compactions
-for a ramp to 10 %, each a re-compile of the steps).
+Adjustment (every `interval` steps, `adjust`): the memory budget falls from all chunks to a share `keep` of them
+over the first `ramp` of the run's steps, geometrically (`ramp_shape`): keep^(t / ramp steps), so each of the ten
+adjustments prunes the same share of the live chunks; the best `budget(t) V K` chunks by score are kept (ties: lower
+row, then lower chunk first), trailing chunks below the cut are pruned and chunks above it are grown (values
+`grow_init`: zeros, so the model's function does not jump; their optimizer state starts fresh), and the pool is laid
+out again for the new counts (`chunk_pool.resize`: kept chunks move with their optimizer state, freed slots are
+zeroed). The selection is one sort of the V K scores, on device, inside the same jitted function as the re-layout.
+When the pool holds more than (1 + `compact_slack`) times the budget's chunks, the trainer compacts it to exactly the
+budget (`chunk_pool.compact`: a new, smaller array and a re-compile of the steps; recjax/dynamic.py), and at the end
+of the ramp to exactly the final budget, so the allocated bytes follow the budget down in a few geometric steps
+(slack 1: at most twice the budget; 4 compactions for a ramp to 10 %, each a re-compile of the steps).
 
-Position discount (`position_discount` p, default 1; p = 0 is FIITED's plain utility, p > 0 our addition): chunk
-k's score is divided by (k + 1)^p before the prefix minimum. A row's chunks see gradients of the same scale, so with
-p = 0 the kept chunks come in whole rows -- on ML-100K most users ended with all of their chunks or none, i.e. row
-pruning. p > 0 models the diminishing return of a row's later dimensions and spreads the budget.
+Scores (`score`): rows keep a prefix of their chunks, so what an adjustment decides is each row's count. "row" (the
+default): chunk k of row r scores U_r / (k + 1)^p, U_r the row's utility summed over its chunks; "chunk": chunk k
+scores min over j <= k of u_j / (j + 1)^p, each chunk's own utility with a prefix minimum so kept chunks are
+prefixes. With a position discount p a row whose utility is U keeps about (U / threshold)^(1/p) chunks: p = 1 makes
+a row's width proportional to its utility, p = 3 to its cube root -- the dims Ginart et al. 2019 (mixed-dimension
+embeddings) give a row of frequency f, d ~ f^alpha with their alpha = 0.3. p = 0 is FIITED's plain utility (the
+kept chunks then come in whole rows: row pruning, in effect).
 
-Why the defaults (K = gcd(16, D), p = 1): on ML-100K (dlrm_movielens.py, every table compressed, keep 0.1) finer
-chunks and a discount both raised test AUC, and FIITED came within seed noise of an equal width for every row (on
-this small dataset every user and item is frequent). Those runs, and the sweep at 10 % of the *bytes* with tables
-<= 200 ids full (the sweep's plan, offsets counted; tests/test_fiited.py runs it), are in benchmarks/RESULTS.md
-("Compression: FIITED").
+Departures from the paper, each measured (benchmarks/RESULTS.md, "FIITED against hashing on MovieLens"):
+  - decay 1 (the paper decays per iteration; this code's default was 0.99): the utility is everything a row's
+    gradients said since training began. With a half-life of 69 steps it measured *when* a row was last seen: on an
+    ML-1M-format set many users ended with zero dimensions at 4x, whatever their frequency. Set `decay` < 1 for a
+    stream whose ids drift, with a half-life (ln 2 / -ln gamma steps) over which a typical row recurs many times.
+  - score "row" (was "chunk"): with 1-column chunks (the default K = D up to 16) a chunk's utility is one column's
+    gradient, and columns are an arbitrary basis: the prefix minimum cut each row at its weakest early column.
+  - position discount 3 (was 1): widths follow utility^(1/3), not utility -- mixed-dimension's rule; with p = 1 the
+    rarest quarter of the items kept no dimension at 4x.
+  - the geometric ramp (was linear): linear, the last of ten adjustments to keep 0.05 pruned 2/3 of the live chunks
+    at once and validation AUC fell sharply at the ramp's end.
+
+Why K = gcd(16, D): finer chunks raised test AUC on ML-100K (benchmarks/RESULTS.md, "Compression: FIITED").
 
 Baselines FIITED compares with:
   `row_prune`    utility="magnitude", chunks=1: in-training magnitude pruning of whole rows (a row's score is its
@@ -63,6 +75,8 @@ from compression.base import EmbeddingMethod, PhysicalTable, TableSpec, dlrm_ini
 from pallas_kernels import unique_rows
 
 UTILITIES = ("gradient", "magnitude")
+RAMP_SHAPES = ("linear", "geometric")
+SCORES = ("chunk", "row")
 GROW_INITS = ("zeros", "uniform")
 
 
@@ -82,12 +96,14 @@ class FiitedEmbedding(EmbeddingMethod):
         "keep": 0.25,  # the memory budget: the share of the V K chunks kept at the end of the ramp
         "capacity": None,  # pool slots; None: V K (every chunk live at the start)
         "utility": "gradient",
-        "decay": 0.99,  # gamma, per step
+        "decay": 1.0,  # gamma, per step: 1 = the utility since training began (< 1 for drifting ids)
         "interval": 0,  # steps between adjustments; 0: ten adjustments over the ramp (`adjust_every`)
         "ramp": 0.3,  # share of the run's steps over which the budget falls from 1 to `keep`
         "compact_slack": 1.0,  # compact when capacity > (1 + slack) x the budget's chunks (and at the ramp's end)
         "grow_init": "zeros",
-        "position_discount": 1.0,  # p: chunk k's score is divided by (k + 1)^p (0: FIITED's plain utility)
+        "position_discount": 3.0,  # p: chunk k's score is divided by (k + 1)^p (0: FIITED's plain utility)
+        "score": "row",  # "row": chunk k of a row scores the row's utility / (k + 1)^p; "chunk": min(u[0..k])
+        "ramp_shape": "geometric",  # "geometric": keep^(t / ramp), the same share pruned each adjustment; "linear"
     }
 
     def __init__(self, spec: TableSpec):
@@ -111,6 +127,11 @@ class FiitedEmbedding(EmbeddingMethod):
         self.decay, self.interval, self.ramp = float(o["decay"]), int(o["interval"]), float(o["ramp"])
         self.compact_slack, self.grow_init = float(o["compact_slack"]), o["grow_init"]
         self.position_discount = float(o["position_discount"])
+        self.score, self.ramp_shape = o["score"], o["ramp_shape"]
+        if self.score not in SCORES:
+            raise ValueError(f"table '{spec.name}': fiited score '{self.score}'; use one of {SCORES}")
+        if self.ramp_shape not in RAMP_SHAPES:
+            raise ValueError(f"table '{spec.name}': fiited ramp_shape '{self.ramp_shape}'; use one of {RAMP_SHAPES}")
         self.wants_embedding_grads = self.utility == "gradient"
         total = spec.vocab_size * k
         self.capacity = int(o["capacity"]) if o["capacity"] is not None else total
@@ -161,6 +182,8 @@ class FiitedEmbedding(EmbeddingMethod):
         ramp_steps = self.ramp * total_steps
         if ramp_steps <= 0 or step >= ramp_steps:
             return self.budget
+        if self.ramp_shape == "geometric":
+            return self.budget ** (step / ramp_steps)
         return 1.0 - (1.0 - self.budget) * step / ramp_steps
 
     def ramp_end(self, total_steps: int) -> int:
@@ -205,6 +228,8 @@ class FiitedEmbedding(EmbeddingMethod):
         else:  # magnitude: the chunk's L2 norm now (pruned chunks read zeros)
             u = jnp.linalg.norm(chunk_pool.read(pool, jnp.arange(self.spec.vocab_size)).reshape(
                 -1, self.chunks, self.chunk_dim), axis=-1)
+        if self.score == "row":
+            u = jnp.broadcast_to(jnp.sum(u, axis=1, keepdims=True), u.shape)
         u = u / (jnp.arange(1, self.chunks + 1, dtype=jnp.float32) ** self.position_discount)
         return jax.lax.cummin(u, axis=1)
 

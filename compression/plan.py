@@ -30,9 +30,9 @@ Methods and their options (each method rejects keys it does not take):
     md           alpha (0.3), budget (0: base-dim mode), round_pow2, dim (fixes this table's dim)
     md_blocks    alpha, blocks, round_pow2 (counts come from `id_counts`)
     tt           cores (3), rank (8) | ranks, vocab_factors, dim_factors (TT-Rec, compression/tt.py)
-    fiited       keep (0.25), chunks (gcd(16, D)), utility ("gradient" | "magnitude"), decay (0.99), interval (0:
-                 auto), ramp (0.3), compact_slack (1.0), grow_init ("zeros" | "uniform"), position_discount (1),
-                 capacity (compression/fiited.py)
+    fiited       keep (0.25), chunks (gcd(16, D)), utility ("gradient" | "magnitude"), decay (1.0), interval (0:
+                 auto), ramp (0.3), ramp_shape ("geometric" | "linear"), compact_slack (1.0), grow_init ("zeros" |
+                 "uniform"), position_discount (3), score ("row" | "chunk"), capacity (compression/fiited.py)
     row_prune    as fiited, with chunks 1 and utility "magnitude"
     uniform_dim  keep (0.25): every row round(keep D) wide, zero tail
 Every method also takes `threshold` (default 0: compress every table).
@@ -67,7 +67,7 @@ OPTION_TYPES: dict[str, type] = {
     "budget": int, "round_pow2": bool, "dim": int, "blocks": tuple, "cores": int, "rank": int, "ranks": tuple,
     "vocab_factors": tuple, "dim_factors": tuple, "init": str, "chunks": int, "keep": float, "capacity": int,
     "utility": str, "decay": float, "interval": int, "ramp": float, "compact_slack": float, "grow_init": str,
-    "position_discount": float, "row_decay": float,
+    "position_discount": float, "row_decay": float, "score": str, "ramp_shape": str,
 }
 
 

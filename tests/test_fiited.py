@@ -124,7 +124,8 @@ def test_utility_is_the_decayed_sum_of_per_row_chunk_gradient_norms():
 
 
 def test_adjust_keeps_the_best_chunks_and_compaction_preserves_the_model():
-    task = fiited_task(optimizer="rowwise_adagrad", keep=0.3, interval=2, ramp=0.5, compact_slack=0.25, total_steps=8)
+    task = fiited_task(optimizer="rowwise_adagrad", keep=0.3, interval=2, ramp=0.5, compact_slack=0.25, total_steps=8,
+                       ramp_shape="linear")
     batches = [jax.device_put(random_batch(SPEC, 16, seed=i)) for i in range(4)]
     state = init_state(task, jax.random.key(0), batches[0])
     step = make_train_step(task)
@@ -353,3 +354,59 @@ def test_fiited_at_a_tenth_of_the_bytes_trains_within_0_01_auc_of_full_on_ml100k
     assert fiited["embedding_bytes"] == fiited["dynamic_tables"]["final_allocated_bytes"] - \
         fiited["embedding_optimizer_bytes"]
     assert fiited["auc"] > full["auc"] - 0.01, (fiited["auc"], full["auc"])
+
+
+def greedy_counts(row_utility: np.ndarray, chunks: int, p: float, budget: int) -> np.ndarray:
+    """Oracle: hand out `budget` chunks one at a time, each to the row whose next chunk scores highest, chunk k of
+    row r scoring row_utility[r] / (k + 1)^p (ties: lower row first)."""
+    counts = np.zeros(row_utility.shape[0], int)
+    for _ in range(budget):
+        marginal = np.where(counts < chunks, row_utility / (counts + 1.0) ** p, -np.inf)
+        counts[int(np.argmax(marginal))] += 1
+    return counts
+
+
+def test_a_rows_chunk_count_follows_its_total_utility_not_its_weakest_column():
+    """Default scoring: a row's chunks rank by the row's summed utility with the position discount, so a row whose
+    gradients happen to be small in one column (1-column chunks: the columns are an arbitrary basis) keeps as many
+    chunks as its total says; the per-chunk prefix minimum cut such a row at that column."""
+    utility = np.array([[4.0, 0.01, 4.0, 4.0], [1.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0], [0.0, 0.0, 0.0, 0.0],
+                        [0.5, 0.5, 0.5, 0.5]], np.float32)
+    aux = {"utility": jnp.asarray(utility), "last": jnp.zeros(5, jnp.int32)}
+    m = FiitedEmbedding(TableSpec("x", 5, 8, "fiited", {"chunks": 4}))
+    scores = np.asarray(m.scores(None, aux, jnp.int32(0)))
+    for budget in (3, 6, 9, 12):
+        order = np.argsort(-scores.reshape(-1), kind="stable")[:budget]
+        got = np.bincount(order // 4, minlength=5)
+        np.testing.assert_array_equal(got, greedy_counts(utility.sum(1), 4, m.position_discount, budget))
+    assert got[0] >= got[2] > 1  # row 0 (total 12.01) is not cut at its weak column 1
+
+
+def test_the_budget_falls_geometrically_so_each_adjustment_prunes_the_same_share():
+    """Default ramp: keep^(t / ramp steps). Linear, the last of ten adjustments to 5 % pruned 2/3 of the live chunks
+    at once (14.5 % -> 5 %); geometric, every adjustment keeps keep^(1/10) = 74 % of them."""
+    m = FiitedEmbedding(TableSpec("x", 100, 16, "fiited", {"keep": 0.05, "ramp": 0.5}))
+    total = 200  # ramp 100 steps, an adjustment every 10
+    assert m.ramp_end(total) == 100 and m.adjust_every(total) == 10
+    shares = [m.budget_at(t, total) for t in range(0, 101, 10)]
+    np.testing.assert_allclose(shares, [0.05 ** (t / 100) for t in range(0, 101, 10)], rtol=1e-12)
+    np.testing.assert_allclose(np.array(shares[1:]) / np.array(shares[:-1]), 0.05 ** 0.1, rtol=1e-12)
+    assert m.budget_at(150, total) == 0.05
+
+
+def test_by_default_a_rows_utility_does_not_depend_on_when_it_was_last_seen():
+    """Two rows given the same gradients, one at step 1 and one at step 300, score the same at step 300: the default
+    utility is what a row's gradients said since training began (a decay of 0.99 per step made the first row's
+    utility 0.99^299 = 5 % of the second's -- on a dataset whose rows recur every few hundred steps, a lottery of
+    recency)."""
+    m = FiitedEmbedding(TableSpec("x", 4, 8, "fiited", {"chunks": 4}))
+    aux = m.init_aux()
+    g = jnp.asarray(np.random.default_rng(0).normal(size=(1, 8)), jnp.float32)
+    one = jnp.ones((1, 1), jnp.float32)
+    aux = m.update_aux(aux, jnp.array([[1]]), one, g, jnp.int32(1))
+    aux = m.update_aux(aux, jnp.array([[2]]), one, g, jnp.int32(300))
+    scores = np.asarray(m.scores(None, aux, jnp.int32(300)))
+    np.testing.assert_allclose(scores[1], scores[2], rtol=1e-6)
+    row_utility = np.linalg.norm(np.asarray(g).reshape(4, 2), axis=1).sum()  # chunks of 2 columns: L2 norms, summed
+    np.testing.assert_allclose(scores[1], row_utility / np.arange(1, 5) ** m.position_discount, rtol=1e-5)
+    assert np.all(scores[[0, 3]] == 0)

@@ -360,6 +360,34 @@ def check_selection(summary: dict, metrics_csv: pathlib.Path, patience: int) -> 
         assert summary["steps"] == summary["budget_steps"]
 
 
+def test_training_batches_mix_users_even_when_the_ratings_file_is_sorted_by_user(tmp_path):
+    """ML-1M's ratings.dat lists each user's ratings together. Training shuffles prepared blocks and the rows within
+    a block, so train rows stored in file order reached the model user by user: a batch drew only on one block's
+    users (92 distinct users where uniform sampling gives 228). Stored shuffled, a batch's distinct users are what
+    sampling train uniformly gives."""
+    from experiments import make_movielens_like
+    from experiments.configs import dlrm_movielens
+    from recjax.data import make_dataset
+
+    make_movielens_like.write(tmp_path / "ml", seed=0, users=300, movies=400, ratings=18_000, min_user_ratings=30)
+    users = [int(line.split("::")[0]) for line in (tmp_path / "ml" / "ratings.dat").read_text().splitlines()]
+    assert users == sorted(users)  # the file is grouped by user, as ML-1M's
+    config = dlrm_movielens.data_config()
+    config.dir, config.prepared_dir = str(tmp_path / "ml"), str(tmp_path / "prepared")
+    dataset = make_dataset(config, seed=0)
+    epoch = take_batches(dataset.train_batches(512), dataset.num_examples("train") // 512)
+    counts = np.bincount(np.concatenate([b.ids["user"][:, 0] for b in epoch]), minlength=300)
+    p = counts / counts.sum()  # each user's share of train (nearly one epoch of it)
+    expected = np.sum(1 - (1 - p) ** 512)  # distinct users in 512 uniform draws
+    for batch in take_batches(dataset.train_batches(512, start_step=7), 3):
+        distinct = np.unique(batch.ids["user"][:, 0]).size
+        assert abs(distinct - expected) < 0.1 * expected, (distinct, expected)
+
+
+def take_batches(stream, n: int) -> list:
+    return [next(stream) for _ in range(n)]
+
+
 def test_dlrm_beats_logistic_regression_on_ml100k(ml100k_dir, tmp_path):
     """Both from the DLRM config (`model.name` swaps the model), each with early stopping on validation."""
     from experiments.configs import dlrm_movielens, lr_movielens

@@ -117,6 +117,19 @@ def test_md_uses_the_plan_budget_and_never_goes_below_dim_one():
     assert section.tables.to_dict() == {}
 
 
+def test_the_sweep_budget_on_movielens_is_its_own_and_overridable(tmp_path):
+    """Compressed runs learn slower than the full model the dataset config is sized for: the sweep trains MovieLens
+    for SWEEP_EPOCHS unless --epochs or --steps says otherwise."""
+    assert sc.base_config("movielens", str(tmp_path)).train.epochs == sc.SWEEP_EPOCHS["movielens"] == 20
+    assert sc.base_config("movielens", str(tmp_path), epochs=3).train.epochs == 3
+    by_steps = sc.base_config("movielens", str(tmp_path), steps=100).train
+    assert (by_steps.steps, by_steps.epochs) == (100, None)
+    with pytest.raises(ValueError, match="not both"):
+        sc.base_config("movielens", str(tmp_path), steps=100, epochs=3)
+    with pytest.raises(ValueError, match="epochs must be > 0 on a dataset with epochs"):
+        sc.base_config("synthetic", epochs=3)
+
+
 def test_sweep_runs_full_once_per_seed_and_validates():
     runs = sc.sweep_runs(["full", "hashing"], [1, 4], [0, 1])
     assert runs == [("full", 1.0, 0), ("hashing", 1.0, 0), ("hashing", 4.0, 0),
@@ -138,7 +151,8 @@ def png_size(path: pathlib.Path) -> tuple[int, int]:
 
 def test_tiny_sweep_writes_results_plot_and_resumes(tmp_path, monkeypatch):
     base = tiny_base()
-    rows = sc.run_sweep(base, tmp_path, ["hashing", "qr"], [2, 8], [0], log=lambda _: None)
+    logged = []
+    rows = sc.run_sweep(base, tmp_path, ["hashing", "qr"], [2, 8], [0], log=logged.append)
 
     with (tmp_path / "results.csv").open(newline="") as f:
         reader = csv.DictReader(f)
@@ -158,6 +172,12 @@ def test_tiny_sweep_writes_results_plot_and_resumes(tmp_path, monkeypatch):
         assert 0.5 < float(r["auc"]) <= 1 and float(r["logloss"]) > 0 and float(r["examples_per_sec"]) > 0
         assert int(r["params"]) > int(r["embedding_bytes"]) // 4  # dense params on top of the tables
         assert row["run"] == r["run"]
+        assert (int(r["selected_step"]), int(r["budget_steps"])) == (summary["selected_step"], summary["budget_steps"])
+    # One evaluation, at the end: every run is selected at its budget's last step, and the sweep says so.
+    assert [int(r["selected_step"]) for r in results] == [int(base.train.steps)] * 4
+    warnings = [line for line in logged if line.startswith("WARNING")]
+    assert len(warnings) == 1 and "4 of 4 runs were selected at the last step" in warnings[0]
+    assert all(r["run"] in warnings[0] for r in results)
 
     with (tmp_path / "results_summary.csv").open(newline="") as f:
         summary_rows = list(csv.DictReader(f))
@@ -212,7 +232,8 @@ def test_identical_configs_train_once(tmp_path, monkeypatch):
         workdir.mkdir(parents=True)
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
         summary = {"compression_ratio": 12.5, "params": 9000, "embedding_params": 5000, "embedding_bytes": 20000,
-                   "auc": 0.7, "logloss": 0.5, "ne": 0.9, "examples_per_sec": 1e4}
+                   "auc": 0.7, "logloss": 0.5, "ne": 0.9, "examples_per_sec": 1e4, "selected_step": 80,
+                   "budget_steps": 100}
         (workdir / "summary.json").write_text(json.dumps(summary))
         return summary
 

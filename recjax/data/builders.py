@@ -20,13 +20,16 @@ import textwrap
 from collections.abc import Sequence
 
 import ml_collections
+import numpy as np
 import tensorflow_datasets as tfds
 
+from recjax.data.arrays import take
 from recjax.data.prepared import BlockBuilder, PreparedDataset, blocks_of
 from recjax.errors import ConfigError, DataError
 from recjax.specs import SPLITS
 
 FINGERPRINT_BYTES = 1 << 16  # head and tail bytes hashed per source file
+TRAIN_ORDER_SALT = 0x54524E  # with data.split.seed, draws the order MovieLens train rows are stored in
 
 
 def file_fingerprint(path: pathlib.Path) -> dict:
@@ -83,7 +86,7 @@ class MovielensBlocks(OptionsBuilder, skip_registration=True):
     """MovieLens (100K, 1M or latest-small) ratings as binary click-style examples (recjax/data/movielens.py)."""
 
     CONFIG_PREFIX = "movielens"
-    FORMAT_VERSION = 2  # 2: train / validation / test
+    FORMAT_VERSION = 3  # 2: train / validation / test; 3: train rows stored in a seeded random order
     MANUAL_DOWNLOAD_INSTRUCTIONS = """
     Download and unzip one MovieLens set from https://grouplens.org/datasets/movielens/ and point
     `--config.data.dir` (the TFDS manual_dir) at the unzipped folder:
@@ -108,7 +111,15 @@ class MovielensBlocks(OptionsBuilder, skip_registration=True):
 
         data = movielens_dataset(ml_collections.ConfigDict({**self.options, "dir": str(manual_dir)}))
         self._info_extra = data.info()
-        return data.spec, {name: blocks_of(batch, self.block_rows) for name, batch in data.splits.items()}
+        # Training shuffles the blocks and the rows within a block, not rows across blocks. ML-1M's ratings.dat
+        # lists each user's ratings together, so train stored in file order reached the model user by user: a
+        # user's ratings in one burst of a few steps per epoch, each batch from ~100 users. Stored in a seeded
+        # random order, every block is a uniform sample of train.
+        splits = dict(data.splits)
+        order = np.random.default_rng([int(self.options["split"]["seed"]), TRAIN_ORDER_SALT]).permutation(
+            splits["train"].size)
+        splits["train"] = take(splits["train"], order)
+        return data.spec, {name: blocks_of(batch, self.block_rows) for name, batch in splits.items()}
 
     def _source_metadata(self):
         return self._info_extra
