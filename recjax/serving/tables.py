@@ -167,16 +167,27 @@ def decode_rows(stored: jax.Array, fmt: str, dim: int) -> jax.Array:
         return jax.lax.bitcast_convert_type(stored, jnp.bfloat16).astype(jnp.float32)
     width = spec.code_bytes(dim)
     size = np.dtype(spec.param_dtype).itemsize
-    param = jnp.float32 if spec.param_dtype == np.float32 else jnp.float16
     lead = stored.shape[:-1]
-    scale = jax.lax.bitcast_convert_type(stored[..., width:width + size].reshape(*lead, size), param)
-    bias = jax.lax.bitcast_convert_type(stored[..., width + size:width + 2 * size].reshape(*lead, size), param)
+    scale = _param(stored[..., width:width + size], spec.param_dtype)
+    bias = _param(stored[..., width + size:width + 2 * size], spec.param_dtype)
     packed = stored[..., :width]
     if spec.bits == 8:
         codes = packed
     else:  # two codes per byte, the first in the low nibble (recjax.quantize.pack_codes)
         codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*lead, 2 * width)[..., :dim]
-    return bias.astype(jnp.float32)[..., None] + scale.astype(jnp.float32)[..., None] * codes.astype(jnp.float32)
+    return bias[..., None] + scale[..., None] * codes.astype(jnp.float32)
+
+
+def _param(data: jax.Array, dtype) -> jax.Array:
+    """Little-endian bytes u8[..., 4 | 2] -> f32[...] (of an f32 or fp16 parameter).
+
+    The bytes are assembled into one u32 / u16 and bitcast at the same width: a bitcast that drops the byte axis
+    (u8[..., 4] -> f32) does not survive `jax.export`'s shape refinement with a symbolic batch dimension."""
+    unsigned, floating = (jnp.uint32, jnp.float32) if np.dtype(dtype).itemsize == 4 else (jnp.uint16, jnp.float16)
+    word = data[..., 0].astype(unsigned)
+    for k in range(1, data.shape[-1]):
+        word = word | (data[..., k].astype(unsigned) << (8 * k))
+    return jax.lax.bitcast_convert_type(word, floating).astype(jnp.float32)
 
 
 def decode_table(stored: np.ndarray, fmt: str, dim: int) -> np.ndarray:
