@@ -94,7 +94,8 @@ def test_quantized_export_bytes_and_bad_rows(synthetic_run, tmp_path):
         assert manifest["bytes"]["tables"] == sum(r * row_bytes(d) for r, d in zip(rows, dims, strict=True))
         assert manifest["bytes"]["tables_f32"] == sum(4 * r * d for r, d in zip(rows, dims, strict=True))
         model = loader.load(tmp_path / fmt)
-        decoded = {g: jax.numpy.asarray(decode_table(np.asarray(t), fmt, run.task.collection.group_dims[g]))
+        decoded = {g: jax.numpy.asarray(decode_table(np.asarray(t), manifest["groups"][g]["format"],
+                                                     run.task.collection.group_dims[g]))
                    for g, t in model.constants[0].items()}
         oracle = np.asarray(run.predict_step()(run.state.replace(tables=decoded), jax.device_put(batch)))
         np.testing.assert_allclose(model.score_arrays(batch.dense, batch.ids, batch.lengths), oracle, rtol=1e-5,

@@ -17,6 +17,7 @@ from recjax.serving.tables import (
     decode_table,
     encode_table,
     encode_tables,
+    group_formats,
     stored_bytes,
 )
 from recjax.step import init_state, make_predict_step
@@ -61,6 +62,26 @@ def test_row_bytes_per_format():
         assert FORMATS[fmt].row_bytes(dim) == row_bytes
     assert FORMATS["int4"].row_bytes(15) == 8 + 4  # an odd dim pads its last byte
     assert stored_bytes({"a": encode_table(x, "int8"), "b": encode_table(x[:10], "f32")}) == 300 * 24 + 10 * 64
+
+
+def test_integer_formats_fall_back_to_fp16_on_narrow_rows():
+    """A fused row's scale and bias cost 8 (int8) / 4 (int4) bytes at any width: a group whose fused rows would be
+    larger than fp16 rows is stored in fp16, so no format ever stores a group in more bytes than fp16 would."""
+    dims = {"d1": 1, "d2": 2, "d3": 3, "d4": 4, "d8": 8, "d9": 9, "d16": 16}
+    # By hand: int8 row d + 8 vs fp16 2d -> fp16 while d < 8; int4 row ceil(d / 2) + 4 vs 2d -> fp16 while d < 3.
+    assert group_formats("int8", dims) == {"d1": "fp16", "d2": "fp16", "d3": "fp16", "d4": "fp16", "d8": "int8",
+                                           "d9": "int8", "d16": "int8"}
+    assert group_formats("int4", dims) == {"d1": "fp16", "d2": "fp16", "d3": "int4", "d4": "int4", "d8": "int4",
+                                           "d9": "int4", "d16": "int4"}
+    for fmt in ("f32", "fp16", "bf16"):
+        assert set(group_formats(fmt, dims).values()) == {fmt}
+    tables = {g: np.random.default_rng(d).normal(0, 0.1, (40, d)).astype(np.float32) for g, d in dims.items()}
+    for fmt in ("int8", "int4"):
+        stored = encode_tables(tables, fmt)
+        for g, d in dims.items():
+            assert stored[g].nbytes == 40 * min(FORMATS[fmt].row_bytes(d), 2 * d), (fmt, g)
+            assert stored[g].nbytes <= encode_table(tables[g], "fp16").nbytes
+        np.testing.assert_array_equal(stored["d1"], tables["d1"].astype(np.float16))
 
 
 def test_int8_is_fbgemm_min_max_within_half_a_step():
@@ -193,8 +214,10 @@ def test_serving_lookup_equals_the_trainer_on_decoded_tables():
         stored = encode_tables(tables, fmt)
         served = np.asarray(make_predict_step(task, ServingEmbedding(task.collection, fmt))(
             state.replace(tables={g: jnp.asarray(s) for g, s in stored.items()}), batch))
+        formats = group_formats(fmt, task.collection.group_dims)
         oracle = np.asarray(predict(state.replace(tables={
-            g: jnp.asarray(decode_table(s, fmt, task.collection.group_dims[g])) for g, s in stored.items()}), batch))
+            g: jnp.asarray(decode_table(s, formats[g], task.collection.group_dims[g])) for g, s in stored.items()}),
+            batch))
         if fmt == "f32":
             np.testing.assert_array_equal(served, trainer)
         np.testing.assert_allclose(served, oracle, rtol=1e-5, atol=1e-6, err_msg=fmt)

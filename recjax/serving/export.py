@@ -40,7 +40,7 @@ from recjax.embedding_backend import LocalEmbedding
 from recjax.errors import CheckpointError, ConfigError, DataError
 from recjax.evaluation import resolve_budget
 from recjax.serving import loader
-from recjax.serving.tables import FORMATS, ServingEmbedding, encode_tables, stored_bytes
+from recjax.serving.tables import FORMATS, ServingEmbedding, encode_tables, group_formats, stored_bytes
 from recjax.specs import DatasetSpec
 from recjax.step import TrainState, init_state, make_predict_step
 from recjax.task import Task, build_task
@@ -241,6 +241,7 @@ def export_run(run: TrainedRun, out: str | pathlib.Path, table_format: str = "f3
     task, state, spec = run.task, run.state, run.task.spec
     tables_f32 = {g: np.asarray(t) for g, t in state.tables.items()}
     stored = encode_tables(tables_f32, table_format)
+    formats = group_formats(table_format, {g: t.shape[1] for g, t in tables_f32.items()})
     params, aux = _plain(state.dense_params), _plain(state.aux)
     kind, vocab = input_spec(run.config, spec)
 
@@ -282,7 +283,7 @@ def export_run(run: TrainedRun, out: str | pathlib.Path, table_format: str = "f3
         "dense_names": dense_names,
         "features": [{"name": f.name, "vocab_size": f.vocab_size, "bag_size": f.bag_size, "any_id": f.name in any_id,
                       "method": task.collection.table_specs[f.name].method} for f in spec.features],
-        "groups": {g: {"rows": int(t.shape[0]), "dim": int(t.shape[1]), "format": table_format,
+        "groups": {g: {"rows": int(t.shape[0]), "dim": int(t.shape[1]), "format": formats[g],
                        "stored_shape": list(stored[g].shape), "stored_dtype": str(stored[g].dtype)}
                    for g, t in tables_f32.items()},
         "bytes": {"tables": stored_bytes(stored), "tables_f32": stored_bytes(tables_f32),

@@ -146,9 +146,21 @@ def encode_table(table: np.ndarray, fmt: str, name: str = "table") -> np.ndarray
     return quantize_fused(table, spec.bits, spec.param_dtype, search=spec.bits < 8)
 
 
+def group_formats(fmt: str, dims: Mapping[str, int]) -> dict[str, str]:
+    """The format each group {name: dim} is stored in when `fmt` is asked for: `fmt`, except that an integer format
+    stores a group in fp16 when its fused rows would be larger than fp16 rows. A fused row pays 8 (int8) or 4 (int4)
+    bytes of scale and bias whatever its width, so on narrow rows -- MD's small dims, FIITED's chunk pool, thin TT
+    cores -- it can cost more than f32 (a 1-wide int8 row: 9 bytes for 4); fp16 is smaller there and more exact."""
+    spec = table_format(fmt)
+    half = FORMATS["fp16"]
+    return {g: "fp16" if spec.bits and spec.row_bytes(int(d)) > half.row_bytes(int(d)) else fmt
+            for g, d in dims.items()}
+
+
 def encode_tables(tables: Mapping[str, np.ndarray], fmt: str) -> dict[str, np.ndarray]:
-    """{group: f32[R, d]} -> {group: the stored array}."""
-    return {g: encode_table(np.asarray(t), fmt, g) for g, t in tables.items()}
+    """{group: f32[R, d]} -> {group: the stored array}, each group in its `group_formats` format."""
+    formats = group_formats(fmt, {g: np.shape(t)[1] for g, t in tables.items()})
+    return {g: encode_table(np.asarray(t), formats[g], g) for g, t in tables.items()}
 
 
 def stored_bytes(stored: Mapping[str, np.ndarray]) -> int:
@@ -221,6 +233,7 @@ class ServingEmbedding(EmbeddingBackend):
     def __init__(self, collection: EmbeddingCollection, fmt: str = "f32"):
         self.collection = collection
         self.format = table_format(fmt).name  # an unknown name is a ValueError
+        self.formats = group_formats(self.format, collection.group_dims)  # what encode_tables stores per group
 
     def route(self, batch, aux: Mapping, *, train: bool) -> Routes:
         if train:
@@ -245,8 +258,8 @@ class ServingEmbedding(EmbeddingBackend):
             stored = tables[group]
             valid = (ids >= 0) & (ids < stored.shape[0])  # padding and skipped ids read the sentinel: zeros
             rows = stored.at[jnp.where(valid, ids, 0)].get(mode="promise_in_bounds")
-            decoded[group] = jnp.where(valid[:, None], decode_rows(rows, self.format, collection.group_dims[group]),
-                                       0.0)
+            decoded[group] = jnp.where(valid[:, None],
+                                       decode_rows(rows, self.formats[group], collection.group_dims[group]), 0.0)
             starts[group] = 0
         features = {}
         for name, placed in collection.placements.items():
