@@ -140,6 +140,9 @@ def test_server_scores_batches_clients_apart_and_answers_bad_requests(tiny):
         status, body = server.score([None, 1.5, "a line", {"dense": "x", "ids": rows[0]["ids"]}, {"ids": []}])
         assert status == 422 and [(e["row"], e["field"]) for e in body["errors"]] == [
             (0, "row"), (1, "row"), (2, "row"), (3, "dense"), (4, "ids")] and body["scores"] == [None] * 5
+        taken = subprocess.run([sys.executable, "-m", "experiments.serve", f"--model={export}",
+                                f"--port={server.port}"], cwd=REPO, capture_output=True, text=True, check=False)
+        assert taken.returncode == 2 and f"error: --port: cannot listen on 127.0.0.1:{server.port}" in taken.stderr
         assert server.request("GET", "/nope")[0] == 404
         assert server.request("GET", "/v1/score")[0] == 405
         status, body = server.score(rows[3:6])
@@ -214,3 +217,16 @@ def test_server_options_are_checked():
                             capture_output=True, text=True, check=False)
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
         "error: --model=/nonexistent: cannot load the export: /nonexistent is not a recjax export")
+
+
+def test_serving_cost_notebook_runs(tmp_path, monkeypatch):
+    """experiments/notebooks/serving_cost.ipynb top to bottom in its tiny setting: the format table, the load curves
+    and both plots."""
+    from conftest import run_notebook
+
+    notebook = run_notebook(REPO / "experiments" / "notebooks" / "serving_cost.ipynb", tmp_path, monkeypatch,
+                            timeout=1800)  # the slowest cell (4 servers under load) takes ~1 min on 2 idle cores
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 2, "a plot is missing"
+    text = "".join(o.get("text", "") for o in outputs)
+    assert "int4" in text and "latency-bounded QPS at p99 <= 20 ms" in text and "server overhead" in text

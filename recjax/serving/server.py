@@ -378,7 +378,11 @@ async def serve(model: Any, host: str, port: int, options: ServerOptions, log=pr
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=options.drain_seconds, access_log=None)
     await runner.setup()  # runs the cleanup context's start: the batcher, every batch shape compiled
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as error:  # the port is taken, the address is not this machine's, ...
+        await runner.cleanup()
+        raise ConfigError("--port", f"cannot listen on {host}:{port}: {error.strerror or error}") from None
     bound = runner.addresses[0][1]  # the port the OS chose for --port=0
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
