@@ -35,6 +35,9 @@ setup(
         "orbax-checkpoint>=0.11,<0.13",  # experiments/sweep_compression.py: the Pareto plot (Agg canvas, no display)
     ],
     extras_require={
+        # python -m experiments.serve (recjax/serving/server.py): the asyncio HTTP server (and the load generator's
+        # client, benchmarks/serving.py) and the /metrics exposition.
+        "serve": ["aiohttp>=3.9,<4", "prometheus_client>=0.20,<1"],
         # The TensorBoard viewer for the event files every run writes (`tensorboard --logdir runs`).
         "tensorboard": ["tensorboard>=2.16,<3"],
         "test": [
@@ -48,6 +51,9 @@ setup(
             "nbformat>=5.9,<6",
             "nbclient>=0.9,<1",
             "ipykernel>=6.25,<8",
+            # tests/test_serving_server.py runs the server (the "serve" extra)
+            "aiohttp>=3.9,<4",
+            "prometheus_client>=0.20,<1",
         ],
     },
 )

@@ -1,0 +1,259 @@
+r"""Serving benchmark: what each table format costs in bytes and test quality, and what a model costs to serve behind
+the batching HTTP server (python -m experiments.serve) under open-loop load.
+
+    python benchmarks/serving.py --root=/tmp/serving_bench                         # everything (~20-30 min, 2 cores)
+    python benchmarks/serving.py --only=tables --datasets=movielens --ml100k=/path/to/ml-100k
+    python benchmarks/serving.py --only=load --rates=20,100,400,1600 --seconds=2
+
+Prints one JSON line per measurement to stdout (progress to stderr); --plot writes the latency / QPS figure. Trained
+runs and exports are kept under --root and reused by a second invocation.
+
+Measurements
+  tables     per dataset (the default synthetic DLRM, `--synthetic_steps` steps; DLRM on ML-100K) and compression
+             method (--methods, at --ratio x fewer embedding params than full; compression/ via
+             experiments/sweep_compression.py's knobs) and format (f32, fp16, bf16, int8, int4): the stored table bytes,
+             the ratio to f32, and the test AUC / logloss with the decoded tables and their change against f32. The
+             checkpoint scored is the run's last one, for every format alike.
+  forward    the bare exported model (loader.score_arrays, no HTTP, no batching) per batch size: the floor a server
+             adds to; in the same process as the load generator, before any load.
+  load       the synthetic runs exported (full: f32, int8, int4; qr, md: f32), each behind the server on 127.0.0.1
+             at rising open-loop request rates (--rates, Poisson arrivals, --seconds per rate and at most
+             --max_requests, 1 encoded row per request; recjax/serving/measure.py): p50 / p95 / p99 against achieved
+             QPS. Formats run at one batching setting (--format_batch, --format_wait_ms); the f32 model also runs
+             without batching (max_batch 1), at every --grid setting (max_batch x max_wait_ms) and with the adaptive
+             scheduler (recjax/serving/server.py AdaptiveBatching, cap --grid's largest max_batch, one run per
+             --adaptive_targets p99 target). Per curve, the
+             latency-bounded throughput at p99 targets --targets (ms). Batch shapes are padded to powers of two
+             (--batch_shapes=pow2) so a small batch costs a small batch's forward under every setting. The load
+             generator shares the machine's cores with the server: its own CPU time is part of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import sys
+import time
+from typing import Any
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+MEASUREMENTS = ("tables", "forward", "load")
+SHARED = os.environ.get("RECJAX_SHARED_DATA", str(REPO.parent / "shared" / "data"))
+RESULTS = sys.stdout  # the JSON lines; everything else (training's and the data builders' prints) goes to stderr
+
+
+def _log(message: str) -> None:
+    print(f"[serving] {message}", file=sys.stderr, flush=True)
+
+
+def _emit(record: dict[str, Any]) -> None:
+    print(json.dumps({"benchmark": "serving", **record, "machine": _machine()}), file=RESULTS, flush=True)
+
+
+def _machine() -> dict[str, Any]:
+    return {"cpus": os.cpu_count(), "load1": round(os.getloadavg()[0], 2)}
+
+
+def train_run(root: pathlib.Path, dataset: str, method: str, ratio: float, steps: int, ml100k: str) -> pathlib.Path:
+    """The run's workdir under `root`, trained unless it has finished before."""
+    from experiments import sweep_compression as sc
+    from recjax.train import train_and_evaluate
+
+    workdir = root / "runs" / f"{dataset}_{method}"
+    if (workdir / "summary.json").is_file():
+        return workdir
+    if dataset == "synthetic":
+        from experiments.configs import dlrm_synthetic
+
+        base = dlrm_synthetic.get_config()
+        base.train.steps = steps
+        base.train.eval_every = steps
+        base.train.log_every = max(1, steps // 10)
+        base.train.progress_bar = False
+    else:
+        base = sc.base_config("movielens", ml100k, prepared_dir=str(root / "prepared"))
+    config = sc.run_config(base, sc.dataset_spec(base), method, ratio if method != "full" else 1.0, seed=0)
+    _log(f"training {dataset} {method} -> {workdir}")
+    train_and_evaluate(config, workdir)
+    return workdir
+
+
+def measure_tables(args, root: pathlib.Path) -> None:
+    from recjax.serving.export import load_run
+    from recjax.serving.measure import format_quality
+
+    for dataset in args.datasets:
+        for method in args.methods:
+            workdir = train_run(root, dataset, method, args.ratio, args.synthetic_steps, args.ml100k)
+            for row in format_quality(load_run(workdir), args.formats):
+                _emit({"measurement": "tables", "dataset": dataset, "method": method, "ratio": args.ratio, **row})
+
+
+def exports(args, root: pathlib.Path) -> dict[str, pathlib.Path]:
+    from recjax.serving.export import export_run, load_run
+
+    out = {}
+    for name, method, fmt in (("f32", "full", "f32"), ("int8", "full", "int8"), ("int4", "full", "int4"),
+                              ("qr", "qr", "f32"), ("md", "md", "f32")):
+        directory = root / "exports" / name
+        if not (directory / "export.json").is_file():
+            workdir = train_run(root, "synthetic", method, args.ratio, args.synthetic_steps, args.ml100k)
+            export_run(load_run(workdir), directory, fmt, log=_log)
+        out[name] = directory
+    return out
+
+
+def request_rows(directory: pathlib.Path, count: int = 512) -> list[dict]:
+    """Encoded JSON rows of the synthetic test split (the exported run's data)."""
+    from recjax.serving.export import load_run
+
+    manifest = json.loads((directory / "export.json").read_text())
+    run = load_run(manifest["source"]["workdir"])
+    batch = next(run.dataset.eval_batches(count, "test"))
+    return [{"dense": [float(v) for v in batch.dense[r]],
+             "ids": {f: [int(i) for i in ids[r, :batch.lengths[f][r]]] for f, ids in batch.ids.items()}}
+            for r in range(batch.size)]
+
+
+def measure_forward(args, models: dict[str, pathlib.Path], rows: list[dict]) -> dict[str, dict[int, float]]:
+    from recjax.serving import loader
+    from recjax.serving.measure import forward_times
+
+    out = {}
+    for name, directory in models.items():
+        times = forward_times(loader.load(directory), args.forward_sizes, rows)
+        out[name] = times
+        for size, seconds in times.items():
+            _emit({"measurement": "forward", "model": name, "batch": size, "ms": seconds * 1e3,
+                   "us_per_row": seconds * 1e6 / size})
+    return out
+
+
+def load_curve(args, directory: pathlib.Path, rows: list[dict], label: str, model: str,
+               **server: Any) -> list[dict]:
+    from recjax.serving.measure import ServerProcess, latency_bounded_throughput, open_loop
+
+    levels = []
+    with ServerProcess(directory, batch_shapes="pow2", **server) as process:
+        for k, rate in enumerate(args.rates):
+            level = open_loop(process.url, rows, rate, args.seconds, args.max_requests, seed=k)
+            levels.append(level)
+            _emit({"measurement": "load", "model": model, "setting": label, **server, **level})
+            _log(f"{model} {label} @ {rate:g}/s: achieved {level['achieved_qps']:.0f}/s, p50 {level['p50_ms']:.2f} "
+                 f"p99 {level['p99_ms']:.2f} ms, failed {level['failed']}")
+            if level["p99_ms"] > 4 * max(args.targets) or level["achieved_qps"] < 0.7 * rate:
+                break  # saturated: higher rates only queue
+    for target in args.targets:
+        _emit({"measurement": "latency_bounded_throughput", "model": model, "setting": label, **server,
+               "p99_target_ms": target, "qps": latency_bounded_throughput(levels, target)})
+    return levels
+
+
+def measure_load(args, models: dict[str, pathlib.Path], rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    curves = {}
+    for name, directory in models.items():
+        curves[(name, "fixed")] = load_curve(args, directory, rows, f"b{args.format_batch}_w{args.format_wait_ms:g}",
+                                             name, max_batch=args.format_batch, max_wait_ms=args.format_wait_ms)
+    f32 = models["f32"]
+    curves[("f32", "no batching")] = load_curve(args, f32, rows, "no batching", "f32", max_batch=1, max_wait_ms=0)
+    for setting in args.grid:
+        batch, wait = setting.split("x")
+        curves[("f32", f"grid {setting}")] = load_curve(args, f32, rows, f"grid b{batch}_w{wait}", "f32",
+                                                        max_batch=int(batch), max_wait_ms=float(wait))
+    cap = max(int(s.split("x")[0]) for s in args.grid)
+    for target in args.adaptive_targets:
+        curves[("f32", f"adaptive p99<{target:g}")] = load_curve(
+            args, f32, rows, f"adaptive p99<{target:g}ms", "f32", max_batch=cap, scheduler="adaptive",
+            p99_target_ms=target)
+    return curves
+
+
+def plot(curves: dict[tuple[str, str], list[dict]], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for (model, setting), levels in curves.items():
+        ax = axes[0] if setting == "fixed" else axes[1] if model == "f32" else None
+        if ax is None or (ax is axes[1] and setting == "fixed"):
+            continue
+        label = model if ax is axes[0] else setting
+        ax.plot([lv["achieved_qps"] for lv in levels], [lv["p99_ms"] for lv in levels], marker="o", label=label)
+    for ax, title in zip(axes, ("table formats / methods (one batching setting)", "f32: batching and scheduling"),
+                         strict=True):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("achieved QPS")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("p99 latency (ms)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _log(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=",".join(MEASUREMENTS))
+    parser.add_argument("--root", default="runs/serving_bench", help="runs and exports (reused when present)")
+    parser.add_argument("--datasets", default="synthetic,movielens")
+    parser.add_argument("--methods", default="full,hashing,qr,md,tt,fiited")
+    parser.add_argument("--formats", default="f32,fp16,bf16,int8,int4")
+    parser.add_argument("--ratio", type=float, default=4.0)
+    parser.add_argument("--synthetic_steps", type=int, default=2000)
+    parser.add_argument("--ml100k", default=str(pathlib.Path(SHARED) / "movielens_100k"))
+    parser.add_argument("--forward_sizes", default="1,2,4,8,16,32,64,128,256")
+    parser.add_argument("--rates", default="20,50,100,200,400,800,1600,3200")
+    parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--max_requests", type=int, default=4000)
+    parser.add_argument("--format_batch", type=int, default=32)
+    parser.add_argument("--format_wait_ms", type=float, default=1.0)
+    parser.add_argument("--grid", default="8x1,32x1,128x1,8x4,32x4,128x4", help="max_batch x max_wait_ms")
+    parser.add_argument("--targets", default="10,20,50")
+    parser.add_argument("--adaptive_targets", default="20", help="a scheduler run per p99 target (ms)")
+    parser.add_argument("--plot", default="benchmarks/serving.png")
+    args = parser.parse_args()
+    only = args.only.split(",")
+    unknown = set(only) - set(MEASUREMENTS)
+    if unknown:
+        parser.error(f"--only: unknown {sorted(unknown)}; choose from {MEASUREMENTS}")
+    for name in ("datasets", "methods", "formats", "grid"):
+        setattr(args, name, [v for v in getattr(args, name).split(",") if v])
+    args.forward_sizes = [int(v) for v in args.forward_sizes.split(",")]
+    args.rates = [float(v) for v in args.rates.split(",")]
+    args.targets = [float(v) for v in args.targets.split(",")]
+    args.adaptive_targets = [float(v) for v in args.adaptive_targets.split(",")]
+    root = pathlib.Path(args.root).expanduser().resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    from recjax import cli
+
+    cli.use_cpu_if_no_accelerator()
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(sys.stderr):
+        run(args, only, root)
+    _log(f"done in {time.perf_counter() - start:.0f} s")
+
+
+def run(args, only: list[str], root: pathlib.Path) -> None:
+    if "tables" in only:
+        measure_tables(args, root)
+    if "forward" in only or "load" in only:
+        models = exports(args, root)
+        rows = request_rows(models["f32"])
+        if "forward" in only:
+            measure_forward(args, models, rows)
+        if "load" in only:
+            curves = measure_load(args, models, rows)
+            if args.plot:
+                plot(curves, REPO / args.plot if not pathlib.Path(args.plot).is_absolute() else pathlib.Path(args.plot))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+r"""Serve an export (python -m experiments.export) over HTTP with dynamic batching and Prometheus metrics.
+
+    python -m experiments.serve --model=runs/ml100k/export --port=8500
+    curl -s localhost:8500/v1/score -d '{"rows": ["196\t242", "186\t302"]}'
+    curl -s localhost:8500/metrics
+
+The endpoints, the batching and the scheduler are described in recjax/serving/server.py. --port=0 binds a free port
+and prints it ("serving on http://HOST:PORT ..."). SIGTERM / Ctrl-C drain: requests in flight are answered first.
+"""
+
+from absl import flags
+
+from recjax import cli
+
+_MODEL = flags.DEFINE_string("model", None, "The export directory (python -m experiments.export --out).")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind (0.0.0.0 for every interface).")
+_PORT = flags.DEFINE_integer("port", 8500, "Port to bind (0: any free port, printed once ready).")
+_MAX_BATCH = flags.DEFINE_integer("max_batch", 64, "Rows per model call at most (the compiled batch shape).")
+_MAX_WAIT_MS = flags.DEFINE_float("max_wait_ms", 2.0, "How long the oldest queued request waits for more rows.")
+_MAX_ROWS = flags.DEFINE_integer("max_rows", 1024, "Rows per request at most (more: 413).")
+_MAX_BODY = flags.DEFINE_integer("max_body_bytes", 4 << 20, "Request body bytes at most (more: 413).")
+_BATCH_SHAPES = flags.DEFINE_string("batch_shapes", "fixed", "fixed: every call at max_batch rows (a row's score "
+                                    "never depends on its batch); pow2: padded to the next power of two.")
+_SCHEDULER = flags.DEFINE_string("scheduler", "fixed", "fixed, or adaptive: tune max_batch / max_wait_ms online "
+                                 "against --p99_target_ms (DeepRecSys-style).")
+_P99 = flags.DEFINE_float("p99_target_ms", 20.0, "The adaptive scheduler's p99 latency target.")
+_DRAIN = flags.DEFINE_float("drain_seconds", 30.0, "On SIGTERM, wait at most this long for requests in flight.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        cli.fail(f"unexpected arguments: {argv[1:]}")
+    if not _MODEL.value:
+        cli.fail("--model is required: an export directory (python -m experiments.export --out=DIR)")
+    import asyncio
+
+    from recjax.serving.loader import ServingModel
+    from recjax.serving.server import ServerOptions, serve
+
+    options = ServerOptions(max_batch=_MAX_BATCH.value, max_wait_ms=_MAX_WAIT_MS.value, max_rows=_MAX_ROWS.value,
+                            max_body_bytes=_MAX_BODY.value, batch_shapes=_BATCH_SHAPES.value,
+                            scheduler=_SCHEDULER.value, p99_target_ms=_P99.value, drain_seconds=_DRAIN.value)
+    options.check()
+    try:  # the loader imports no recjax (an export is read with jax + numpy only), so its errors are plain ones
+        model = ServingModel(_MODEL.value)
+    except (OSError, ValueError, KeyError) as error:
+        cli.fail(f"--model={_MODEL.value}: cannot load the export: {error}")
+    print(f"model: {model.describe()}", flush=True)
+    asyncio.run(serve(model, _HOST.value, _PORT.value, options, log=lambda m: print(m, flush=True)))
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -1,0 +1,304 @@
+r"""Export a trained run as a self-contained serving model (read by recjax/serving/loader.py with jax + numpy only).
+
+    python -m experiments.export --workdir=runs/ml100k --quantize=int8 --out=runs/ml100k/export_int8
+
+What it takes from the run: its checkpoint (the latest complete step, or `step`) and the config saved in it -- the
+task is rebuilt from that config exactly as the trainer built it (dataset spec, planned tables, dynamic tables at the
+checkpoint's capacities), and the state restored into it (a mesh run's tables through the single-device layout).
+
+What it writes (the layout is in loader.py's docstring): the scoring function -- the trainer's own predict step
+(recjax/step.py) over `ServingEmbedding` tables of the chosen format -- serialized with `jax.export` for CPU (and
+cuda / tpu on request) with a symbolic batch dimension; the tables in their stored format and the dense params, one
+.npy each; and the input spec the dataset builders used to turn raw rows into ids, fitted again from the run's data
+files and checked against the spec the run trained on:
+    synthetic            encoded rows only (the data has no raw format)
+    movielens            the raw user and movie ids of the ratings file, each user's demographics and each movie's
+                         genres and year, as prepared for training (recjax/data/movielens.py)
+    criteo_kaggle / _tb  the frequency vocabulary fitted on the train days (or the hashing modulus) and DLRM's dense
+                         transform (recjax/data/criteo.py)
+    tabular              encoded rows only for now: the tabular builders do not keep the fitted key -> id maps, and
+                         re-deriving the 63-bit string keys outside recjax is not done yet
+"""
+
+import dataclasses
+import json
+import pathlib
+import shutil
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from recjax import sharding
+from recjax.batch import Batch
+from recjax.checkpoint import ResumePoint, open_checkpoint, restore_state
+from recjax.data import make_dataset
+from recjax.dynamic import DynamicTables
+from recjax.embedding_backend import LocalEmbedding
+from recjax.errors import CheckpointError, ConfigError, DataError
+from recjax.evaluation import resolve_budget
+from recjax.serving import loader
+from recjax.serving.tables import FORMATS, ServingEmbedding, encode_tables, group_formats, stored_bytes
+from recjax.specs import DatasetSpec
+from recjax.step import TrainState, init_state, make_predict_step
+from recjax.task import Task, build_task
+
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+# MovieLens fields that belong to the movie (the rest of the non-id fields belong to the user; movielens.py).
+MOVIELENS_ITEM_FIELDS = ("genres", "release_year")
+MOVIELENS_SEPARATORS = {"100k": "\t", "1m": "::", "latest-small": ","}
+
+
+@dataclasses.dataclass
+class TrainedRun:
+    """A run's checkpoint restored into the task its config builds."""
+
+    workdir: pathlib.Path
+    config: ml_collections.ConfigDict
+    dataset: object
+    task: Task
+    state: TrainState
+    point: ResumePoint
+
+    @property
+    def step(self) -> int:
+        return self.point.step
+
+    def predict_step(self):
+        """The trainer's compiled-on-call predict step (one device, f32 tables)."""
+        return make_predict_step(self.task)
+
+
+def _checkpoints_of(workdir: pathlib.Path) -> pathlib.Path:
+    config_path = workdir / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{workdir} is not a run's workdir: it has no config.json (give the --workdir a "
+                              "python -m experiments.train run wrote)")
+    directory = json.loads(config_path.read_text()).get("checkpoint", {}).get("dir", "")
+    return pathlib.Path(directory).expanduser() if directory else workdir / "checkpoints"
+
+
+def _example_batch(spec: DatasetSpec, size: int = 8) -> Batch:
+    """A batch of the spec's shapes (its values are never used: only shapes reach `init_state`)."""
+    return Batch(dense=np.zeros((size, spec.num_dense), np.float32),
+                 ids={f.name: np.zeros((size, f.bag_size), np.int32) for f in spec.features},
+                 lengths={f.name: np.ones(size, np.int32) for f in spec.features},
+                 labels=np.zeros(size, np.float32))
+
+
+def load_run(workdir: str | pathlib.Path, step: int | None = None) -> TrainedRun:
+    """The run in `workdir` at its latest complete checkpoint (or `step`), restored on one device."""
+    workdir = pathlib.Path(workdir).expanduser()
+    point = open_checkpoint(_checkpoints_of(workdir), step)
+    config = ml_collections.ConfigDict(point.meta["config"])
+    dataset = make_dataset(config.data, seed=int(config.seed))
+    budget = resolve_budget(config.train, dataset)
+    task = build_task(config, dataset.spec, dataset, budget.steps)
+    dynamic = DynamicTables.create(task.collection, budget.steps, int(config.seed))
+    if dynamic is not None:  # FIITED pools as the checkpoint's compactions left them
+        task = dynamic.resume(task, point.meta["loop"]["dynamic"])
+    like = jax.eval_shape(lambda b: init_state(task, jax.random.key(int(config.seed)), b),
+                          _example_batch(dataset.spec))
+    state = restore_state(point, like, sharding.relayout(task.collection, LocalEmbedding(task.collection)))
+    return TrainedRun(workdir, config, dataset, task, state, point)
+
+
+# ---------------------------------------------------------------------------------------------- input spec
+def _check_spec(rebuilt: DatasetSpec, trained: DatasetSpec, source: str) -> None:
+    if rebuilt != trained:
+        raise DataError(f"the input spec fitted again from {source} ({_describe(rebuilt)}) is not the one the run "
+                        f"trained on ({_describe(trained)}): the data changed since training; export from the data "
+                        "the run was trained on")
+
+
+def _describe(spec: DatasetSpec) -> str:
+    return f"{spec.num_dense} dense, " + ", ".join(f"{f.name}:{f.vocab_size}x{f.bag_size}" for f in spec.features)
+
+
+def _movielens_input(config: ml_collections.ConfigDict, spec: DatasetSpec) -> tuple[dict, dict[str, np.ndarray]]:
+    from recjax.data.movielens import prepare_examples, read_movielens
+
+    data = config.data
+    tables = read_movielens(data.dir, data.get("variant", "auto"))
+    rebuilt, batch, vocabularies = prepare_examples(tables, rating_threshold=float(data.rating_threshold),
+                                                    zip_prefix_length=int(data.zip_prefix_length))
+    _check_spec(rebuilt, spec, str(data.dir))
+    user_index, item_index = batch.ids["user"][:, 0], batch.ids["item"][:, 0]
+    arrays = {"users/raw_ids": np.asarray(vocabularies["user"], np.int64),
+              "items/raw_ids": np.asarray(vocabularies["item"], np.int64)}
+    entity_of = {}
+
+    def per_entity(name: str, column: np.ndarray) -> np.ndarray:
+        """Each user's (item's) value of a per-rating column, checked to be the same in all of its ratings."""
+        entity = "item" if name in MOVIELENS_ITEM_FIELDS else "user"
+        index = item_index if entity == "item" else user_index
+        count = arrays[f"{entity}s/raw_ids"].size
+        first = np.full(count, -1, np.int64)
+        first[index[::-1]] = np.arange(index.size)[::-1]  # each entity's first rating
+        table = column[first]
+        if not np.array_equal(table[index], column):
+            raise DataError(f"MovieLens field {name!r} differs between ratings of one {entity}; it cannot be looked "
+                            f"up per {entity}")
+        entity_of[name] = entity
+        return table
+
+    for f in spec.features:
+        if f.name in ("user", "item"):
+            continue
+        ids = per_entity(f.name, batch.ids[f.name])
+        entity = entity_of[f.name]
+        if f.bag_size == 1:
+            arrays[f"{entity}s/{f.name}"] = ids[:, 0].astype(np.int32)
+        else:
+            arrays[f"{entity}s/{f.name}"] = ids.astype(np.int32)
+            arrays[f"{entity}s/{f.name}_lengths"] = per_entity(f.name, batch.lengths[f.name]).astype(np.int32)
+    for k, name in enumerate(vocabularies["dense"]):
+        arrays[f"{'item' if name in MOVIELENS_ITEM_FIELDS else 'user'}s/{name}"] = per_entity(
+            name, batch.dense[:, k]).astype(np.float32)
+    return {"kind": "movielens", "variant": tables.variant, "separator": MOVIELENS_SEPARATORS[tables.variant],
+            "entity_of": entity_of}, arrays
+
+
+def _criteo_input(config: ml_collections.ConfigDict, spec: DatasetSpec) -> tuple[dict, dict[str, np.ndarray]]:
+    from recjax.data import criteo
+    from recjax.data.builders import CRITEO_OPTION_KEYS, criteo_options
+
+    data = config.data
+    _, options = criteo_options(data)
+    directory = pathlib.Path(data.dir).expanduser()
+    if data.name == "criteo_kaggle":
+        splits = criteo.kaggle_splits(directory / "train.txt")
+    else:
+        splits = criteo.terabyte_splits(directory, train_days=tuple(options["train_days"]))
+    with criteo.prepare_criteo(splits, criteo.CriteoOptions(**{k: options[k] for k in CRITEO_OPTION_KEYS})
+                               ) as prepared:
+        vocabulary = prepared.vocabulary
+    _check_spec(vocabulary.spec(), spec, str(directory))
+    arrays = {}
+    if vocabulary.mode == "frequency":
+        for name, keys, indices in zip(criteo.CRITEO_FEATURE_NAMES, vocabulary.keys, vocabulary.indices, strict=True):
+            arrays[f"{name}/keys"], arrays[f"{name}/indices"] = keys.astype(np.int64), indices.astype(np.int32)
+    return {"kind": "criteo", "vocab": vocabulary.mode, "max_index": vocabulary.max_index}, arrays
+
+
+def input_spec(config: ml_collections.ConfigDict, spec: DatasetSpec) -> tuple[dict, dict[str, np.ndarray]]:
+    """(export.json's "input", its arrays by name): how the dataset's raw rows become this model's ids."""
+    name = config.data.name
+    if name == "movielens":
+        return _movielens_input(config, spec)
+    if name in ("criteo_kaggle", "criteo_terabyte"):
+        return _criteo_input(config, spec)
+    return {"kind": name}, {}  # synthetic and tabular data: encoded rows
+
+
+# ---------------------------------------------------------------------------------------------------- export
+def scoring_function(task: Task, table_format: str):
+    """(tables, dense params, routing arrays, dense, ids, lengths) -> probabilities f32[B]: the trainer's predict
+    step over serving tables of `table_format`."""
+    predict = make_predict_step(task, ServingEmbedding(task.collection, table_format))
+
+    def score(tables, params, aux, dense, ids, lengths):
+        state = TrainState(step=jnp.zeros((), jnp.int32), dense_params=params, dense_opt_state=(), tables=tables,
+                           sparse_opt_state={}, dropout_rng=jnp.zeros((2,), jnp.uint32), aux=aux)
+        return predict(state, Batch(dense=dense, ids=ids, lengths=lengths,
+                                    labels=jnp.zeros(dense.shape[:1], jnp.float32)))
+
+    return score
+
+
+def _save_tree(tree, directory: pathlib.Path, prefix: str) -> dict:
+    """Nested dicts of arrays -> .npy files under directory/prefix; returns the skeleton (leaves: relative paths)."""
+    if isinstance(tree, dict):
+        return {str(k): _save_tree(v, directory, f"{prefix}/{k}") for k, v in tree.items()}
+    path = directory / f"{prefix}.npy"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(path, np.asarray(tree))
+    return f"{prefix}.npy"
+
+
+def _plain(tree):
+    """Flax param trees (dicts, FrozenDicts) -> nested plain dicts of numpy arrays."""
+    if hasattr(tree, "items"):
+        return {k: _plain(v) for k, v in tree.items()}
+    return np.asarray(tree)
+
+
+def export_run(run: TrainedRun, out: str | pathlib.Path, table_format: str = "f32",
+               platforms: Sequence[str] = ("cpu",), log=print) -> dict:
+    """Write `run` as an export in `out` (replaced if it is an export already); returns export.json's content."""
+    if table_format not in FORMATS:
+        raise ConfigError("quantize", f"unknown table format {table_format!r}; use one of {list(FORMATS)}")
+    unknown = [p for p in platforms if p not in PLATFORMS]
+    if unknown or not platforms:
+        raise ConfigError("platforms", f"{list(platforms)}: use some of {list(PLATFORMS)}")
+    out = pathlib.Path(out).expanduser()
+    if out.exists():
+        if not (out / "export.json").is_file() or not out.is_dir():
+            raise ConfigError("out", f"{out} exists and is not an export; choose a new directory")
+        shutil.rmtree(out)
+    task, state, spec = run.task, run.state, run.task.spec
+    tables_f32 = {g: np.asarray(t) for g, t in state.tables.items()}
+    stored = encode_tables(tables_f32, table_format)
+    formats = group_formats(table_format, {g: t.shape[1] for g, t in tables_f32.items()})
+    params, aux = _plain(state.dense_params), _plain(state.aux)
+    kind, vocab = input_spec(run.config, spec)
+
+    # The scoring function, with a symbolic batch dimension (one export serves every batch size).
+    (b,) = jax.export.symbolic_shape("b")
+    shape = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)  # noqa: E731
+    arguments = (jax.tree.map(shape, stored), jax.tree.map(shape, params), jax.tree.map(shape, aux),
+                 jax.ShapeDtypeStruct((b, spec.num_dense), jnp.float32),
+                 {f.name: jax.ShapeDtypeStruct((b, f.bag_size), jnp.int32) for f in spec.features},
+                 {f.name: jax.ShapeDtypeStruct((b,), jnp.int32) for f in spec.features})
+    exported = jax.export.export(jax.jit(scoring_function(task, table_format)), platforms=tuple(platforms))(
+        *arguments)
+
+    out.mkdir(parents=True)
+    (out / "score.jax_export").write_bytes(exported.serialize())
+    skeletons = {"tables": _save_tree(stored, out, "arrays/tables"), "params": _save_tree(params, out, "arrays/params"),
+                 "aux": _save_tree(aux, out, "arrays/aux")}
+    vocab_files = {}
+    for name, array in vocab.items():
+        vocab_files[name] = f"vocab/{name}.npy"
+        (out / vocab_files[name]).parent.mkdir(parents=True, exist_ok=True)
+        np.save(out / vocab_files[name], array)
+    any_id = task.collection.any_id_features
+    dense_names = list(run.dataset.info().get("dense_features", [f"dense{i}" for i in range(spec.num_dense)]))
+    if kind["kind"] == "criteo":
+        from recjax.data.criteo import CRITEO_DENSE_NAMES
+
+        dense_names = list(CRITEO_DENSE_NAMES)
+    summary_path = run.workdir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    manifest = {
+        "format_version": loader.FORMAT_VERSION,
+        "source": {"workdir": str(run.workdir.absolute()), "checkpoint_step": run.step,
+                   "selected_step": summary.get("selected_step"), "model": run.config.model.name,
+                   "dataset": run.config.data.name, "batch_size": int(run.config.train.batch_size)},
+        "table_format": table_format,
+        "platforms": list(platforms),
+        "num_dense": spec.num_dense,
+        "dense_names": dense_names,
+        "features": [{"name": f.name, "vocab_size": f.vocab_size, "bag_size": f.bag_size, "any_id": f.name in any_id,
+                      "method": task.collection.table_specs[f.name].method} for f in spec.features],
+        "groups": {g: {"rows": int(t.shape[0]), "dim": int(t.shape[1]), "format": formats[g],
+                       "stored_shape": list(stored[g].shape), "stored_dtype": str(stored[g].dtype)}
+                   for g, t in tables_f32.items()},
+        "bytes": {"tables": stored_bytes(stored), "tables_f32": stored_bytes(tables_f32),
+                  "dense_params": int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))),
+                  "routing_arrays": int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(aux)))},
+        "arguments": skeletons,
+        "input": {**kind, "arrays": vocab_files},
+    }
+    (out / "export.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    shutil.copyfile(pathlib.Path(loader.__file__), out / "serving_loader.py")
+    selected = manifest["source"]["selected_step"]
+    log(f"exported step {run.step:,} of {run.workdir} ({table_format} tables: "
+        f"{manifest['bytes']['tables']:,} bytes, {manifest['bytes']['tables_f32'] / manifest['bytes']['tables']:.2f}x "
+        f"fewer than f32; platforms {', '.join(platforms)}) to {out}")
+    if selected is not None and selected != run.step:
+        log(f"note: the run's summary reports its selected step {selected:,}; its checkpoints keep the latest step "
+            f"{run.step:,}, which is what this export serves (--step picks another checkpointed step)")
+    return manifest

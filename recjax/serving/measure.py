@@ -1,0 +1,159 @@
+"""What serving costs, measured: table bytes and test quality per table format, the bare model's forward time per
+batch size, and an open-loop load generator against a running server (benchmarks/serving.py and
+experiments/notebooks/serving_cost.ipynb use these).
+
+Open loop (the load a population of independent users makes): request i is sent at its scheduled time t_i, with
+Poisson inter-arrival gaps at the offered rate, whether or not earlier requests were answered; its latency is counted
+from t_i, so a server (or client) falling behind shows as latency instead of silently lowering the offered load (the
+"coordinated omission" a closed loop has). Latency-bounded throughput (DeepRecSys, Gupta et al., ISCA 2020): the
+highest achieved QPS among the offered rates whose p99 latency meets the target.
+"""
+
+import asyncio
+import concurrent.futures
+import json
+import pathlib
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from recjax.batch import pad_batch
+from recjax.metrics import auc, logloss
+from recjax.serving.tables import FORMATS, decode_table, encode_tables, group_formats, stored_bytes
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def format_quality(run, formats: Sequence[str] = tuple(FORMATS), split: str = "test") -> list[dict[str, Any]]:
+    """Per format: the run's tables' stored bytes and the test AUC / logloss of the model scoring with the rows those
+    tables decode to (what ServingEmbedding's lookup reads), with the change against f32. `run` is a
+    recjax.serving.export.TrainedRun."""
+    tables = {g: np.asarray(t) for g, t in run.state.tables.items()}
+    dims = {g: t.shape[1] for g, t in tables.items()}
+    predict = run.predict_step()
+    batch_size = int(run.config.train.batch_size)
+    batches = list(run.dataset.eval_batches(batch_size, split))
+    labels = np.concatenate([b.labels for b in batches])
+    out, base = [], None
+    for fmt in formats:
+        stored, formats = encode_tables(tables, fmt), group_formats(fmt, dims)
+        decoded = {g: jax.numpy.asarray(decode_table(s, formats[g], dims[g])) for g, s in stored.items()}
+        state = run.state.replace(tables=decoded)
+        probs = np.concatenate([np.asarray(predict(state, jax.device_put(pad_batch(b, batch_size))))[:b.size]
+                                for b in batches])
+        row = {"format": fmt, "table_bytes": stored_bytes(stored), "auc": auc(labels, probs),
+               "logloss": logloss(labels, probs)}
+        base = base or row
+        row.update(bytes_ratio=base["table_bytes"] / row["table_bytes"], auc_delta=row["auc"] - base["auc"],
+                   logloss_delta=row["logloss"] - base["logloss"])
+        out.append(row)
+    return out
+
+
+def forward_times(model, sizes: Sequence[int], rows: Sequence[Any], repeats: int = 30) -> dict[int, float]:
+    """Median seconds of one `model.score_arrays` call per batch size (the export's compiled forward, no server),
+    on rows drawn from `rows` (encoded JSON rows); each size compiled before it is timed."""
+    encoded, errors = model.encode(list(rows))
+    if errors:
+        raise ValueError(f"rows with errors: {errors[:3]}")
+    out = {}
+    for size in sizes:
+        take = np.arange(size) % encoded.size
+        args = (encoded.dense[take], {k: v[take] for k, v in encoded.ids.items()},
+                {k: v[take] for k, v in encoded.lengths.items()})
+        model.score_arrays(*args)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.score_arrays(*args)
+            times.append(time.perf_counter() - t0)
+        out[size] = float(np.median(times))
+    return out
+
+
+class ServerProcess:
+    """`python -m experiments.serve --port=0 ...` in a subprocess; `url` once it printed its address."""
+
+    def __init__(self, model_dir: str | pathlib.Path, **options: Any):
+        flags = [f"--{k}={v}" for k, v in options.items()]
+        self.process = subprocess.Popen([sys.executable, "-m", "experiments.serve", f"--model={model_dir}",
+                                         "--port=0", *flags], cwd=REPO, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True)
+        self.output: list[str] = []
+        for line in self.process.stdout:  # blocks until the server answers (or has died)
+            self.output.append(line)
+            if line.startswith("serving on http://"):
+                self.url = line.split()[2]
+                return
+        raise RuntimeError(f"the server exited before serving:\n{''.join(self.output)[-3000:]}")
+
+    def stop(self) -> str:
+        if self.process.poll() is None:
+            self.process.terminate()
+        rest = self.process.stdout.read()
+        self.process.wait()
+        return "".join(self.output) + rest
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+async def _open_loop(url: str, bodies: Sequence[bytes], rate: float, count: int, seed: int) -> dict[str, Any]:
+    import aiohttp
+
+    rng = np.random.default_rng(seed)
+    offsets = np.cumsum(rng.exponential(1.0 / rate, count))
+    latencies = np.full(count, np.nan)
+    codes = np.zeros(count, np.int32)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        async def one(i: int) -> None:
+            delay = start + offsets[i] - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            try:
+                async with session.post(f"{url}/v1/score", data=bodies[i % len(bodies)],
+                                        headers={"Content-Type": "application/json"}) as response:
+                    await response.read()
+                    codes[i] = response.status
+            except aiohttp.ClientError:
+                codes[i] = -1
+            latencies[i] = loop.time() - (start + offsets[i])
+
+        await asyncio.gather(*(one(i) for i in range(count)))
+        elapsed = loop.time() - start
+    ok = codes == 200
+    lat = latencies[ok] * 1e3
+    return {"offered_qps": rate, "requests": count, "ok": int(ok.sum()), "failed": int((~ok).sum()),
+            "achieved_qps": float(ok.sum() / elapsed), "seconds": elapsed,
+            "p50_ms": float(np.percentile(lat, 50)) if lat.size else float("nan"),
+            "p95_ms": float(np.percentile(lat, 95)) if lat.size else float("nan"),
+            "p99_ms": float(np.percentile(lat, 99)) if lat.size else float("nan")}
+
+
+def open_loop(url: str, rows: Sequence[Any], rate: float, seconds: float, max_requests: int, rows_per_request: int = 1,
+              seed: int = 0) -> dict[str, Any]:
+    """Poisson arrivals at `rate` requests/s for `seconds` (at most `max_requests`), each `rows_per_request` rows
+    cycled from `rows`; latency percentiles (ms, from each request's scheduled time) and achieved QPS."""
+    count = max(1, min(max_requests, round(rate * seconds)))
+    bodies = [json.dumps({"rows": [rows[(i * rows_per_request + k) % len(rows)] for k in range(rows_per_request)]})
+              .encode() for i in range(max(1, len(rows) // rows_per_request))]
+    # On a thread of its own: the caller may be inside an event loop already (a Jupyter kernel).
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        return thread.submit(asyncio.run, _open_loop(url, bodies, rate, count, seed)).result()
+
+
+def latency_bounded_throughput(levels: Sequence[dict[str, Any]], target_ms: float) -> float:
+    """The highest achieved QPS among load levels with p99 <= target and no failed request (0 if none)."""
+    return max([lv["achieved_qps"] for lv in levels if lv["p99_ms"] <= target_ms and lv["failed"] == 0], default=0.0)

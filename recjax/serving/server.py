@@ -1,0 +1,396 @@
+r"""The scoring server: an export (recjax/serving/loader.py) behind HTTP, with dynamic batching and Prometheus metrics.
+
+    python -m experiments.serve --model=DIR --port=8500 [--max_batch=64 --max_wait_ms=2]
+
+    POST /v1/score   {"rows": [row, ...]} -> {"scores": [p or null, ...], "errors": [{"row", "field", "error"}]}
+                     a row is a raw line in the dataset's format or {"dense": [...], "ids": {feature: id | [ids]}}
+                     (loader.py); 200 when every row scored, 422 when some rows have errors (the others are scored),
+                     400 for a body that is not {"rows": [...]}, 413 past --max_rows rows or --max_body_bytes bytes
+    GET  /healthz    200 {"status": "ok", ...} once the model is loaded and compiled; 503 while starting / draining
+    GET  /metrics    Prometheus text: requests by code, rows scored, row errors, request latency, batch rows and
+                     forward time histograms, queued rows, the batching settings in force
+
+Why aiohttp: one maintained package that is both an asyncio HTTP server and the client the load generator
+(benchmarks/serving.py) uses; the batcher is a coroutine beside the handlers; body limits (`client_max_size`) and a
+graceful shutdown (stop accepting, `on_shutdown`, wait for in-flight handlers, then `on_cleanup`) are built in.
+uvicorn + an ASGI framework would be two packages plus a separate HTTP client.
+
+Batching (what TF Serving / Triton call max_batch_size / max_queue_delay): requests' valid rows queue; the batcher
+takes the oldest and waits until `max_batch` rows are queued or the oldest has waited `max_wait_ms`, then scores
+whole requests (FIFO, up to `max_batch` rows; a larger request alone, in chunks) in one call on a worker thread while
+the next batch gathers. Every call runs at one batch shape (`batch_shapes="fixed"`: padded to the largest batch), so
+a row's score is a function of the row alone, never of what it was batched with (XLA:CPU's kernels change the last
+bit of a row's score with the batch shape); "pow2" pads to the next power of two instead (less work per small
+batch, scores then agree across batchings to ~1 ulp).
+
+Scheduling (`scheduler="adaptive"`): `AdaptiveBatching` tunes max_batch and max_wait_ms online against a p99 target,
+in the spirit of DeepRecSys's DeepRecSched (Gupta et al., ISCA 2020: hill-climb the batch size while the tail latency
+stays under the target).
+
+On SIGTERM (or SIGINT) the server stops accepting connections, scores what is queued at once, answers every request
+in flight, and exits (`drain_seconds` bounds the wait).
+
+Tiered tables (rows in RAM + disk, issue 26) plug in as another model object with the loader's `encode` /
+`score_arrays`; a model with `cache_stats()` (hits, lookups) also gets `recjax_serving_table_cache_hit_ratio`.
+"""
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import json
+import math
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import prometheus_client as prom
+from aiohttp import web
+
+from recjax.errors import ConfigError
+from recjax.serving.loader import EncodedRows, next_power_of_two
+
+BATCH_SHAPES = ("fixed", "pow2")
+SCHEDULERS = ("fixed", "adaptive")
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5,
+                   1.0, 2.0, 5.0)
+
+
+@dataclasses.dataclass
+class ServerOptions:
+    max_batch: int = 64  # rows per model call (also the compiled batch shape with batch_shapes="fixed")
+    max_wait_ms: float = 2.0  # how long the oldest queued request may wait for more rows
+    max_rows: int = 1024  # rows per request
+    max_body_bytes: int = 4 << 20  # bytes per request body
+    batch_shapes: str = "fixed"  # "fixed" (every call at max_batch) or "pow2"
+    scheduler: str = "fixed"  # "adaptive": tune max_batch / max_wait_ms online (AdaptiveBatching)
+    p99_target_ms: float = 20.0  # the adaptive scheduler's target
+    drain_seconds: float = 30.0  # on SIGTERM, wait this long at most for requests in flight
+
+    def check(self) -> None:
+        for name in ("max_batch", "max_rows", "max_body_bytes"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"--{name}", f"must be >= 1, got {getattr(self, name)}")
+        for name in ("max_wait_ms", "drain_seconds", "p99_target_ms"):
+            value = float(getattr(self, name))
+            if not math.isfinite(value) or value < 0 or (name == "p99_target_ms" and value == 0):
+                raise ConfigError(f"--{name}", f"must be a finite number >= 0 (> 0 for the target), got {value}")
+        if self.batch_shapes not in BATCH_SHAPES:
+            raise ConfigError("--batch_shapes", f"must be one of {list(BATCH_SHAPES)}, got {self.batch_shapes!r}")
+        if self.scheduler not in SCHEDULERS:
+            raise ConfigError("--scheduler", f"must be one of {list(SCHEDULERS)}, got {self.scheduler!r}")
+
+
+class AdaptiveBatching:
+    """Online tuning of (max_batch, max_wait_ms) against a p99 latency target, one decision per window of requests.
+
+    DeepRecSys's scheduler (Gupta et al., ISCA 2020, Sec. 5) grows the batch size while the tail latency stays under
+    the target, since bigger batches amortise the per-call cost and raise the throughput the target allows. Online,
+    per window of `window` finished requests with p99 latency p and worker utilisation u (forward time / window time):
+        p > target                      halve max_batch and max_wait_ms (back off)
+        u > busy and p < slack target   double max_batch (up to `cap`) and max_wait_ms (from 0.25 ms, up to target/4):
+                                        the worker is the bottleneck and there is latency to spend on amortising it
+        u < idle                        halve max_wait_ms: at low load waiting only adds latency
+    """
+
+    def __init__(self, cap: int, target_ms: float, max_batch: int = 1, max_wait_ms: float = 0.0, window: int = 200,
+                 busy: float = 0.7, idle: float = 0.3, slack: float = 0.6):
+        self.cap, self.target_ms, self.window = cap, target_ms, window
+        self.max_batch, self.max_wait_ms = min(max_batch, cap), max_wait_ms
+        self.busy, self.idle, self.slack = busy, idle, slack
+        self.latencies: list[float] = []
+        self.busy_s = 0.0
+        self.window_start = time.perf_counter()
+        self.decisions: list[tuple[float, int, float]] = []  # (p99 ms, max_batch, max_wait_ms) after each window
+
+    def record_forward(self, seconds: float) -> None:
+        self.busy_s += seconds
+
+    def record_request(self, seconds: float, now: float | None = None) -> None:
+        self.latencies.append(seconds)
+        if len(self.latencies) >= self.window:
+            now = time.perf_counter() if now is None else now
+            self.decide(float(np.percentile(self.latencies, 99)) * 1e3,
+                        self.busy_s / max(now - self.window_start, 1e-9))
+            self.latencies, self.busy_s, self.window_start = [], 0.0, now
+
+    def decide(self, p99_ms: float, utilisation: float) -> None:
+        if p99_ms > self.target_ms:
+            self.max_batch = max(1, self.max_batch // 2)
+            self.max_wait_ms = self.max_wait_ms / 2
+        elif utilisation > self.busy and p99_ms < self.slack * self.target_ms:
+            self.max_batch = min(self.cap, self.max_batch * 2)
+            self.max_wait_ms = min(self.target_ms / 4, max(0.25, self.max_wait_ms * 2))
+        elif utilisation < self.idle:
+            self.max_wait_ms = self.max_wait_ms / 2
+        self.decisions.append((p99_ms, self.max_batch, self.max_wait_ms))
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own."""
+
+    def __init__(self, model: Any, options: ServerOptions):
+        self.registry = registry = prom.CollectorRegistry()
+        self.requests = prom.Counter("recjax_serving_requests", "HTTP requests by path and status code",
+                                     ["path", "code"], registry=registry)
+        self.rows = prom.Counter("recjax_serving_rows_scored", "Rows scored", registry=registry)
+        self.row_errors = prom.Counter("recjax_serving_row_errors", "Rows refused with an error", registry=registry)
+        self.latency = prom.Histogram("recjax_serving_request_latency_seconds", "POST /v1/score latency, received "
+                                      "to answered", buckets=LATENCY_BUCKETS, registry=registry)
+        self.batch_rows = prom.Histogram("recjax_serving_batch_rows", "Rows per model call (before padding)",
+                                         buckets=tuple(2**k for k in range(int(math.log2(options.max_batch)) + 2)),
+                                         registry=registry)
+        self.forward = prom.Histogram("recjax_serving_forward_seconds", "Model call time per batch",
+                                      buckets=LATENCY_BUCKETS, registry=registry)
+        self.queued = prom.Gauge("recjax_serving_queued_rows", "Rows waiting for a batch", registry=registry)
+        self.max_batch = prom.Gauge("recjax_serving_max_batch", "max_batch in force", registry=registry)
+        self.max_wait = prom.Gauge("recjax_serving_max_wait_seconds", "max_wait_ms in force, in seconds",
+                                   registry=registry)
+        if hasattr(model, "cache_stats"):  # tiered tables: rows served from the RAM cache / rows looked up
+            def ratio() -> float:
+                hits, lookups = model.cache_stats()
+                return hits / lookups if lookups else float("nan")
+
+            prom.Gauge("recjax_serving_table_cache_hit_ratio", "Table rows found in the RAM cache",
+                       registry=registry).set_function(ratio)
+
+    def render(self) -> bytes:
+        return prom.generate_latest(self.registry)
+
+
+@dataclasses.dataclass
+class _Pending:
+    rows: EncodedRows
+    future: asyncio.Future
+    arrived: float
+
+
+class Batcher:
+    """Queues requests' encoded rows and scores them in batches on one worker thread (module doc)."""
+
+    def __init__(self, model: Any, options: ServerOptions, metrics: Metrics):
+        self.model, self.options, self.metrics = model, options, metrics
+        self.queue: collections.deque[_Pending] = collections.deque()
+        self.queued_rows = 0
+        self.wakeup = asyncio.Event()
+        self.draining = False
+        self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recjax-score")
+        self.adaptive = (AdaptiveBatching(options.max_batch, options.p99_target_ms)
+                         if options.scheduler == "adaptive" else None)
+
+    @property
+    def max_batch(self) -> int:
+        return self.adaptive.max_batch if self.adaptive else self.options.max_batch
+
+    @property
+    def max_wait_s(self) -> float:
+        return (self.adaptive.max_wait_ms if self.adaptive else self.options.max_wait_ms) / 1e3
+
+    def shapes(self) -> list[int]:
+        """The batch shapes calls run at (compiled at start)."""
+        cap = self.options.max_batch
+        if self.options.batch_shapes == "fixed":
+            return [cap]
+        return sorted({min(cap, 2**k) for k in range(int(math.ceil(math.log2(cap))) + 1)})
+
+    def shape_for(self, n: int) -> int:
+        cap = self.options.max_batch
+        return cap if self.options.batch_shapes == "fixed" else min(cap, next_power_of_two(n))
+
+    def warm_up(self) -> None:
+        """Compile every batch shape before the first request (on the worker thread's caller)."""
+        spec = self.model.features
+        for size in self.shapes():
+            self.model.score_arrays(np.zeros((1, self.model.num_dense), np.float32),
+                                    {f["name"]: np.zeros((1, f["bag_size"]), np.int32) for f in spec},
+                                    {f["name"]: np.zeros(1, np.int32) for f in spec}, pad_to=size)
+
+    async def submit(self, rows: EncodedRows) -> np.ndarray:
+        future = asyncio.get_running_loop().create_future()
+        self.queue.append(_Pending(rows, future, time.perf_counter()))
+        self.queued_rows += rows.size
+        self.metrics.queued.set(self.queued_rows)
+        self.wakeup.set()
+        return await future
+
+    def drain(self) -> None:
+        """Stop waiting for fuller batches: score what is queued now (shutdown)."""
+        self.draining = True
+        self.wakeup.set()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self.queue:
+                self.wakeup.clear()
+                await self.wakeup.wait()
+            deadline = self.queue[0].arrived + self.max_wait_s
+            while self.queued_rows < self.max_batch and not self.draining:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    break
+                self.wakeup.clear()
+                try:
+                    await asyncio.wait_for(self.wakeup.wait(), remaining)
+                except TimeoutError:
+                    break
+            batch = [self.queue.popleft()]
+            size = batch[0].rows.size
+            while self.queue and size + self.queue[0].rows.size <= self.max_batch:
+                batch.append(self.queue.popleft())
+                size += batch[-1].rows.size
+            self.queued_rows -= size
+            self.metrics.queued.set(self.queued_rows)
+            self.metrics.max_batch.set(self.max_batch)
+            self.metrics.max_wait.set(self.max_wait_s)
+            try:
+                scores = await loop.run_in_executor(self.worker, self._score, [p.rows for p in batch])
+            except Exception as error:  # a failing model call fails its requests, not the server
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(error)
+                continue
+            start = 0
+            for p in batch:
+                if not p.future.done():  # a client that went away has a cancelled future
+                    p.future.set_result(scores[start:start + p.rows.size])
+                start += p.rows.size
+
+    def _score(self, parts: list[EncodedRows]) -> np.ndarray:
+        """One batch (several requests' rows) through the model, in calls of at most the largest batch shape."""
+        dense = np.concatenate([p.dense for p in parts])
+        ids = {k: np.concatenate([p.ids[k] for p in parts]) for k in parts[0].ids}
+        lengths = {k: np.concatenate([p.lengths[k] for p in parts]) for k in parts[0].lengths}
+        cap, out = self.options.max_batch, []
+        for a in range(0, dense.shape[0], cap):
+            n = min(cap, dense.shape[0] - a)
+            t0 = time.perf_counter()
+            out.append(self.model.score_arrays(dense[a:a + n], {k: v[a:a + n] for k, v in ids.items()},
+                                               {k: v[a:a + n] for k, v in lengths.items()}, pad_to=self.shape_for(n)))
+            seconds = time.perf_counter() - t0
+            self.metrics.forward.observe(seconds)
+            self.metrics.batch_rows.observe(n)
+            if self.adaptive:
+                self.adaptive.record_forward(seconds)
+        return np.concatenate(out)
+
+
+def _json_error(status: int, message: str, **extra) -> web.Response:
+    return web.json_response({"error": message, **extra}, status=status)
+
+
+def make_app(model: Any, options: ServerOptions | None = None) -> web.Application:
+    """The aiohttp application serving `model` (a loader.ServingModel or anything with its encode / score_arrays)."""
+    options = options or ServerOptions()
+    options.check()
+    metrics = Metrics(model, options)
+    app = web.Application(client_max_size=options.max_body_bytes)
+    state = {"status": "starting"}
+    batcher: Batcher | None = None
+
+    @web.middleware
+    async def count(request: web.Request, handler):
+        try:
+            response = await handler(request)
+        except web.HTTPException as error:  # 404 / 405 from the router, as JSON
+            response = _json_error(error.status, error.reason)
+        except Exception as error:  # a bug must not take the server down; the client gets a 500
+            response = _json_error(500, f"internal error: {type(error).__name__}")
+        path = request.path if request.path in ("/v1/score", "/healthz", "/metrics") else "other"
+        metrics.requests.labels(path, str(response.status)).inc()
+        return response
+
+    app.middlewares.append(count)
+
+    async def score(request: web.Request) -> web.Response:
+        received = time.perf_counter()
+        if state["status"] != "ok":
+            return _json_error(503, f"the server is {state['status']}")
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _json_error(413, f"the body is larger than {options.max_body_bytes} bytes (--max_body_bytes); "
+                                    "send fewer rows per request")
+        try:
+            payload = json.loads(body)
+        except (ValueError, RecursionError) as error:
+            return _json_error(400, f"the body is not JSON: {error}"[:300])
+        if not isinstance(payload, dict) or not isinstance(payload.get("rows"), list):
+            return _json_error(400, "the body must be a JSON object {\"rows\": [row, ...]}")
+        unknown = sorted(set(payload) - {"rows"})
+        if unknown:
+            return _json_error(400, f"unknown key {unknown[0]!r}; the body is {{\"rows\": [...]}}")
+        rows = payload["rows"]
+        if len(rows) > options.max_rows:
+            return _json_error(413, f"{len(rows)} rows; at most {options.max_rows} per request (--max_rows)")
+        if not rows:
+            return _json_error(400, "\"rows\" is empty")
+        encoded, errors = model.encode(rows)
+        scores: list[float | None] = [None] * len(rows)
+        if encoded.size:
+            for i, p in zip(encoded.index, (await batcher.submit(encoded)).tolist(), strict=True):
+                scores[i] = p
+        metrics.rows.inc(encoded.size)
+        metrics.row_errors.inc(len(errors))
+        seconds = time.perf_counter() - received
+        metrics.latency.observe(seconds)
+        if batcher.adaptive:
+            batcher.adaptive.record_request(seconds)
+        return web.json_response({"scores": scores, "errors": errors}, status=422 if errors else 200)
+
+    async def healthz(request: web.Request) -> web.Response:
+        body = {"status": state["status"]}
+        if hasattr(model, "manifest"):
+            body.update(model=model.describe(), table_format=model.table_format)
+        return web.json_response(body, status=200 if state["status"] == "ok" else 503)
+
+    async def metrics_handler(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), headers={"Content-Type": prom.CONTENT_TYPE_LATEST})
+
+    async def lifecycle(app: web.Application):
+        nonlocal batcher
+        batcher = Batcher(model, options, metrics)
+        await asyncio.get_running_loop().run_in_executor(batcher.worker, batcher.warm_up)
+        task = asyncio.create_task(batcher.run())
+        state["status"] = "ok"
+        yield
+        task.cancel()
+        batcher.worker.shutdown(wait=True)
+
+    async def on_shutdown(app: web.Application):
+        state["status"] = "draining"
+        if batcher is not None:
+            batcher.drain()
+
+    app.router.add_post("/v1/score", score)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics_handler)
+    app.cleanup_ctx.append(lifecycle)
+    app.on_shutdown.append(on_shutdown)
+    app["batcher"] = lambda: batcher
+    return app
+
+
+async def serve(model: Any, host: str, port: int, options: ServerOptions, log=print) -> None:
+    """Serve until SIGTERM / SIGINT, then drain (module doc). Logs the bound address once ready to answer."""
+    app = make_app(model, options)
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=options.drain_seconds, access_log=None)
+    await runner.setup()  # runs the cleanup context's start: the batcher, every batch shape compiled
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as error:  # the port is taken, the address is not this machine's, ...
+        await runner.cleanup()
+        raise ConfigError("--port", f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    bound = runner.addresses[0][1]  # the port the OS chose for --port=0
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log(f"serving on http://{host}:{bound} (max_batch {options.max_batch}, max_wait_ms {options.max_wait_ms:g}, "
+        f"batch shapes {options.batch_shapes}, scheduler {options.scheduler})")
+    await stop.wait()
+    log("draining: no new connections; answering the requests in flight")
+    await runner.cleanup()
+    log("drained; bye")

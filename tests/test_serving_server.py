@@ -1,0 +1,232 @@
+"""The scoring server (python -m experiments.serve) on an ephemeral port: it scores a tiny export exactly as the
+loader does, batches concurrent clients without one changing another's scores, answers bad requests with 4xx JSON
+naming the row and field (scoring the valid rows), keeps serving, counts it all in /metrics, and drains on SIGTERM.
+
+Readiness and progress are waited for by reading the server's output and polling /metrics, never by sleeping."""
+
+import concurrent.futures
+import http.client
+import json
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+from test_export import _rows_as_json
+from test_train import tiny_config
+
+from recjax.errors import ConfigError
+from recjax.serving import loader
+from recjax.serving.export import export_run, load_run
+from recjax.serving.server import AdaptiveBatching, ServerOptions
+from recjax.train import train_and_evaluate
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+MAX_BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[pathlib.Path, list[dict]]:
+    """An int8 export of a tiny synthetic run, and 24 of its test rows as encoded JSON rows."""
+    workdir = tmp_path_factory.mktemp("run")
+    config = tiny_config(20)
+    config.data.bag_sizes = (1, 3, 1, 1, 1, 2)
+    config.data.eval_examples = 256
+    config.train.eval_every = 20
+    train_and_evaluate(config, workdir)
+    run = load_run(workdir)
+    out = tmp_path_factory.mktemp("export") / "int8"
+    export_run(run, out, "int8")
+    return out, _rows_as_json(next(run.dataset.eval_batches(24, "test")))
+
+
+class Server:
+    """`python -m experiments.serve` on port 0; `url` once it printed its address."""
+
+    def __init__(self, model: pathlib.Path, *flags: str):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "experiments.serve", f"--model={model}", "--port=0", f"--max_batch={MAX_BATCH}",
+             *flags], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.output: list[str] = []
+        for line in self.process.stdout:  # blocks until the server is ready (or has died)
+            self.output.append(line)
+            if line.startswith("serving on http://"):
+                self.port = int(line.split()[2].rsplit(":", 1)[1])
+                break
+        else:
+            raise AssertionError(f"the server exited before serving:\n{''.join(self.output)[-3000:]}")
+
+    def request(self, method: str, path: str, body: bytes | str | None = None) -> tuple[int, dict | str]:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port)
+        try:
+            connection.request(method, path, body=body, headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            text = response.read().decode()
+        finally:
+            connection.close()
+        return response.status, (json.loads(text) if response.getheader("Content-Type", "").startswith(
+            "application/json") else text)
+
+    def score(self, rows: list) -> tuple[int, dict]:
+        return self.request("POST", "/v1/score", json.dumps({"rows": rows}))
+
+    def metric(self, name: str) -> float:
+        _, text = self.request("GET", "/metrics")
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+    def stop(self) -> str:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        rest = self.process.stdout.read()
+        self.process.wait()
+        return "".join(self.output) + rest
+
+
+def _bits(scores: list[float]) -> np.ndarray:
+    return np.asarray(scores, np.float32).view(np.uint32)
+
+
+def test_server_scores_batches_clients_apart_and_answers_bad_requests(tiny):
+    export, rows = tiny
+    model = loader.load(export)
+    encoded, _ = model.encode(rows)
+    oracle = model.score_arrays(encoded.dense, encoded.ids, encoded.lengths, pad_to=None)
+    # The server runs every call at MAX_BATCH rows; in-process, that shape scores a row the same whatever its company.
+    alone = np.concatenate([model.score_arrays(encoded.dense[i:i + 1], {k: v[i:i + 1] for k, v in encoded.ids.items()},
+                                               {k: v[i:i + 1] for k, v in encoded.lengths.items()}, pad_to=MAX_BATCH)
+                            for i in range(len(rows))])
+    np.testing.assert_allclose(alone, oracle, rtol=1e-5)
+    server = Server(export, "--max_wait_ms=5", "--max_rows=16", "--max_body_bytes=20000")
+    try:
+        status, body = server.request("GET", "/healthz")
+        assert status == 200 and body["status"] == "ok" and body["table_format"] == "int8"
+        status, body = server.score(rows[:3])
+        assert status == 200 and body["errors"] == []
+        np.testing.assert_array_equal(_bits(body["scores"]), alone[:3].view(np.uint32))
+
+        # Mixed requests, many clients at once: each row's score is its score alone, bit for bit.
+        bad = {"dense": rows[0]["dense"], "ids": {**rows[0]["ids"], "C3": 1000}}
+        requests = [[rows[i], bad, rows[i + 1]] if i % 3 == 0 else [rows[i]] for i in range(0, 22, 2)]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(server.score, requests))
+        for i, (request, (status, body)) in zip(range(0, 22, 2), zip(requests, answers, strict=True), strict=False):
+            if len(request) == 3:
+                assert status == 422
+                assert body["errors"] == [{"row": 1, "field": "C3", "error": "id 1000 is outside [0, 1000)"}]
+                assert body["scores"][1] is None
+                np.testing.assert_array_equal(_bits([body["scores"][0], body["scores"][2]]),
+                                              alone[[i, i + 1]].view(np.uint32))
+            else:
+                assert status == 200
+                np.testing.assert_array_equal(_bits(body["scores"]), alone[[i]].view(np.uint32))
+
+        # Requests that are wrong as a whole: 4xx JSON, and the server goes on serving.
+        assert server.request("POST", "/v1/score", "{not json")[0] == 400
+        assert server.request("POST", "/v1/score", "[1, 2]")[0] == 400
+        assert server.request("POST", "/v1/score", json.dumps({"rows": []}))[0] == 400
+        status, body = server.request("POST", "/v1/score", json.dumps({"rows": rows, "k": 1}))
+        assert status == 400 and "unknown key 'k'" in body["error"]
+        status, body = server.score(rows[:17])
+        assert status == 413 and "at most 16" in body["error"]
+        status, body = server.request("POST", "/v1/score", json.dumps({"rows": ["x" * 30000]}))
+        assert status == 413 and "--max_body_bytes" in body["error"]
+        status, body = server.request("POST", "/v1/score", "[" * 100000)  # past --max_body_bytes before parsing
+        assert status == 413
+        status, body = server.request("POST", "/v1/score", "[" * 10000)  # deep nesting: not a crash
+        assert status == 400
+        status, body = server.score([None, 1.5, "a line", {"dense": "x", "ids": rows[0]["ids"]}, {"ids": []}])
+        assert status == 422 and [(e["row"], e["field"]) for e in body["errors"]] == [
+            (0, "row"), (1, "row"), (2, "row"), (3, "dense"), (4, "ids")] and body["scores"] == [None] * 5
+        taken = subprocess.run([sys.executable, "-m", "experiments.serve", f"--model={export}",
+                                f"--port={server.port}"], cwd=REPO, capture_output=True, text=True, check=False)
+        assert taken.returncode == 2 and f"error: --port: cannot listen on 127.0.0.1:{server.port}" in taken.stderr
+        assert server.request("GET", "/nope")[0] == 404
+        assert server.request("GET", "/v1/score")[0] == 405
+        status, body = server.score(rows[3:6])
+        assert status == 200
+        np.testing.assert_array_equal(_bits(body["scores"]), alone[3:6].view(np.uint32))
+
+        # /metrics counts what happened: rows scored, rows refused, requests by code.
+        scored = 3 + sum(len(r) - (len(r) == 3) for r in requests) + 3
+        assert server.metric("recjax_serving_rows_scored_total") == scored
+        assert server.metric("recjax_serving_row_errors_total") == 4 + 5
+        assert server.metric('recjax_serving_requests_total{code="413"') == 3
+        scoring = 1 + len(requests) + 1 + 1  # the requests that reached the batcher, 422s included
+        assert server.metric("recjax_serving_request_latency_seconds_count") == scoring
+        assert server.metric("recjax_serving_batch_rows_sum") == scored
+    finally:
+        log = server.stop()
+    assert server.process.returncode == 0, log[-3000:]
+    assert "drained; bye" in log and "Traceback" not in log
+
+
+def test_sigterm_drains_the_queued_request(tiny):
+    """A request queued behind a long max_wait_ms is scored and answered after SIGTERM, then the server exits 0."""
+    export, rows = tiny
+    model = loader.load(export)
+    server = Server(export, "--max_wait_ms=600000")
+    answer: list = []
+    try:
+        client = threading.Thread(target=lambda: answer.append(server.score(rows[:2])))
+        client.start()
+        while server.metric("recjax_serving_queued_rows") < 2:  # the request waits in the batcher's queue
+            pass
+        server.process.send_signal(signal.SIGTERM)
+        client.join()
+    finally:
+        log = server.stop()
+    assert server.process.returncode == 0, log[-3000:]
+    status, body = answer[0]
+    assert status == 200
+    encoded, _ = model.encode(rows[:2])
+    np.testing.assert_array_equal(_bits(body["scores"]), model.score_arrays(
+        encoded.dense, encoded.ids, encoded.lengths, pad_to=MAX_BATCH).view(np.uint32))
+    assert log.index("draining") < log.index("drained; bye")
+
+
+def test_adaptive_batching_decisions():
+    """DeepRecSys-style hill climbing, by hand: grow while the worker is busy and p99 has slack, back off past the
+    target, stop waiting when idle."""
+    adaptive = AdaptiveBatching(cap=64, target_ms=20.0, window=4)
+    assert (adaptive.max_batch, adaptive.max_wait_ms) == (1, 0.0)
+    adaptive.decide(p99_ms=5.0, utilisation=0.9)
+    assert (adaptive.max_batch, adaptive.max_wait_ms) == (2, 0.25)
+    for _ in range(6):
+        adaptive.decide(p99_ms=5.0, utilisation=0.9)
+    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 5.0)  # capped: 64 rows, target / 4
+    adaptive.decide(p99_ms=25.0, utilisation=0.9)
+    assert (adaptive.max_batch, adaptive.max_wait_ms) == (32, 2.5)
+    adaptive.decide(p99_ms=15.0, utilisation=0.9)  # busy but no slack (15 > 0.6 * 20): hold
+    assert (adaptive.max_batch, adaptive.max_wait_ms) == (32, 2.5)
+    adaptive.decide(p99_ms=1.0, utilisation=0.1)
+    assert (adaptive.max_batch, adaptive.max_wait_ms) == (32, 1.25)
+    for seconds in (0.001, 0.002, 0.003, 0.1):  # a window of 4 requests -> one decision on their p99
+        adaptive.record_request(seconds, now=adaptive.window_start + 1.0)
+    assert adaptive.decisions[-1][1:] == (16, 0.625) and adaptive.latencies == []
+
+
+def test_server_options_are_checked():
+    with pytest.raises(ConfigError, match="--max_batch: must be >= 1, got 0"):
+        ServerOptions(max_batch=0).check()
+    with pytest.raises(ConfigError, match="--scheduler: must be one of"):
+        ServerOptions(scheduler="magic").check()
+    result = subprocess.run([sys.executable, "-m", "experiments.serve", "--model=/nonexistent"], cwd=REPO,
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
+        "error: --model=/nonexistent: cannot load the export: /nonexistent is not a recjax export")
+
+
+def test_serving_cost_notebook_runs(tmp_path, monkeypatch):
+    """experiments/notebooks/serving_cost.ipynb top to bottom in its tiny setting: the format table, the load curves
+    and both plots."""
+    from conftest import run_notebook
+
+    notebook = run_notebook(REPO / "experiments" / "notebooks" / "serving_cost.ipynb", tmp_path, monkeypatch,
+                            timeout=1800)  # the slowest cell (4 servers under load) takes ~1 min on 2 idle cores
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 2, "a plot is missing"
+    text = "".join(o.get("text", "") for o in outputs)
+    assert "int4" in text and "latency-bounded QPS at p99 <= 20 ms" in text and "server overhead" in text
