@@ -262,9 +262,12 @@ def parse_overrides(text: str, tables: Sequence[TableInfo]) -> dict[str, tuple[s
 def make_plan(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_size: int, *, plan: str = "auto",
               overrides: str = "", row_axes: str = "all", row_split: str = "range",
               device_memory_bytes: int) -> ShardingPlan:
-    """Place every table: `plan` for all of them (auto: the greedy balance below), `overrides` per table.
+    """Place every table: `plan` for all of them, `overrides` per table.
 
-    auto, in decreasing order of owner work (the LPT greedy): a table whose own work exceeds a device's fair share
+    auto: the planner of recjax/sharding/planner.py (greedy + local search + beam search over split counts, with
+    the analytic cost model of recjax/sharding/cost_model.py) places the tables not pinned by `overrides`. With
+    `row_axes="model"` (row-wise tables split over the model axis only) the previous greedy below runs instead,
+    in decreasing order of owner work (the LPT greedy): a table whose own work exceeds a device's fair share
     (all tables' work over n) or that fits on no single device is split row-wise; any other goes whole to the
     device, among those with room, that leaves the lowest maximum per-device cost (`device_costs`), then the lowest
     memory on the fullest device, then the lowest total cost; a table of at most REPLICATE_BYTES may be replicated
@@ -325,9 +328,13 @@ def make_plan(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_
     # Pinned tables first, then the rest by decreasing cost (largest first: the classic LPT greedy).
     order = sorted(tables, key=lambda t: (t.name not in pinned, -table_cost(t), -t.bytes, t.name))
     fair_share = sum(table_cost(t) for t in tables) / n
+    searched = []  # auto's tables for the planner (recjax/sharding/planner.py), placed after the pinned ones
     for t in order:
         kind, device = pinned.get(t.name, (plan, None))
-        if kind == "auto":
+        if kind == "auto" and row_axes == "all":
+            searched.append(t)
+            continue
+        if kind == "auto":  # rows over the `model` axis: the greedy below (the planner splits over any devices)
             # Whole on one device when it fits and its own work is at most a device's fair share; else split.
             candidates = [placed(t, "table", d) for d in range(n) if room[d] >= t.bytes]
             if not candidates or table_cost(t) > fair_share:
@@ -340,6 +347,12 @@ def make_plan(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_
             fits = [d for d in range(n) if room[d] >= t.bytes] or list(range(n))
             device = min(fits, key=lambda d: (load(d), d))
         commit(placed(t, kind, device))
+    if searched:
+        from recjax.sharding.planner import auto_placements
+
+        for p in auto_placements(tables, dict(result), mesh_shape, batch_size, device_memory_bytes,
+                                 row_split).values():
+            commit(p)
     if plan == "auto":
         balance_blocks(result, set(pinned), mesh_shape, row_split)
     result_plan = ShardingPlan(dict(mesh_shape), tuple(result[t.name] for t in tables), batch_size,
