@@ -468,7 +468,7 @@ def bucket_capacity(expected: np.ndarray, worst: np.ndarray, factor: float, sigm
     if not factor:
         return worst
     expected = np.asarray(expected, float)
-    return np.maximum(1.0, np.minimum(worst, np.ceil(factor * expected + sigmas * np.sqrt(expected) - 1e-9)))
+    return np.maximum(1.0, np.minimum(worst, np.ceil(factor * expected + sigmas * np.sqrt(expected))))
 
 
 # ------------------------------------------------------------------------------------------------ whole plans

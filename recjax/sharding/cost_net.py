@@ -126,6 +126,25 @@ def _pad(n: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ the model
+# Jitted once per net sizes and array shape, shared by every model instance (a loaded copy compiles nothing new).
+@functools.partial(jax.jit, static_argnums=0)
+def _embed(sizes: Sizes, params, norm, x):
+    return _nets(sizes)[0].apply(params["part"], (x - norm["part_mean"]) / norm["part_std"])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _read(sizes: Sizes, params, norm, sums):
+    count = sums[:, -1:]
+    z = _nets(sizes)[1].apply(params["device"], jnp.concatenate([sums[:, :-1], jnp.log1p(count)], 1))[:, 0]
+    return jnp.where(count[:, 0] > 0.5, jnp.exp(z * norm["compute_std"] + norm["compute_mean"]), 0.0)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _exch(sizes: Sizes, params, norm, x):
+    z = _nets(sizes)[2].apply(params["storage"], (x - norm["storage_mean"]) / norm["storage_std"])[:, 0]
+    return jnp.exp(z * norm["exchange_std"] + norm["exchange_mean"])
+
+
 class NeuralCostModel:
     """`CostModel` from pre-trained nets: summaries = [per-part embedding, 1], readout = exp(device net(sum, log(1 +
     count))) (0 for an empty device), exchange = exp(storage net(features))."""
@@ -134,28 +153,19 @@ class NeuralCostModel:
 
     def __init__(self, topology: Topology, params: dict, norm: dict, sizes: Sizes, report: dict | None = None,
                  labels: str = "analytic"):
-        self.topology, self.params, self.norm, self.sizes = topology, params, norm, sizes
+        self.topology, self.params, self.sizes = topology, params, sizes
+        self.norm = {k: jnp.asarray(v, jnp.float32) for k, v in norm.items()}
         self.report, self.labels = report or {}, labels
         self.summary_size = sizes.part[-1] + 1
-        part, device, storage = _nets(sizes)
-        mean = {k: jnp.asarray(v) for k, v in norm.items()}
 
-        @jax.jit
-        def embed(params, x):
-            return part.apply(params["part"], (x - mean["part_mean"]) / mean["part_std"])
+    def _embed(self, params, x):
+        return _embed(self.sizes, params, self.norm, x)
 
-        @jax.jit
-        def read(params, sums):
-            count = sums[:, -1:]
-            z = device.apply(params["device"], jnp.concatenate([sums[:, :-1], jnp.log1p(count)], 1))[:, 0]
-            return jnp.where(count[:, 0] > 0.5, jnp.exp(z * mean["compute_std"] + mean["compute_mean"]), 0.0)
+    def _read(self, params, sums):
+        return _read(self.sizes, params, self.norm, sums)
 
-        @jax.jit
-        def exch(params, x):
-            z = storage.apply(params["storage"], (x - mean["storage_mean"]) / mean["storage_std"])[:, 0]
-            return jnp.exp(z * mean["exchange_std"] + mean["exchange_mean"])
-
-        self._embed, self._read, self._exch = embed, read, exch
+    def _exch(self, params, x):
+        return _exch(self.sizes, params, self.norm, x)
 
     def summaries(self, parts: PartTable, ids: np.ndarray) -> np.ndarray:
         x = part_features(parts, ids)

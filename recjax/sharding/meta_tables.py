@@ -12,11 +12,12 @@ the generator follows the summary numbers published with it and with NeuroShard'
     largest index + 1, at least 100; its pooling factor the mean bag length; the data has no dims, each task draws
     them from {4, 8, 16, 32, 64, 128}; sharding tasks sample tables at random
   not published as numbers (our assumptions, calibrated to the published aggregates above):
-    rows log-uniform on [100, ROWS_MAX]; pooling factors log-normal (sigma POOLING_SIGMA), scaled to the published
-    mean; ids Zipf-distributed with an exponent uniform on [ALPHA_LOW, ALPHA_HIGH]; dims uniform on the six sizes.
-    ROWS_MAX, ALPHA_LOW and ALPHA_HIGH minimise the distance of the generated set's expected distinct share and reuse
-    histogram (Poisson, for a batch of 65,536) to the published ones: `python -m recjax.sharding.meta_tables
-    --calibrate` reproduces the fit, and benchmarks/RESULTS.md shows both histograms side by side.
+    rows log-uniform on [ROWS_LOW, ROWS_MAX] (ROWS_LOW >= NeuroShard's floor of 100); pooling factors log-normal
+    (sigma POOLING_SIGMA), scaled to the published mean; ids Zipf-distributed with an exponent uniform on
+    [ALPHA_LOW, ALPHA_HIGH]; dims uniform on the six sizes. ROWS_LOW, ROWS_MAX, ALPHA_LOW and ALPHA_HIGH minimise
+    the distance of the generated set's expected distinct share and reuse histogram (Poisson, for a batch of
+    65,536) to the published ones over a grid: `python -m recjax.sharding.meta_tables --calibrate` reproduces the
+    fit, and benchmarks/RESULTS.md shows both histograms side by side.
 """
 
 import argparse
@@ -40,10 +41,9 @@ REUSE_BINS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 163
 PUBLISHED_REUSE = (0.069, 0.044, 0.068, 0.101, 0.121, 0.104, 0.073, 0.058, 0.052, 0.050, 0.049, 0.048, 0.048, 0.043,
                    0.031, 0.023, 0.019)
 DIMS = (4, 8, 16, 32, 64, 128)
-ROWS_MIN = 100  # NeuroShard's floor
 POOLING_SIGMA = 1.0
 # Fitted by `--calibrate` (seed 0); see the module docstring.
-ROWS_MAX = 10_000_000
+ROWS_LOW, ROWS_MAX = 100, 10_000_000
 ALPHA_LOW, ALPHA_HIGH = 0.6, 1.4
 
 
@@ -62,11 +62,11 @@ class MetaTable:
         return PlannerTable(info, self.pooling, AccessProfile.zipf(self.alpha, self.rows))
 
 
-def meta_tables(seed: int = 0, rows_max: float = ROWS_MAX, alpha: tuple[float, float] = (ALPHA_LOW, ALPHA_HIGH)
-                ) -> list[MetaTable]:
+def meta_tables(seed: int = 0, rows: tuple[float, float] = (ROWS_LOW, ROWS_MAX),
+                alpha: tuple[float, float] = (ALPHA_LOW, ALPHA_HIGH)) -> list[MetaTable]:
     """The 856 tables (deterministic given the seed)."""
     rng = np.random.default_rng(seed)
-    rows = np.exp(rng.uniform(math.log(ROWS_MIN), math.log(rows_max), TABLES)).astype(np.int64)
+    rows = np.exp(rng.uniform(math.log(rows[0]), math.log(rows[1]), TABLES)).astype(np.int64)
     pooling = rng.lognormal(0.0, POOLING_SIGMA, TABLES)
     pooling *= MEAN_POOLING / pooling.mean()
     alphas = rng.uniform(*alpha, TABLES)
@@ -97,21 +97,21 @@ def expected_reuse(tables: list[MetaTable], batch: int = BATCH, points: int = 40
     return distinct / indices, hist / hist.sum()
 
 
-def calibrate(seed: int = 0) -> dict:
-    """Grid search over ROWS_MAX and the Zipf exponents' range for the closest expected statistics (L1 distance of
-    the reuse histograms + the distinct share's relative error)."""
+def calibrate(seed: int = 0, points: int = 60) -> dict:
+    """Grid search over the rows' range and the Zipf exponents' range for the closest expected statistics (L1
+    distance of the reuse histograms + the distinct share's relative error)."""
     target_share = PUBLISHED_DISTINCT / PUBLISHED_INDICES
     best = None
-    for rows_max in (1e6, 3e6, 1e7, 3e7, 1e8):
-        for low in (0.2, 0.4, 0.6, 0.8, 1.0):
-            for width in (0.2, 0.4, 0.6, 0.8):
-                tables = meta_tables(seed, rows_max, (low, low + width))
-                share, hist = expected_reuse(tables, points=120)
-                score = float(np.abs(hist - PUBLISHED_REUSE).sum() + abs(share / target_share - 1))
-                if best is None or score < best["score"]:
-                    best = {"score": score, "rows_max": rows_max, "alpha": (low, low + width)}
-    tables = meta_tables(seed, best["rows_max"], best["alpha"])
-    share, hist = expected_reuse(tables)
+    for low in (1e2, 1e3, 1e4, 1e5):
+        for high in (1e6, 1e7, 1e8):
+            for a_low in (0.0, 0.3, 0.6, 0.9):
+                for width in (0.2, 0.5, 0.8):
+                    tables = meta_tables(seed, (low, high), (a_low, a_low + width))
+                    share, hist = expected_reuse(tables, points=points)
+                    score = float(np.abs(hist - PUBLISHED_REUSE).sum() + abs(share / target_share - 1))
+                    if best is None or score < best["score"]:
+                        best = {"score": score, "rows": (low, high), "alpha": (a_low, a_low + width)}
+    share, hist = expected_reuse(meta_tables(seed, best["rows"], best["alpha"]))
     return {**best, "distinct_share": share, "published_distinct_share": target_share,
             "reuse": hist.round(4).tolist(), "published_reuse": list(PUBLISHED_REUSE)}
 

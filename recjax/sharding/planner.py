@@ -64,6 +64,7 @@ from recjax.sharding.plan import REPLICATE_BYTES, TableInfo, TablePlacement
 
 AXES = ("data", "model")
 SEARCHES = ("greedy", "local", "beam")
+KINDS_ALL = frozenset({"table", "row", "column", "replicated"})
 BASELINES = ("random", "size_greedy", "dim_greedy", "lookup_greedy", "size_lookup_greedy", "torchrec_greedy")
 _REL = 1e-9  # objective improvements smaller than this (relative) do not count: no cycling on float noise
 SPLIT_GAIN = 1e-3  # greedy: a split (or replica) must lower the step cost by this share to beat a whole table
@@ -114,8 +115,10 @@ class State:
     its parts' `CostModel.summaries`) and compute, the per-owner slot sums of the table-/row-wise storages and the
     cost of every storage."""
 
-    def __init__(self, problem: Problem, model: CostModel, parts: PartTable | None = None):
+    def __init__(self, problem: Problem, model: CostModel, parts: PartTable | None = None,
+                 kinds: frozenset = KINDS_ALL):
         self.problem, self.model = problem, model
+        self.kinds = frozenset(kinds)  # the shardings the search may choose
         self.parts = parts or PartTable(problem)
         n = self.n = problem.devices
         self.limit = float(problem.topology.memory_bytes)
@@ -381,10 +384,10 @@ def _row_choice(state: State, t: int, k: int, keep: Sequence[int] = ()) -> Choic
 
 
 def greedy(problem: Problem, model: CostModel, fixed: Mapping[int, Choice] | None = None,
-           parts: PartTable | None = None) -> State:
-    """Step 1 of the module docstring. Tables that fit nowhere even split over every device are split so anyway
-    (the state then does not fit: `State.fits`)."""
-    state = State(problem, model, parts)
+           parts: PartTable | None = None, kinds: frozenset = KINDS_ALL) -> State:
+    """Step 1 of the module docstring, choosing among `kinds`. Tables that fit nowhere even split over every device
+    are split so anyway (the state then does not fit: `State.fits`)."""
+    state = State(problem, model, parts, kinds)
     fixed = dict(fixed or {})
     if fixed:
         state.apply(fixed)
@@ -408,9 +411,9 @@ def greedy(problem: Problem, model: CostModel, fixed: Mapping[int, Choice] | Non
 
 
 def _best_choice(state: State, t: int, share: float, remaining: float) -> Choice:
-    """Where table t goes (step 1). `share`: how many times a device's fair share it is; above 1 (or when it fits
-    on no device) splits are tried: rows over k/2, k and 2k devices for the power of two k >= share, and over all
-    n, and column-wise. Replicas only where the copies leave room for the `remaining` bytes of tables after it."""
+    """Where table t goes (step 1): whole on the best device, or rows over k/2, k and 2k devices for the power of
+    two k >= `share` (how many times a device's fair share the table is) and over all n, or column-wise, or
+    replicated where the copies leave room for the `remaining` bytes of the tables after it."""
     p = state.problem
     info = p.tables[t].info
     n = state.n
@@ -418,19 +421,20 @@ def _best_choice(state: State, t: int, share: float, remaining: float) -> Choice
     need = state.parts.mem_bytes[pid]
     room = np.nonzero(state.mem + need <= state.limit)[0]
     best: tuple[tuple, Choice] | None = None
-    if room.size:
+    kinds = state.kinds
+    if room.size and "table" in kinds:
         best = _best_device(state, t, pid, room)
     others: list[Choice] = []
-    if share > 1 or not room.size:
+    if "row" in kinds and n > 1:
         k = 2 ** math.ceil(math.log2(max(share, 2.0)))
         ks = [c for c in split_counts(n) if c in (k // 2, k, 2 * k, n)] if room.size else split_counts(n)
         others += [c for k in ks if (c := _row_choice(state, t, k)) is not None]
-        col = state.parts.value("mem_bytes", t, COLUMN)
-        if p.column_allowed(t) and n > 1 and np.all(state.mem + col <= state.limit):
-            others.append(Choice("column"))
+    column = "column" in kinds and p.column_allowed(t) and n > 1
+    if column and np.all(state.mem + state.parts.value("mem_bytes", t, COLUMN) <= state.limit):
+        others.append(Choice("column"))
     free_after = (state.limit - state.mem - info.bytes).clip(min=0).sum()
-    if (info.bytes <= replicate_limit(state.limit) and n > 1 and np.all(state.mem + info.bytes <= state.limit)
-            and free_after >= 1.25 * remaining):
+    if ("replicated" in kinds and info.bytes <= replicate_limit(state.limit) and n > 1
+            and np.all(state.mem + info.bytes <= state.limit) and free_after >= 1.25 * remaining):
         others.append(Choice("replicated"))
     for choice, outcome in zip(others, state.evaluate([{t: c} for c in others]), strict=True):
         if outcome is None:
@@ -440,8 +444,10 @@ def _best_choice(state: State, t: int, share: float, remaining: float) -> Choice
         if best is None or (key[0] < best[0][0] * (1 - SPLIT_GAIN) if best[1].kind == "table" else _better(key,
                                                                                                           best[0])):
             best = (key, choice)
-    if best is None:  # fits nowhere: rows over every device, and check_fits says by how much
-        return Choice("row", tuple(range(n))) if n > 1 else Choice("table", (0,))
+    if best is None:  # fits nowhere: rows over every device (or whole on the emptiest), and memory says by how much
+        if n > 1 and "row" in kinds:
+            return Choice("row", tuple(range(n)))
+        return Choice("table", (int(np.argmin(state.mem)),))
     return best[1]
 
 
@@ -576,14 +582,13 @@ def perturb(state: State, rng: np.random.Generator, moves: int) -> None:
 def _next_split(state: State, t: int) -> Choice | None:
     """Whole -> rows over 2 -> 4 -> ... -> n -> column-wise (when allowed); None when there is nothing further."""
     ch, n = state.choices[t], state.n
-    if ch.kind == "table":
-        return _row_choice(state, t, 2, ch.devices) if n > 1 else None
-    if ch.kind == "row":
-        k = len(ch.devices)
-        if k < n:
-            return _row_choice(state, t, min(2 * k, n), ch.devices)
-        if state.problem.column_allowed(t):
-            return Choice("column")
+    rows, columns = "row" in state.kinds and n > 1, "column" in state.kinds and state.problem.column_allowed(t)
+    if ch.kind == "table" and rows:
+        return _row_choice(state, t, 2, ch.devices)
+    if ch.kind == "row" and len(ch.devices) < n:
+        return _row_choice(state, t, min(2 * len(ch.devices), n), ch.devices)
+    if ch.kind in ("table", "row") and columns and n > 1:
+        return Choice("column")
     return None
 
 
@@ -638,6 +643,9 @@ class PlannerResult:
     fits: bool
     seconds: float  # planning wall time
 
+    def placement_of(self, table: str) -> TablePlacement:
+        return next(p for p in self.placements if p.table.name == table)
+
     def to_json(self) -> dict:
         kinds: dict[str, int] = {}
         for p in self.placements:
@@ -648,15 +656,19 @@ class PlannerResult:
 
 def plan(problem: Problem, model: CostModel | None = None, *, search: str = "beam", seed: int = 0,
          fixed: Mapping[int, Choice] | None = None, restarts: int = 2, beam_width: int = 3, beam_depth: int = 6,
-         beam_branch: int = 6, judge: CostModel | None = None) -> PlannerResult:
-    """The recjax planner (`search`: greedy, local = greedy + local search + restarts, beam = local + beam search).
-    `judge` (default `model`) scores the final plan, e.g. the analytic model for a plan searched with the neural
-    one."""
+         beam_branch: int = 6, judge: CostModel | None = None, kinds: Sequence[str] = tuple(sorted(KINDS_ALL))
+         ) -> PlannerResult:
+    """The recjax planner (`search`: greedy, local = greedy + local search + restarts, beam = local + beam search)
+    over the shardings in `kinds`. `judge` (default `model`) scores the final plan, e.g. the analytic model for a
+    plan searched with the neural one."""
+    unknown = set(kinds) - KINDS_ALL
+    if unknown or not kinds:
+        raise ValueError(f"kinds must be a non-empty subset of {sorted(KINDS_ALL)}, got {list(kinds)}")
     if search not in SEARCHES:
         raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
     model = model or AnalyticCostModel(problem.topology)
     start = time.perf_counter()
-    state = greedy(problem, model, fixed)
+    state = greedy(problem, model, fixed, kinds=frozenset(kinds))
     if search != "greedy":
         local_search(state)
         rng = np.random.default_rng(seed)
