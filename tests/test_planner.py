@@ -9,9 +9,11 @@ import dataclasses
 import itertools
 import json
 import math
+import pathlib
 
 import numpy as np
 import pytest
+from conftest import run_notebook
 
 from recjax.sharding import cost_net, meta_tables
 from recjax.sharding import planner as P
@@ -29,6 +31,8 @@ from recjax.sharding.cost_model import (
     storage_stats,
 )
 from recjax.sharding.plan import ShardingPlan, TableInfo, make_plan, part_rows
+
+NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "notebooks" / "sharding_planner.ipynb"
 
 
 def random_problem(seed: int, tables: int = 14, devices: int = 4, fill: float = 0.7, big: bool = True,
@@ -349,3 +353,16 @@ def test_expected_reuse_histogram_matches_row_by_row_poisson_and_monte_carlo():
         measured += [counts[(counts > lo) & (counts <= hi)].sum() for lo, hi in zip(bounds[:-1], bounds[1:],
                                                                                      strict=True)]
     assert np.abs(hist - measured / measured.sum()).sum() < 0.03
+
+
+# ------------------------------------------------------------------------------------------------------ notebook
+@pytest.mark.slow
+def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
+    notebook = run_notebook(NOTEBOOK, tmp_path, monkeypatch, timeout=600)  # per cell: planning ~1 s idle
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    assert not any(o.get("output_type") == "error" for o in outputs)
+    text = "".join(o.get("text", "") for o in outputs)
+    for name in ("recjax_beam", *P.BASELINES):
+        assert name in text
+    assert any("image/png" in o.get("data", {}) for o in outputs), "the notebook shows no plot"
+    assert (tmp_path / "sharding_planner.png").stat().st_size > 0

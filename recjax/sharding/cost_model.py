@@ -168,11 +168,12 @@ class Topology:
     @classmethod
     def cpu_host(cls, devices: int, memory_bytes: int, **changes) -> "Topology":
         """CPU devices of one host (what `jax_num_cpu_devices` makes, and the trainer's default): collectives are
-        memory copies. Bandwidths measured on this machine: `python benchmarks/planner.py --measure_cpu`
-        (benchmarks/RESULTS.md, "Sharding planner")."""
+        memory copies. The ratios of the bandwidths are this machine's (`python benchmarks/planner.py --sections
+        measure`: random-row gather : gather from a cache-sized working set : all_to_all per device = 1 : 2 : 0.28,
+        benchmarks/RESULTS.md "Sharding planner"); the scale is a round 4 GB/s for one core's gather."""
         values = dict(devices=devices, devices_per_host=devices, memory_bytes=int(memory_bytes),
-                      memory_bandwidth=4e9, cache_bytes=2 << 20, cache_bandwidth=20e9, intra_host_bandwidth=2e9,
-                      inter_host_bandwidth=2e9, collective_latency=100e-6, kernel_overhead=50e-6)
+                      memory_bandwidth=4e9, cache_bytes=2 << 20, cache_bandwidth=8e9, intra_host_bandwidth=1.1e9,
+                      inter_host_bandwidth=1.1e9, collective_latency=100e-6, kernel_overhead=50e-6)
         return cls(**{**values, **changes})
 
     @classmethod
