@@ -27,6 +27,8 @@ from recjax.sharding.cost_model import (
     StorageStats,
     Topology,
     bucket_capacity,
+    device_memory,
+    part_rows_array,
     plan_cost,
     storage_stats,
 )
@@ -63,6 +65,14 @@ def device_bytes(problem: Problem, placements) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------- planner plans
+def test_vectorised_row_and_memory_counts_equal_the_plan_format():
+    for rows, k, split in itertools.product((1, 7, 100, 1001), (1, 2, 3, 8, 16), ("range", "mod")):
+        assert part_rows_array(rows, k, split).tolist() == [part_rows(rows, k, j, split) for j in range(k)]
+    problem = random_problem(7, tables=12, devices=8)
+    result = P.plan(problem, search="greedy")
+    assert device_memory(problem, result.placements).tolist() == device_bytes(problem, result.placements)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_memory_never_exceeded_and_every_table_placed_once(seed):
     problem = random_problem(seed)

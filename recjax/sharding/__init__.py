@@ -1,7 +1,10 @@
 """Sharded embeddings and data parallelism on a device mesh (see WORKSPACE.md, "How a lookup crosses the mesh").
 
     mesh.py      config.mesh.shape -> jax Mesh (axes data, model); None for one device (the single-device engine)
-    plan.py      the plan format, the analytic cost model, the simple planner, the printed table
+    plan.py      the plan format, its bytes-per-step estimate, the printed table; `auto` calls the planner:
+    planner.py   the sharding planner (greedy, local search, beam search over split counts) and its baselines
+    cost_model.py the analytic cost model and the interface the neural one (cost_net.py) shares
+    meta_tables.py a Meta-shaped 856-table set and sharding tasks drawn from it
     exchange.py  the per-device table blocks and the collectives of a lookup and a sparse update
     step.py      the shard_map'ed train / predict steps; TrainState to and from the mesh layout
     multihost.py jax.distributed from the launcher's flags or the environment

@@ -55,7 +55,7 @@ from typing import Protocol
 
 import numpy as np
 
-from recjax.sharding.plan import TableInfo, TablePlacement, part_rows
+from recjax.sharding.plan import TableInfo, TablePlacement
 
 # Rank fractions (rows sorted by how often they are read) at which an AccessProfile stores its cumulative share of
 # the lookups; log-spaced so the hot head of a 10M-row table is resolved to a few rows.
@@ -284,7 +284,7 @@ class PartTable:
         held = np.full(1, float(info.rows))
         if k > 1:
             j = np.arange(k)
-            held = np.array([part_rows(info.rows, k, i, p.row_split) for i in range(k)], float)
+            held = part_rows_array(info.rows, k, p.row_split).astype(float)
             if p.row_split == "range" and table.ordered:  # ranks [j chunk, j chunk + held): the hot head on part 0
                 start = (j * -(-info.rows // k))[:, None]
                 overlap = np.clip(np.minimum(edges[None, 1:], start + held[:, None])
@@ -311,6 +311,15 @@ class PartTable:
             worst_slots=np.minimum(held, slots), requested=local.sum(1), compact=min(info.rows, slots) * full,
             fwd_total=fwd.sum(1), upd_total=everyone.sum(1),
             seg_rows=seg_rows, seg_start=seg_start, fwd=fwd, upd=everyone, seg_mass=seg_mass)
+
+
+def part_rows_array(rows: int, parts: int, split: str) -> np.ndarray:
+    """i64[parts]: `plan.part_rows(rows, parts, j, split)` for every j at once (tests check they agree)."""
+    j = np.arange(parts)
+    if split == "mod":
+        return np.maximum(0, -(-(rows - j) // parts))
+    chunk = -(-rows // parts)
+    return np.clip(np.minimum(rows, (j + 1) * chunk) - j * chunk, 0, None)
 
 
 def _distinct(rows: np.ndarray, lookups: np.ndarray) -> np.ndarray:
@@ -535,15 +544,20 @@ def plan_cost(model: CostModel, problem: Problem, placements: Sequence[TablePlac
 
 
 def device_memory(problem: Problem, placements: Sequence[TablePlacement]) -> np.ndarray:
-    """Bytes (rows + optimizer state) per flat device, as `TablePlacement.device_bytes` counts them (asked only of
-    the devices a placement touches: a table-wise table of a 128-device plan is not asked 127 times for 0)."""
-    shape = problem.mesh_shape
+    """Bytes (rows + optimizer state) per flat device, as `TablePlacement.device_bytes` counts them (vectorised;
+    tests compare it with `ShardingPlan.device_bytes`)."""
     n = problem.devices
     used = np.zeros(n)
     for p in placements:
-        devices = range(n) if p.sharding in ("replicated", "data_parallel", "column") else p.devices
-        for d in devices:
-            used[d] += p.device_bytes(d, shape)
+        t = p.table
+        if p.sharding in ("replicated", "data_parallel"):
+            used += t.bytes
+        elif p.sharding == "column":
+            used += t.rows * t.row_bytes // len(p.devices)
+        else:
+            if p.axes != ("data", "model"):
+                raise ValueError(f"table {t.name!r}: placements over {p.axes} are not the planner's")
+            used[list(p.devices)] += part_rows_array(t.rows, len(p.devices), p.row_split) * t.row_bytes
     return used
 
 

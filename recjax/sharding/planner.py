@@ -8,23 +8,25 @@
 (recjax/sharding/cost_model.py: the analytic model, or the pre-trained neural one of recjax/sharding/cost_net.py).
 
 Search (deterministic given the seed; every move is checked against every device's memory first):
-  1. greedy: tables by decreasing standalone cost (the LPT order); each goes where the resulting step cost (then the
-     fullest device's memory, then the sum of device costs) is lowest, among: whole on any device with room; split
-     by rows over the k least-loaded devices (k = 2, 4, ... n), offered when it fits on no single device or its own
-     cost exceeds a device's fair share; column-wise over all devices (same condition, when its dim splits evenly
-     and its optimizer state is element-wise); replicated (tables of at most REPLICATE_BYTES).
-  2. local search: moves of a part from the most loaded device to one of the least loaded ones, and swaps of a part
-     there with a smaller one, while the step cost (then the sum of squared device costs) falls; then `restarts`
+  1. greedy: tables by decreasing standalone cost (the LPT order); each goes where the resulting step cost is lowest
+     (ties: the fullest device's memory, then the sum of device costs), among: whole on any device with room; rows
+     over the k least-loaded devices with room, for k around its share of the work and of its storage's ids (the
+     power of two above it, half and twice that) and k = n; column-wise over all devices (when its dim splits evenly
+     and its optimizer state is element-wise); replicated (tables up to `replicate_limit`, when the copies leave room
+     for the tables still to come). A split or replica has to lower the step cost by SPLIT_GAIN to beat a whole table.
+  2. local search: moves of a part from the most loaded device to one of the least loaded ones, swaps of a part
+     there with a smaller one, and moves of a part from the owner with the most expected ids of a costly storage to
+     the owners with the fewest, while the step cost (then the sum of squared device costs) falls; then `restarts`
      seeded perturbations (random moves off the most loaded devices) each followed by local search, keeping the best.
-  3. beam search over split counts (NeuroShard's search over column-wise shardings, Zha et al. 2023, Sec. 4.2): a
-     state is the plan above; its children split one of the `branch` costliest tables of the slowest device (or of
-     the whole task) further -- whole -> rows over 2 devices -> 4 -> ... -> n -> column-wise -- each followed by a
-     short local search; the `width` best states are kept for `depth` rounds. NeuroShard halves a table's columns
-     onto two GPUs; recjax's exchange splits columns over every device only (recjax/sharding/exchange.py), so a
-     split onto k < n devices is row-wise: with `row_split=mod`, or ids not numbered by frequency, each part sees an
-     even share of the lookups, as a column shard does.
+  3. beam search over split counts (NeuroShard's beam search over column-wise shardings, Zha et al. 2023): a state is
+     the plan above; its children split one of the `branch` costliest tables of the slowest device (or of the whole
+     task) further -- whole -> rows over 2 devices -> 4 -> ... -> n -> column-wise -- each followed by a short local
+     search; the `width` best states are kept for `depth` rounds. NeuroShard halves a table's columns onto two GPUs;
+     recjax's exchange splits columns over every device only (recjax/sharding/exchange.py), so a split onto k < n
+     devices is row-wise: with `row_split=mod`, or ids not numbered by frequency, each part sees an even share of the
+     lookups, as a column shard does.
 
-Baselines (same module, same cost model; NeuroShard's definitions, Zha et al. 2023, Sec. 5.1, table-wise only):
+Baselines (same module, same cost model; the table-wise heuristics as NeuroShard's paper and code define them):
   random               each table on a uniformly random device (seeded), memory not consulted (a plan may not fit)
   size_greedy          tables by decreasing cost, each on the device with the lowest sum of costs among those with
   dim_greedy           room (ties: the least memory used, then the lowest index); cost = bytes, dim, dim x pooling,
@@ -211,8 +213,9 @@ class State:
         a = np.array(moves, np.int64).reshape(-1, 3)
         devices, inverse = np.unique(a[:, 0], return_inverse=True)
         signs = a[:, 2].astype(float)
-        dsum = np.zeros((len(devices), self.model.summary_size))
-        np.add.at(dsum, inverse, self.phi(a[:, 1]) * signs[:, None])
+        order = np.argsort(inverse, kind="stable")  # the moves' summaries summed per device (sorted, reduceat)
+        starts = np.searchsorted(inverse[order], np.arange(len(devices)))
+        dsum = np.add.reduceat(self.phi(a[order, 1]) * signs[order, None], starts, axis=0)
         dmem = np.bincount(inverse, signs * self.parts.mem_bytes[a[:, 1]], len(devices))
         parts = self.parts
         rows = a[:, 1]
@@ -221,9 +224,9 @@ class State:
         for dim in np.unique(dims[kinds == SHARDED]).tolist():
             mine = (kinds == SHARDED) & (dims == dim)
             arr = sharded[dim] = self.sharded.get(dim, np.zeros((3, self.n))).copy()
-            r = rows[mine]
+            r, d, w = rows[mine], a[mine, 0], signs[mine]
             for f, field in enumerate((parts.expected_slots, parts.worst_slots, parts.requested)):
-                np.add.at(arr[f], a[mine, 0], signs[mine] * field[r])
+                arr[f] += np.bincount(d, w * field[r], self.n)
         members: dict[tuple[int, int], dict[int, float]] = {}
         for j in np.nonzero(kinds != SHARDED)[0].tolist():  # one entry per table (its copies / slices share it)
             key = (int(dims[j]), int(kinds[j]))
@@ -368,9 +371,11 @@ def split_counts(n: int) -> list[int]:
 
 def _lowest(state: State, count: int, need: float, exclude: Sequence[int] = ()) -> list[int] | None:
     """The `count` devices with the lowest compute (then lowest index) that have `need` bytes free."""
-    ok = [d for d in np.lexsort((np.arange(state.n), state.compute)).tolist()
-          if d not in exclude and state.mem[d] + need <= state.limit]
-    return ok[:count] if len(ok) >= count else None
+    order = np.lexsort((np.arange(state.n), state.compute))
+    ok = order[state.mem[order] + need <= state.limit]
+    if len(exclude):
+        ok = ok[~np.isin(ok, exclude)]
+    return ok[:count].tolist() if len(ok) >= count else None
 
 
 def _row_choice(state: State, t: int, k: int, keep: Sequence[int] = ()) -> Choice | None:
@@ -470,8 +475,9 @@ def _best_device(state: State, t: int, pid: int, room: np.ndarray) -> tuple[tupl
     arg = arr.argmax(axis=1)
     excl = np.where(arg[:, None] == room[None, :], top2[:, 1:2], top2[:, 0:1])  # [3, R] max over the other owners
     tops = np.maximum(excl, arr[:, room] + add[:, None])
-    rows = [(SHARDED, dim, *tops[:, r], 0.0) for r in range(len(room))]
-    new_x = state.exchange - state.storage_cost.get((dim, SHARDED), 0.0) + state._storage_costs(rows)
+    stats = StorageStats(np.full(len(room), SHARDED), np.full(len(room), float(dim)), tops[0], tops[1], tops[2],
+                         np.zeros(len(room)))
+    new_x = state.exchange - state.storage_cost.get((dim, SHARDED), 0.0) + state.model.exchange(stats)
     comp = state.compute
     order = np.argsort(-comp, kind="stable")
     second = comp[order[1]] if state.n > 1 else -math.inf
