@@ -58,7 +58,6 @@ from recjax.sharding.cost_model import (
     Problem,
     StorageStats,
     Topology,
-    device_compute,
     device_memory,
     plan_cost,
 )
@@ -676,6 +675,14 @@ def plan(problem: Problem, model: CostModel | None = None, *, search: str = "bea
     start = time.perf_counter()
     state = greedy(problem, model, fixed, kinds=frozenset(kinds))
     if search != "greedy":
+        # A second start: each table's best sharding on its own (the TorchRec-like construction); search on from
+        # the better. Whole storages change kind at once this way, which single-table moves cannot do: a storage's
+        # fixed costs (latencies, kernels, bucket margins) make the first table of a new kind never pay off alone.
+        choices, _ = torchrec_greedy(problem, model, state.parts, frozenset(kinds))
+        other = State(problem, model, state.parts, frozenset(kinds))
+        other.apply({t: fixed[t] if fixed and t in fixed else c for t, c in enumerate(choices)})
+        if other.fits() and (not state.fits() or _better(other.objective(), state.objective())):
+            state = other
         local_search(state)
         rng = np.random.default_rng(seed)
         best = state
@@ -741,34 +748,40 @@ def random_baseline(problem: Problem, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(problem.devices, size=len(problem.tables)).tolist()
 
 
-def torchrec_greedy(problem: Problem, model: CostModel, parts: PartTable | None = None) -> tuple[list[Choice], bool]:
+def torchrec_greedy(problem: Problem, model: CostModel, parts: PartTable | None = None,
+                    allowed: frozenset = KINDS_ALL) -> tuple[list[Choice], bool]:
     """The TorchRec-like baseline (module docstring): (a choice per table, every shard found room)."""
     parts = parts or PartTable(problem)
     n, h = problem.devices, problem.topology.devices_per_host
     limit = float(problem.topology.memory_bytes)
     probe = State(problem, model, parts)
-    options: list[list[tuple[float, float, str, int]]] = []  # per table: (perf, shard bytes, kind, shards) by perf
+    # Every (table, sharding type) at once: one summary, one readout and one exchange call for all of them.
+    candidates: list[tuple[int, str, int, np.ndarray]] = []  # (table, kind, shards, its distinct part rows)
     for t in range(len(problem.tables)):
-        kinds = [("table", 1)]
+        kinds = [("table", 1)] if "table" in allowed else []
         if n > 1:
-            kinds.append(("row", n))
-            if 1 < h < n:
-                kinds.append(("host", h))
-            if problem.column_allowed(t):
+            if "row" in allowed:
+                kinds.append(("row", n))
+                if 1 < h < n:
+                    kinds.append(("host", h))
+            if "column" in allowed and problem.column_allowed(t):
                 kinds.append(("column", n))
-            kinds.append(("replicated", n))
-        opts = []
-        for kind, k in kinds:
+            if "replicated" in allowed:
+                kinds.append(("replicated", n))
+        for kind, k in kinds or [("table", 1)]:
             sample = {"table": Choice("table", (0,)), "row": Choice("row", tuple(range(n))),
                       "host": Choice("row", tuple(range(h))), "column": Choice("column"),
                       "replicated": Choice("replicated")}[kind]
-            shard_parts = probe.parts_of(t, sample)
-            ids = np.array([i for _, i in shard_parts], np.int64)
-            per_shard = device_compute(model, parts, ids, np.arange(len(ids)), len(ids))
-            rows = probe._storage_rows(*probe._effects({t: sample})[4:])
-            perf = float(per_shard.sum() + probe._storage_costs([r for _, r in rows]).sum())
-            opts.append((perf, float(max(parts.mem_bytes[i] for i in ids)), kind, k))
-        options.append(sorted(opts, key=lambda o: (o[0], o[1])))
+            candidates.append((t, kind, k, np.unique([i for _, i in probe.parts_of(t, sample)])))
+    ids = np.concatenate([c[3] for c in candidates])
+    owner = np.repeat(np.arange(len(candidates)), [len(c[3]) for c in candidates])
+    copies = np.array([c[2] if c[1] in ("column", "replicated") else 1 for c in candidates], float)
+    compute = np.bincount(owner, model.readout(probe.phi(ids)), len(candidates)) * copies  # a copy / slice per device
+    exchange = probe._storage_costs([_alone_storage(probe, c[3]) for c in candidates])
+    options: list[list[tuple[float, float, str, int]]] = [[] for _ in problem.tables]  # (perf, shard bytes, kind, k)
+    for (t, kind, k, rows), perf in zip(candidates, compute + exchange, strict=True):
+        options[t].append((float(perf), float(parts.mem_bytes[rows].max()), kind, k))
+    options = [sorted(o, key=lambda o: (o[0], o[1])) for o in options]
     current = [0] * len(problem.tables)
     for _ in range(sum(len(o) for o in options)):
         placed = _torchrec_partition(problem, parts, options, current, limit)
@@ -782,6 +795,17 @@ def torchrec_greedy(problem: Problem, model: CostModel, parts: PartTable | None 
         current[t] = nxt
     # Nothing fits: the best-perf proposal regardless of memory.
     return _torchrec_partition(problem, parts, options, current, math.inf), False
+
+
+def _alone_storage(state: State, ids: np.ndarray) -> tuple:
+    """The stats row of a storage holding only these parts of one table, each on its own device."""
+    parts = state.parts
+    i = int(ids[0])
+    kind, dim = int(parts.kind[i]), float(parts.dim[i])
+    if kind == SHARDED:
+        return (kind, dim, parts.expected_slots[ids].max(), parts.worst_slots[ids].max(), parts.requested[ids].max(),
+                0.0)
+    return (kind, dim, 0.0, 0.0, 0.0, min(state.slots_of_dim[int(dim)], float(parts.compact[i])))
 
 
 def _torchrec_partition(problem: Problem, parts: PartTable, options, current, limit: float):
