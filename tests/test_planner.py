@@ -32,7 +32,7 @@ from recjax.sharding.cost_model import (
     plan_cost,
     storage_stats,
 )
-from recjax.sharding.plan import ShardingPlan, TableInfo, make_plan, part_rows
+from recjax.sharding.plan import ShardingPlan, TableInfo, TablePlacement, balance_blocks, make_plan, part_rows
 
 NOTEBOOK = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "notebooks" / "sharding_planner.ipynb"
 
@@ -145,6 +145,30 @@ def test_auto_uses_the_planner():
     searched = P.auto_placements(infos, {}, {"data": 4, "model": 2}, 32, memory, "range")
     assert [searched[t.name] for t in infos] == list(plan.placements)
     assert any(p.sharding == "row" and 1 < len(p.devices) < 8 for p in plan.placements)
+
+
+def test_blocks_are_evened_over_split_tables_within_memory():
+    """A storage is one [n L, d] array (every device pays for its fullest block), so auto evens the blocks after the
+    planner, also by widening a table the planner split over 2 of 4 devices. Worked by hand (rows per device):
+    A (8000 rows) over 0, 1 and B, C (1000 each) whole on 2, 3: [4000, 4000, 1000, 1000], mean 2500; A over all:
+    [2000, 2000, 3000, 3000]; then B (device 2 is the fullest, lowest index first): [2250, 2250, 2250, 3250]; then
+    C: 2500 each. With one byte less memory than 3250 rows, B cannot be widened (device 3 would hold 3250), and
+    device 2 holds nothing else to split: A over all, B and C whole."""
+    mesh, every = {"data": 4, "model": 1}, (0, 1, 2, 3)
+    a, b, c = (TableInfo(name, name, "full", rows, 16, 1, 0) for name, rows in (("A", 8000), ("B", 1000),
+                                                                                  ("C", 1000)))
+    start = {"A": TablePlacement(a, "row", ("data", "model"), (0, 1)),
+             "B": TablePlacement(b, "table", ("data", "model"), (2,)),
+             "C": TablePlacement(c, "table", ("data", "model"), (3,))}
+    row_bytes = 16 * 4
+    result = dict(start)
+    balance_blocks(result, set(), mesh, "range", 3250 * row_bytes)
+    assert {name: (p.sharding, p.devices) for name, p in result.items()} == {
+        "A": ("row", every), "B": ("row", every), "C": ("row", every)}
+    result = dict(start)
+    balance_blocks(result, set(), mesh, "range", 3250 * row_bytes - 1)
+    assert {name: (p.sharding, p.devices) for name, p in result.items()} == {
+        "A": ("row", every), "B": ("table", (2,)), "C": ("table", (3,))}
 
 
 # ------------------------------------------------------------------------------------------------- baselines

@@ -275,8 +275,8 @@ def make_plan(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_
     bytes it is short of.
 
     auto then evens the blocks (`balance_blocks`): while the fullest device of a dim's table- / row-wise storage
-    holds more than BLOCK_BALANCE x the mean, its largest whole (unpinned) table is split by rows over every
-    device, so padding to the fullest device costs at most 5% of memory.
+    holds more than BLOCK_BALANCE x the mean, its largest whole or partly split (unpinned) table is split by rows
+    over every device, so padding to the fullest device costs at most 5% of memory.
     """
     n = math.prod(mesh_shape.values())
     axes_all = ("data", "model")
@@ -354,7 +354,7 @@ def make_plan(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_
                                  row_split).values():
             commit(p)
     if plan == "auto":
-        balance_blocks(result, set(pinned), mesh_shape, row_split)
+        balance_blocks(result, set(pinned), mesh_shape, row_split, device_memory_bytes)
     result_plan = ShardingPlan(dict(mesh_shape), tuple(result[t.name] for t in tables), batch_size,
                                int(device_memory_bytes))
     check_fits(result_plan)
@@ -372,11 +372,19 @@ def storage_rows(placements, dim: int, n: int) -> list[int]:
 
 
 def balance_blocks(result: dict[str, TablePlacement], pinned: set[str], mesh_shape: Mapping[str, int],
-                   row_split: str) -> None:
-    """Split the largest whole table of the fullest device by rows over every device until no device's block of a
-    storage exceeds BLOCK_BALANCE x the storage's mean rows (blocks of at most REPLICATE_BYTES are left alone).
-    Terminates: a device above the mean holds a whole table (row-wise parts alone are at most the mean)."""
+                   row_split: str, device_memory_bytes: float = math.inf) -> None:
+    """Split the largest block of the fullest device, a whole table or a part of a table split over fewer than every
+    device (the planner's row-wise splits over k < n devices), by rows over every device until no device's block of
+    a storage exceeds BLOCK_BALANCE x the storage's mean rows (blocks of at most REPLICATE_BYTES are left alone), as
+    long as no device then holds more than `device_memory_bytes`. Terminates: each split puts one table over every
+    device, and a device above the mean holds a block of a table that is not (parts over all n are at most the
+    mean)."""
     n = math.prod(mesh_shape.values())
+    every = tuple(range(n))
+
+    def widened(p: TablePlacement) -> TablePlacement:
+        return TablePlacement(p.table, "row", ("data", "model"), every, row_split)
+
     for dim in sorted({p.table.dim for p in result.values()}):
         while True:
             rows = storage_rows(result.values(), dim, n)
@@ -384,12 +392,17 @@ def balance_blocks(result: dict[str, TablePlacement], pinned: set[str], mesh_sha
             row_bytes = max((p.table.row_bytes for p in result.values() if p.table.dim == dim), default=0)
             if rows[fullest] <= BLOCK_BALANCE * sum(rows) / n or rows[fullest] * row_bytes <= REPLICATE_BYTES:
                 break
-            whole = [p for p in result.values() if p.table.dim == dim and p.sharding == "table"
-                     and p.devices == (fullest,) and p.table.name not in pinned]
-            if not whole:
+            blocks = [p for p in result.values() if p.table.dim == dim and p.sharding in ("table", "row")
+                      and p.axes == ("data", "model") and fullest in p.devices and len(p.devices) < n
+                      and p.table.name not in pinned]
+            used = [sum(p.device_bytes(d, mesh_shape) for p in result.values()) for d in range(n)]
+            blocks = [p for p in blocks if all(
+                used[d] - p.device_bytes(d, mesh_shape) + widened(p).device_bytes(d, mesh_shape) <= device_memory_bytes
+                for d in range(n))]
+            if not blocks:
                 break
-            big = max(whole, key=lambda p: (p.table.rows, p.table.name))
-            result[big.table.name] = TablePlacement(big.table, "row", ("data", "model"), tuple(range(n)), row_split)
+            big = max(blocks, key=lambda p: (p.device_bytes(fullest, mesh_shape) // p.table.row_bytes, p.table.name))
+            result[big.table.name] = widened(big)
 
 
 def check_fits(plan: ShardingPlan) -> None:
