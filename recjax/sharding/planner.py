@@ -14,6 +14,8 @@ Search (deterministic given the seed; every move is checked against every device
      power of two above it, half and twice that) and k = n; column-wise over all devices (when its dim splits evenly
      and its optimizer state is element-wise); replicated (tables up to `replicate_limit`, when the copies leave room
      for the tables still to come). A split or replica has to lower the step cost by SPLIT_GAIN to beat a whole table.
+     The TorchRec-like baseline's plan (below) is a second start: the search goes on from the better of the two, so
+     it never ends above that baseline when the baseline fits.
   2. local search: moves of a part from the most loaded device to one of the least loaded ones, swaps of a part
      there with a smaller one, and moves of a part from the owner with the most expected ids of a costly storage to
      the owners with the fewest, while the step cost (then the sum of squared device costs) falls; then `restarts`
