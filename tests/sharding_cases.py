@@ -45,6 +45,10 @@ CASES = {
                               {"optimizer.sparse.name": "adagrad"}),
     "wukong-qr-mixed-8x1": ("wukong", "qr", "data=8", "table", "C1=row,C2=column,C5=replicated", {}),
     "wukong-md-auto-2x4": ("wukong", "md", "data=2,model=4", "auto", "", {}),
+    # The planner under a tight memory budget (650 rows of dim 16 + a row-wise Adagrad accumulator per device): C1
+    # row-wise over 4 of the 8 devices, C3 over all 8, the rest replicated (recjax/sharding/planner.py).
+    "dlrm-full-auto-4x2": ("dlrm", "full", "data=4,model=2", "auto", "",
+                           {"optimizer.sparse.name": "rowwise_adagrad", "sharding.device_memory_bytes": 650 * 68}),
     # Reduced-precision exchange: close to the f32 oracle, not equal (tests/test_sharding.py checks both).
     "dlrm-full-mixed-4x2-bf16": ("dlrm", "full", "data=4,model=2", "table", "C1=replicated,C2=row,C3=column",
                                  {"sharding.exchange_dtype": "bfloat16", "optimizer.sparse.name": "sgd"}),

@@ -19,7 +19,8 @@ import pytest
 
 from recjax.errors import ConfigError
 from recjax.sharding.mesh import mesh_shape, parse_mesh_shape
-from recjax.sharding.plan import TableInfo, format_plan, make_plan
+from recjax.sharding.plan import TableInfo, format_plan
+from recjax.sharding.planner import make_plan
 from tests.sharding_cases import CASES
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -173,7 +174,9 @@ def test_auto_splits_a_table_too_big_for_one_device():
     big = tables(rows=(100_000, 50), bag=(1, 1))
     row_bytes = 4 * (16 + 32)
     plan = make_plan(big, MESH, 64, device_memory_bytes=20_000 * row_bytes)
-    assert plan.placement("C0").sharding == "row"
+    # Split by rows or, where the dim divides and the optimizer state is element-wise, by columns: the planner
+    # (recjax/sharding/planner.py) picks whichever its cost model finds cheaper.
+    assert plan.placement("C0").sharding in ("row", "column")
 
 
 def test_auto_evens_the_blocks_of_each_storage():

@@ -1,7 +1,11 @@
 """Sharded embeddings and data parallelism on a device mesh (how a lookup crosses it: recjax/sharding/exchange.py).
 
     mesh.py      config.mesh.shape -> jax Mesh (axes data, model); None for one device (the single-device engine)
-    plan.py      the plan format, the analytic cost model, the simple planner, the printed table
+    plan.py      the plan format, its bytes-per-step estimate, the printed table, memory checks
+    planner.py   make_plan: every table's placement; `auto`: the planner (greedy, local search, beam search over
+                 split counts) and its baselines
+    cost_model.py the analytic cost model and the interface the neural one (cost_net.py) shares
+    meta_tables.py a Meta-shaped 856-table set and sharding tasks drawn from it
     placement.py placing batches and arrays on the mesh, reading them back (a leaf module)
     exchange.py  the per-device table blocks and the collectives of a lookup and a sparse update
     backend.py   MeshEmbedding: the step's embedding interface on a mesh (shard_map, psum, state layout)
@@ -31,9 +35,9 @@ from recjax.sharding.plan import (
     TableInfo,
     TablePlacement,
     format_plan,
-    make_plan,
     save_plan,
 )
+from recjax.sharding.planner import make_plan
 from recjax.validation import check_text, choice, get, integer, known_keys, number
 
 __all__ = ["MeshEmbedding", "check_sharding", "format_plan", "layout", "make_mesh", "mesh_shape", "process_workdir",

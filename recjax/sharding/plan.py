@@ -275,95 +275,6 @@ def _duplicate_entry(table: str, first: str, second: str) -> str:
             f"physical tables); name either the feature or its physical tables")
 
 
-def make_plan(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_size: int, *, plan: str = "auto",
-              overrides: str = "", row_axes: str = "all", row_split: str = "range",
-              device_memory_bytes: int) -> ShardingPlan:
-    """Place every table: `plan` for all of them (auto: the greedy balance below), `overrides` per table.
-
-    auto, in decreasing order of owner work (the LPT greedy): a table whose own work exceeds a device's fair share
-    (all tables' work over n) or that fits on no single device is split row-wise; any other goes whole to the
-    device, among those with room, that leaves the lowest maximum per-device cost (`device_costs`), then the lowest
-    memory on the fullest device, then the lowest total cost; a table of at most REPLICATE_BYTES may be replicated
-    instead if that scores better. Then memory is checked per device. Raises ConfigError naming the device and the
-    bytes it is short of.
-
-    auto then evens the blocks (`balance_blocks`): while the fullest device of a dim's table- / row-wise storage
-    holds more than BLOCK_BALANCE x the mean, its largest whole (unpinned) table is split by rows over every
-    device, so padding to the fullest device costs at most 5% of memory.
-    """
-    n = math.prod(mesh_shape.values())
-    axes_all = ("data", "model")
-    row = ("model",) if row_axes == "model" else axes_all
-    pinned = parse_overrides(overrides, tables)
-    for name, (_, device) in pinned.items():
-        if device is not None and device >= n:
-            raise ConfigError("sharding.tables", f"{name}=table:{device}: there are only {n} devices (0..{n - 1})")
-
-    def placed(t: TableInfo, kind: str, device: int | None = None) -> TablePlacement:
-        if kind == "table":
-            return TablePlacement(t, "table", axes_all, (device,))
-        if kind == "row":
-            return TablePlacement(t, "row", row, tuple(range(mesh_shape[row[-1]] if row == ("model",) else n)),
-                                  row_split)
-        if kind == "column":
-            if t.dim % n:
-                raise ConfigError("sharding.tables" if t.name in pinned else "sharding.plan",
-                                  f"table {t.name!r} has dim {t.dim}, which {n} devices cannot split column-wise "
-                                  "(dim % devices must be 0); shard it by row or table")
-            if 0 < t.state_floats < t.dim:
-                raise ConfigError("sharding.plan", f"table {t.name!r}: column-wise sharding cannot hold row-wise "
-                                                   "optimizer state (one accumulator per row, e.g. rowwise_adagrad); "
-                                                   "use adagrad / lazy_adam / sgd or shard it by row")
-            return TablePlacement(t, "column", axes_all, tuple(range(n)))
-        return TablePlacement(t, kind, (), ())
-
-    room = [float(device_memory_bytes)] * n
-    result: dict[str, TablePlacement] = {}
-
-    def commit(p: TablePlacement):
-        result[p.table.name] = p
-        for d in range(n):
-            room[d] -= p.device_bytes(d, mesh_shape)
-
-    def score(p: TablePlacement) -> tuple:
-        # Cost first; then memory: a storage's block is as tall as its fullest device, so every device pays for
-        # the fullest one.
-        after = device_costs([*result.values(), p], mesh_shape, batch_size)
-        fullest = max(float(device_memory_bytes) - r + p.device_bytes(d, mesh_shape) for d, r in enumerate(room))
-        return max(after), fullest, sum(after)
-
-    def load(d: int) -> float:
-        return device_costs(list(result.values()), mesh_shape, batch_size)[d]
-
-    def table_cost(t):
-        return max(owner_costs(placed(t, "table", 0), mesh_shape, batch_size))
-
-    # Pinned tables first, then the rest by decreasing cost (largest first: the classic LPT greedy).
-    order = sorted(tables, key=lambda t: (t.name not in pinned, -table_cost(t), -t.bytes, t.name))
-    fair_share = sum(table_cost(t) for t in tables) / n
-    for t in order:
-        kind, device = pinned.get(t.name, (plan, None))
-        if kind == "auto":
-            # Whole on one device when it fits and its own work is at most a device's fair share; else split.
-            candidates = [placed(t, "table", d) for d in range(n) if room[d] >= t.bytes]
-            if not candidates or table_cost(t) > fair_share:
-                candidates = [placed(t, "row")]
-            if t.bytes <= REPLICATE_BYTES:
-                candidates.append(placed(t, "replicated"))
-            commit(min(candidates, key=score))  # ties: the first, i.e. the lowest device
-            continue
-        if kind == "table" and device is None:
-            fits = [d for d in range(n) if room[d] >= t.bytes] or list(range(n))
-            device = min(fits, key=lambda d: (load(d), d))
-        commit(placed(t, kind, device))
-    if plan == "auto":
-        balance_blocks(result, set(pinned), mesh_shape, row_split)
-    result_plan = ShardingPlan(dict(mesh_shape), tuple(result[t.name] for t in tables), batch_size,
-                               int(device_memory_bytes))
-    check_fits(result_plan)
-    return result_plan
-
-
 def storage_rows(placements, dim: int, n: int) -> list[int]:
     """Rows each flat device holds of the table- / row-wise-over-all tables of one dim (one storage's blocks)."""
     rows = [0] * n
@@ -375,11 +286,19 @@ def storage_rows(placements, dim: int, n: int) -> list[int]:
 
 
 def balance_blocks(result: dict[str, TablePlacement], pinned: set[str], mesh_shape: Mapping[str, int],
-                   row_split: str) -> None:
-    """Split the largest whole table of the fullest device by rows over every device until no device's block of a
-    storage exceeds BLOCK_BALANCE x the storage's mean rows (blocks of at most REPLICATE_BYTES are left alone).
-    Terminates: a device above the mean holds a whole table (row-wise parts alone are at most the mean)."""
+                   row_split: str, device_memory_bytes: float = math.inf) -> None:
+    """Split the largest block of the fullest device, a whole table or a part of a table split over fewer than every
+    device (the planner's row-wise splits over k < n devices), by rows over every device until no device's block of
+    a storage exceeds BLOCK_BALANCE x the storage's mean rows (blocks of at most REPLICATE_BYTES are left alone), as
+    long as no device then holds more than `device_memory_bytes`. Terminates: each split puts one table over every
+    device, and a device above the mean holds a block of a table that is not (parts over all n are at most the
+    mean)."""
     n = math.prod(mesh_shape.values())
+    every = tuple(range(n))
+
+    def widened(p: TablePlacement) -> TablePlacement:
+        return TablePlacement(p.table, "row", ("data", "model"), every, row_split)
+
     for dim in sorted({p.table.dim for p in result.values()}):
         while True:
             rows = storage_rows(result.values(), dim, n)
@@ -387,12 +306,17 @@ def balance_blocks(result: dict[str, TablePlacement], pinned: set[str], mesh_sha
             row_bytes = max((p.table.row_bytes for p in result.values() if p.table.dim == dim), default=0)
             if rows[fullest] <= BLOCK_BALANCE * sum(rows) / n or rows[fullest] * row_bytes <= REPLICATE_BYTES:
                 break
-            whole = [p for p in result.values() if p.table.dim == dim and p.sharding == "table"
-                     and p.devices == (fullest,) and p.table.name not in pinned]
-            if not whole:
+            blocks = [p for p in result.values() if p.table.dim == dim and p.sharding in ("table", "row")
+                      and p.axes == ("data", "model") and fullest in p.devices and len(p.devices) < n
+                      and p.table.name not in pinned]
+            used = [sum(p.device_bytes(d, mesh_shape) for p in result.values()) for d in range(n)]
+            blocks = [p for p in blocks if all(
+                used[d] - p.device_bytes(d, mesh_shape) + widened(p).device_bytes(d, mesh_shape) <= device_memory_bytes
+                for d in range(n))]
+            if not blocks:
                 break
-            big = max(whole, key=lambda p: (p.table.rows, p.table.name))
-            result[big.table.name] = TablePlacement(big.table, "row", ("data", "model"), tuple(range(n)), row_split)
+            big = max(blocks, key=lambda p: (p.device_bytes(fullest, mesh_shape) // p.table.row_bytes, p.table.name))
+            result[big.table.name] = widened(big)
 
 
 def check_fits(plan: ShardingPlan) -> None:
