@@ -25,7 +25,7 @@ import ml_collections
 import numpy as np
 import tqdm
 
-from recjax import sharding
+from recjax import sharding, tiering
 from recjax.batch import pad_batch, validate_batch
 from recjax.checkpoint import Checkpointer, ResumePoint
 from recjax.config_check import validate_config
@@ -67,8 +67,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
         task = dynamic.resume(task, resume.meta["loop"]["dynamic"])
 
     # --- where the embedding rows live ------------------------------------------------------------------
-    # One device: the collection's own engine; a mesh: the plan's blocks and collectives (recjax/sharding).
-    backend = sharding.setup(config, task) or LocalEmbedding(task.collection)
+    # Tables on disk / in host RAM: a row cache in front of them (recjax/tiering); a mesh: the plan's blocks and
+    # collectives (recjax/sharding); else one device: the collection's own engine.
+    backend = tiering.setup(config, task, dataset) or sharding.setup(config, task) or LocalEmbedding(task.collection)
     if checkpointer is not None:  # where the tables' rows are, and how to restore a checkpoint saved elsewhere
         checkpointer.layout = sharding.layout(backend)
         checkpointer.relayout = sharding.relayout(task.collection, backend)
@@ -93,6 +94,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     finally:
         if checkpointer:
             checkpointer.close()  # waits for a save in flight
+        backend.close()  # a disk tier's writer thread and files
 
 
 @dataclasses.dataclass
@@ -144,7 +146,7 @@ class Run:
             print(backend.describe(), flush=True)
         if isinstance(backend, sharding.MeshEmbedding):
             sharding.save_plan(backend.plan, self.workdir)
-        init = lambda batch: init_state(task, jax.random.key(self.config.seed), batch)  # noqa: E731
+        init = lambda batch: init_state(task, jax.random.key(self.config.seed), batch, backend)  # noqa: E731
         if resume and isinstance(backend, LocalEmbedding):  # restored into: no need to initialise the tables
             self.state = self._restore_or_track(jax.eval_shape(init, first), resume)
         else:  # the single-device initial state, laid out by the backend (a mesh: by the plan)

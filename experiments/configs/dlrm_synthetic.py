@@ -57,6 +57,7 @@ def get_config(preset: str | None = None) -> ml_collections.ConfigDict:
     config.embedding = common.embedding_config(dim)
     config.mesh = common.mesh_config()
     config.sharding = common.sharding_config()
+    config.tiering = common.tiering_config()
 
     config.model = common.model_config("dlrm", dim)
     config.model.dlrm.bottom_mlp = bottom  # widths; the last must equal embedding.dim for dot interaction
