@@ -255,10 +255,9 @@ class EmbeddingCollection:
         order, without ever holding the whole group (a disk tier writes them to its files one block at a time)."""
         key = jax.random.fold_in(rng, sorted(self.group_rows).index(group))
         rows, dim = self.group_rows[group], self.group_dims[group]
-        block = jax.jit(_uniform_block, static_argnums=(4,))
         for i, start in enumerate(range(0, rows, _INIT_CHUNK_ROWS)):
             scales, centers = self._init_bounds(group, start, min(start + _INIT_CHUNK_ROWS, rows))
-            yield start, np.asarray(block(key, i, scales, centers, dim))
+            yield start, np.asarray(_uniform_block_jit(key, i, scales, centers, dim))
 
     def _init_bounds(self, group: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Rows [start, stop) of `group`: each row's init scale f32[n] and center f32[n] (None when every table of
@@ -520,3 +519,6 @@ def _uniform_block(rng: jax.Array, i, scales: jax.Array, centers: jax.Array | No
     u = jax.random.uniform(jax.random.fold_in(rng, i), (scales.shape[0], dim), jnp.float32, -1.0, 1.0)
     u = u * scales[:, None]
     return u if centers is None else u + centers[:, None]
+
+
+_uniform_block_jit = jax.jit(_uniform_block, static_argnums=(4,))

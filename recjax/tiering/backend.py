@@ -48,7 +48,9 @@ from recjax.sparse_optim import SparseOptimizer
 from recjax.tiering.cache import RowCache
 from recjax.tiering.store import RowStore
 
-_MIN_BUCKET = 64  # the swap's row counts are padded to powers of two from here: a handful of compiled shapes
+# A swap moves a bucket of rows per group: the fewest of step_rows / 8, / 4, / 2 and step_rows that holds its misses
+# and its write-backs (padding is dropped), so a run compiles at most four swaps per set of groups.
+_BUCKETS = (8, 4, 2, 1)
 _WRITES_IN_FLIGHT = 8  # evictions queued for the writer before the step loop waits for it
 
 
@@ -110,8 +112,8 @@ class GroupLayout:
         return starts, cached, device
 
 
-def _bucket(n: int) -> int:
-    return max(_MIN_BUCKET, 1 << max(0, n - 1).bit_length())
+def _bucket(n: int, step_rows: int) -> int:
+    return next(size for size in (-(-step_rows // k) for k in _BUCKETS) if size >= n)
 
 
 class _Eviction:
@@ -467,7 +469,7 @@ class TieredEmbedding(EmbeddingBackend):
             t1 = time.perf_counter()
             miss = self._read_misses(g, plan.miss_rows)
             read_s += time.perf_counter() - t1
-            m, e = _bucket(len(plan.miss_rows)), _bucket(len(plan.evict_rows))
+            m = e = _bucket(max(len(plan.miss_rows), len(plan.evict_rows)), layout.step_rows)
             fill[g] = np.full(m, layout.device_rows, np.int32)
             fill[g][: len(plan.miss_rows)] = layout.resident_rows + plan.miss_slots
             records[g] = np.zeros((m, self.widths[g]), np.float32)

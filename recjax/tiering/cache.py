@@ -4,18 +4,18 @@
 step needs. It keeps those rows' slots, gives each miss a slot -- a free one, else a victim chosen by the policy among
 the slots this step does not use -- and returns what must move: the misses to read into their slots, and the dirty
 victims whose values must be written back before their slots are refilled. Everything is vectorised numpy over the
-step's rows; nothing is O(cache) per step except the LFU pool's occasional refresh.
+step's rows; nothing is O(cache) per step.
 
 Policies (victims are never slots of the current step's rows, and never pinned slots):
-    lru     exact least-recently-used: a log of each step's slots, oldest first; an entry is stale once its slot was
-            used again (its last-use step moved on), and the first fresh entries are the victims. Amortised O(rows
-            a step uses); the log is compacted when it outgrows a few times the cache.
-    lfu     least-frequently-used (uses since the row entered the cache, ties by least recent): victims come from a
-            pool of the least-used slots taken from the whole cache when the pool runs dry; a pooled slot used since
-            is skipped. So it is exact at each refresh and approximate in between (a slot filled after the refresh
-            is not a candidate until the next one).
-    static  a hot set pinned for the whole run (the rows a profiling pass over the first batches used most, loaded
-            at the start; RecNMP's hot-entry profiling), the other slots LRU for the rest.
+    lru     exact least-recently-used. A log of each step's slots, oldest first: an entry is stale once its slot is
+            used again (its last-use step moved on), and the first fresh entries are the victims. Amortised O(rows a
+            step uses); the log is compacted when it outgrows a few times the cache.
+    lfu     exact least-frequently-used: fewest uses since the row entered the cache, ties by least recent use. The
+            same log, one per use count (a slot is appended to the log of its new count when used; fresh = that count
+            and that step still), scanned from the lowest count up -- the O(1) LFU scheme of Shah, Mitra & Matani
+            (2010) with a step's rows moved together.
+    static  a hot set pinned for the whole run (the rows a profiling pass over the first batches read most, loaded
+            at the start; RecNMP's hot-entry profiling, Ke et al. 2020), the other slots LRU for the rest.
 """
 
 import collections
@@ -66,11 +66,9 @@ class RowCache:
         self.slot_of_row[pinned] = np.arange(len(pinned), dtype=np.int32)
         self._free = np.arange(slots - 1, len(pinned) - 1, -1, dtype=np.int32)  # a stack: pop from the end
         self._free_top = len(self._free)
-        self._log: collections.deque = collections.deque()  # lru: [tick, slots i32[n], next position]
+        # {use count (lfu; 0 for lru): deque of [tick, slots i32[n], next position]}, each deque oldest first.
+        self._logs: dict[int, collections.deque] = {}
         self._log_size = 0
-        self._pool = np.zeros(0, np.int32)  # lfu candidates, best first, with their uses / last use when pooled
-        self._pool_uses = self._pool_last = np.zeros(0, np.int64)
-        self._pool_pos = 0
         self.lookups = self.hits = self.misses = self.evictions = self.writebacks = 0
 
     @property
@@ -106,12 +104,9 @@ class RowCache:
         slots[~hit] = victims
         if dirty:
             self.dirty[slots] = True
-        if self.policy != "lfu":
-            unpinned = slots[~self.pinned[slots]]
-            self._log.append([self.tick, unpinned, 0])
-            self._log_size += len(unpinned)
-            if self._log_size > 4 * self.size + 4 * len(rows):
-                self._compact_log()
+        self._append(slots[~self.pinned[slots]])
+        if self._log_size > 4 * self.size + 4 * len(rows):
+            self._compact_logs()
         self.lookups += len(rows)
         self.hits += int(hit.sum())
         self.misses += len(miss_rows)
@@ -134,74 +129,61 @@ class RowCache:
         out = [self._free[self._free_top - take: self._free_top][::-1]]
         self._free_top -= take
         need -= take
+        for count in sorted(self._logs):
+            if not need:
+                break
+            log = self._logs[count]
+            while need and log:
+                entry = log[0]
+                tick, slots, start = entry
+                rest = slots[start:]
+                fresh = np.flatnonzero(self._fresh(rest, tick, count))
+                if len(fresh) <= need:
+                    out.append(rest[fresh])
+                    need -= len(fresh)
+                    log.popleft()
+                    self._log_size -= len(slots)
+                else:
+                    out.append(rest[fresh[:need]])
+                    entry[2] = start + int(fresh[need - 1]) + 1
+                    need = 0
+            if not log:
+                del self._logs[count]
         if need:
-            out.append(self._lfu_victims(need) if self.policy == "lfu" else self._lru_victims(need))
+            raise RuntimeError(self._too_small(need))
         return np.concatenate(out).astype(np.int32)
 
-    def _lru_victims(self, need: int) -> np.ndarray:
-        out = []
-        while need:
-            if not self._log:
-                raise RuntimeError(self._too_small(need))
-            entry = self._log[0]
-            tick, slots, start = entry
-            rest = slots[start:]
-            fresh = np.flatnonzero(self.last_use[rest] == tick)
-            if len(fresh) <= need:
-                out.append(rest[fresh])
-                need -= len(fresh)
-                self._log.popleft()
-                self._log_size -= len(slots)
-            else:
-                out.append(rest[fresh[:need]])
-                entry[2] = start + int(fresh[need - 1]) + 1
-                need = 0
-        return np.concatenate(out)
+    def _fresh(self, slots: np.ndarray, tick: int, count: int) -> np.ndarray:
+        """Which log entries still say where their slot stands: last used at `tick` (lfu: with `count` uses)."""
+        fresh = self.last_use[slots] == tick
+        return fresh & (self.uses[slots] == count) if self.policy == "lfu" else fresh
 
-    def _compact_log(self) -> None:
+    def _append(self, slots: np.ndarray) -> None:
+        """Log the slots this step used (in the order asked), by their new use count for lfu."""
+        if self.policy != "lfu":
+            self._logs.setdefault(0, collections.deque()).append([self.tick, slots, 0])
+        else:
+            counts = self.uses[slots]
+            for count in np.unique(counts):
+                self._logs.setdefault(int(count), collections.deque()).append([self.tick, slots[counts == count], 0])
+        self._log_size += len(slots)
+
+    def _compact_logs(self) -> None:
         """Drop the stale entries (slots used again since), keeping the order."""
-        kept = collections.deque()
         size = 0
-        for tick, slots, start in self._log:
-            rest = slots[start:]
-            rest = rest[self.last_use[rest] == tick]
-            if len(rest):
-                kept.append([tick, rest, 0])
-                size += len(rest)
-        self._log, self._log_size = kept, size
-
-    def _lfu_victims(self, need: int) -> np.ndarray:
-        out = []
-        while need:
-            if self._pool_pos >= len(self._pool):
-                self._refresh_pool(need)
-            pool = self._pool[self._pool_pos:]
-            unchanged = ((self.uses[pool] == self._pool_uses[self._pool_pos:])
-                         & (self.last_use[pool] == self._pool_last[self._pool_pos:]))
-            fresh = np.flatnonzero(unchanged)
-            if len(fresh) <= need:
-                out.append(pool[fresh])
-                need -= len(fresh)
-                self._pool_pos = len(self._pool)
+        for count in list(self._logs):
+            kept = collections.deque()
+            for tick, slots, start in self._logs[count]:
+                rest = slots[start:]
+                rest = rest[self._fresh(rest, tick, count)]
+                if len(rest):
+                    kept.append([tick, rest, 0])
+                    size += len(rest)
+            if kept:
+                self._logs[count] = kept
             else:
-                out.append(pool[fresh[:need]])
-                self._pool_pos += int(fresh[need - 1]) + 1
-                need = 0
-        return np.concatenate(out)
-
-    def _refresh_pool(self, need: int) -> None:
-        """The least-used occupied slots not used this step (ties: least recent), best first."""
-        candidates = np.flatnonzero((self.row_of_slot >= 0) & ~self.pinned & (self.last_use < self.tick))
-        if len(candidates) < need:
-            raise RuntimeError(self._too_small(need))
-        # One sort key: uses in the high bits, last use in the low 32 (ticks stay far below 2^32).
-        key = (self.uses[candidates] << 32) | self.last_use[candidates]
-        k = min(len(candidates), max(4 * need, self.size // 16))
-        best = np.argpartition(key, k - 1)[:k] if k < len(candidates) else np.arange(len(candidates))
-        best = best[np.argsort(key[best], kind="stable")]
-        self._pool = candidates[best].astype(np.int32)
-        self._pool_uses, self._pool_last = self.uses[self._pool].copy(), self.last_use[self._pool].copy()
-        self._pool_pos = 0
+                del self._logs[count]
+        self._log_size = size
 
     def _too_small(self, need: int) -> str:
         return (f"the row cache of {self.size:,} slots ({int(self.pinned.sum()):,} pinned) cannot take {need:,} more "
