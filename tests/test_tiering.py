@@ -417,3 +417,28 @@ def test_tier_rules():
     assert resolve_tiers(tables, rules, "gpu") == {"C1": "disk", "C2/q": "host", "C2/r": "memory", "C3": "host"}
     # On a CPU host RAM is the device's memory.
     assert resolve_tiers(tables, rules, "cpu") == {"C1": "disk", "C2/q": "memory", "C2/r": "memory", "C3": "memory"}
+
+
+# ------------------------------------------------------------------------------------------------ notebook
+@pytest.mark.slow
+def test_compress_or_offload_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
+    import json
+    import pathlib
+    import tempfile
+
+    from conftest import run_notebook
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the kernel inherits TMPDIR below
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    path = pathlib.Path(__file__).resolve().parent.parent / "experiments" / "notebooks" / "compress_or_offload.ipynb"
+    notebook = run_notebook(path, tmp_path, monkeypatch, timeout=1200)  # per cell; the sweep cell is the slowest
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    assert not any(o.get("output_type") == "error" for o in outputs)
+    assert any("image/png" in o.get("data", {}) for o in outputs), "the notebook shows no plot"
+    results = json.loads((tmp_path / "compress_or_offload.json").read_text())
+    arms = {a["arm"]: a for a in results["arms"]}
+    assert sorted(arms) == ["fiited in RAM", "full", "full, disk tier", "md in RAM", "qr in RAM", "tt in RAM"]
+    # The offload arm is the full model (bit-exact), in at most the budget of fast memory; the full model is 4x it.
+    assert arms["full, disk tier"]["auc"] == arms["full"]["auc"]
+    assert arms["full, disk tier"]["fast_bytes"] <= results["budget_bytes"] < arms["full"]["fast_bytes"]
+    assert list(tmp_path.glob("recjax-tiering-*")) == []  # the run's table files are gone
