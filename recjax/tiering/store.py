@@ -6,10 +6,11 @@ Adagrad accumulator row, lazy Adam's m and v rows, ...), so one read brings ever
 
 The engine was chosen by measurement (benchmarks/tiering.py --only engines; benchmarks/RESULTS.md, "Disk tier: the
 storage engine"): the file is mapped (MAP_SHARED) and rows are gathered / scattered with numpy fancy indexing, split
-over a thread pool so that the page faults of rows not in the page cache are in flight together (the disk of this
-machine serves ~1.6k random 4 KiB reads/s one at a time and ~12-16k with 4-16 in flight). pread / pwrite per row
-cost 12-14 us of system call each on this VM (a write to a page under writeback stalls ~250 us), LMDB and RocksDB
-(rocksdict) spend their time in per-key Python calls, and tensorstore's chunked zarr arrays re-write whole chunks.
+over a thread pool so that the page faults of rows not in the page cache are in flight together (the disk of the
+measuring machine served 7.0k random 4 KiB reads/s one at a time and 22.5k with 16 in flight). Rows the page cache
+holds are gathered 7x faster than by pread (a system call per row) and written 12x faster than by pwrite; rows it
+does not hold cost the disk's random reads either way (20.5k vs 24.2k rows/s). LMDB and RocksDB (rocksdict) spend
+their time in per-key Python calls, and tensorstore's chunked zarr arrays re-write whole chunks.
 
 Two things a mapping needs that a pread would not:
   * RSS: the pages a process touches through a shared mapping count in its resident set (they are the page cache's,
