@@ -18,6 +18,7 @@ from recjax.evaluation import check_train
 from recjax.models import check_model, check_model_defaults
 from recjax.sharding import check_sharding
 from recjax.task import check_optimizer
+from recjax.tiering import check_tiering
 from recjax.validation import get, integer
 
 
@@ -31,4 +32,5 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     check_model(config)
     check_model_defaults(config)
     check_sharding(config)
+    check_tiering(config)
     check_data_config(get(config, "data"))

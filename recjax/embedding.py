@@ -24,7 +24,7 @@ occurrence's gradient into the batch's distinct rows, which the fused update ker
 """
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import flax.linen as nn
 import flax.struct
@@ -299,17 +299,36 @@ class EmbeddingCollection:
     # --------------------------------------------------------------------------------------------- init
     def init_tables(self, rng: jax.Array) -> dict[str, jax.Array]:
         """Stacked tables, each physical table init_center + U(-init_scale, init_scale) (DLRM reference init)."""
-        tables = {}
-        for g, group in enumerate(sorted(self.group_rows)):
-            members = [p for p in self.physical_tables() if p.group == group]
-            scales = np.concatenate([np.full(p.table.rows, p.table.init_scale, np.float32) for p in members])
-            centers = None
-            if any(p.table.init_center for p in members):
-                centers = jnp.asarray(np.concatenate([np.full(p.table.rows, p.table.init_center, np.float32)
-                                                      for p in members]))
-            tables[group] = _init_uniform_rows(jax.random.fold_in(rng, g), self.group_rows[group],
-                                               self.group_dims[group], jnp.asarray(scales), centers)
-        return tables
+        return {group: self.init_group(rng, group) for group in sorted(self.group_rows)}
+
+    def init_group(self, rng: jax.Array, group: str) -> jax.Array:
+        """The stacked table `init_tables` gives `group`."""
+        scales, centers = self._init_bounds(group, 0, self.group_rows[group])
+        return _init_uniform_rows(jax.random.fold_in(rng, sorted(self.group_rows).index(group)),
+                                  self.group_rows[group], self.group_dims[group], jnp.asarray(scales),
+                                  None if centers is None else jnp.asarray(centers))
+
+    def init_chunks(self, rng: jax.Array, group: str) -> Iterator[tuple[int, np.ndarray]]:
+        """The rows `init_tables` gives `group`, bit for bit, as (first row, f32[n, dim]) blocks of up to 64k rows in
+        order, without ever holding the whole group (a disk tier writes them to its files one block at a time)."""
+        key = jax.random.fold_in(rng, sorted(self.group_rows).index(group))
+        rows, dim = self.group_rows[group], self.group_dims[group]
+        for i, start in enumerate(range(0, rows, _INIT_CHUNK_ROWS)):
+            scales, centers = self._init_bounds(group, start, min(start + _INIT_CHUNK_ROWS, rows))
+            yield start, np.asarray(_uniform_block_jit(key, i, scales, centers, dim))
+
+    def _init_bounds(self, group: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Rows [start, stop) of `group`: each row's init scale f32[n] and center f32[n] (None when every table of
+        the group is centered at 0)."""
+        members = [p for p in self.physical_tables() if p.group == group]
+        scales = np.zeros(stop - start, np.float32)
+        centers = np.zeros(stop - start, np.float32)
+        for p in members:
+            lo, hi = max(p.offset, start), min(p.offset + p.table.rows, stop)
+            if lo < hi:
+                scales[lo - start: hi - start] = p.table.init_scale
+                centers[lo - start: hi - start] = p.table.init_center
+        return scales, centers if any(p.table.init_center for p in members) else None
 
     def init_optimizer(self, optimizer: SparseOptimizer) -> dict[str, dict[str, jax.Array]]:
         return {g: optimizer.init(rows, self.group_dims[g]) for g, rows in sorted(self.group_rows.items())}
@@ -566,9 +585,8 @@ def _init_uniform_rows(rng: jax.Array, rows: int, dim: int, scales: jax.Array,
     n_full, rest = divmod(rows, chunk)
 
     def block(scales, centers, i, size):
-        u = jax.random.uniform(jax.random.fold_in(rng, i), (size, dim), jnp.float32, -1.0, 1.0)
-        u = u * jax.lax.dynamic_slice_in_dim(scales, i * chunk, size)[:, None]
-        return u if centers is None else u + jax.lax.dynamic_slice_in_dim(centers, i * chunk, size)[:, None]
+        return _uniform_block(rng, i, jax.lax.dynamic_slice_in_dim(scales, i * chunk, size),
+                              None if centers is None else jax.lax.dynamic_slice_in_dim(centers, i * chunk, size), dim)
 
     @jax.jit
     def build(scales, centers):
@@ -583,3 +601,14 @@ def _init_uniform_rows(rng: jax.Array, rows: int, dim: int, scales: jax.Array,
         return table
 
     return build(scales, centers)
+
+
+def _uniform_block(rng: jax.Array, i, scales: jax.Array, centers: jax.Array | None, dim: int) -> jax.Array:
+    """Init chunk i: row r ~ centers[r] + U(-scales[r], scales[r]), f32[len(scales), dim]. One definition for the
+    whole-table init and `EmbeddingCollection.init_chunks`, so both give the same bits."""
+    u = jax.random.uniform(jax.random.fold_in(rng, i), (scales.shape[0], dim), jnp.float32, -1.0, 1.0)
+    u = u * scales[:, None]
+    return u if centers is None else u + centers[:, None]
+
+
+_uniform_block_jit = jax.jit(_uniform_block, static_argnums=(4,))

@@ -13,8 +13,10 @@ state and the batches. Each placement of the physical tables is one subclass:
     LocalEmbedding   one device: the collection's own route / gather / sparse_update (this module)
     MeshEmbedding    a sharding plan over a jax Mesh: per-device blocks and collectives under shard_map
                      (recjax/sharding/backend.py)
+    TieredEmbedding  tables on disk (or in host RAM) behind an in-RAM cache of rows: the step sees the cache and
+                     cache slots; each batch's misses are read while the previous step runs (recjax/tiering)
 
-A new placement (a disk tier, read-only serving tables) is a new subclass, never a branch in the step.
+A new placement (read-only serving tables) is a new subclass, never a branch in the step.
 """
 
 import abc
@@ -80,6 +82,14 @@ class EmbeddingBackend(abc.ABC):
         return {}
 
     # --------------------------------------------------------------------------------------------- host side
+    def init_tables(self, rng: jax.Array, optimizer: SparseOptimizer) -> tuple[dict, dict]:
+        """The initial tables and their optimizer state ({group: ...}), made from the tables' init key.
+
+        By default the collection's single-device tables, which `place_state` then lays out. A placement that cannot
+        hold every table whole (a disk tier) makes its own layout here, bit for bit the same rows, and its
+        `place_state` passes it through."""
+        return self.collection.init_tables(rng), self.collection.init_optimizer(optimizer)
+
     @abc.abstractmethod
     def compile_train(self, train_step: Callable, state) -> Callable:
         """jit of `train_step(state, batch) -> (state, metrics)` with the state donated; `state` is an example of
@@ -125,6 +135,9 @@ class EmbeddingBackend(abc.ABC):
     def summary(self) -> dict:
         """What `summary.json` records about the placement."""
         return {}
+
+    def close(self) -> None:  # noqa: B027 (a hook: most placements hold nothing open)
+        """Release what the placement holds open (threads, files); the trainer calls it once, at the end of a run."""
 
 
 class LocalEmbedding(EmbeddingBackend):

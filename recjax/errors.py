@@ -2,6 +2,7 @@
 
 `ConfigError` names the config key at fault (`train.steps: must be >= 1, got 0`); `DataError` names the file,
 line or split of the input data at fault. Both are ValueErrors, so library callers may catch them as such.
+`StorageError` names a disk tier's table file that cannot hold or give back its rows (disk full, missing, truncated).
 """
 
 
@@ -24,6 +25,11 @@ class DataError(UserError, ValueError):
 
 class CheckpointError(UserError, ValueError):
     """A checkpoint cannot be used: missing, corrupt, or from a run with another config; names the step and path."""
+
+
+class StorageError(UserError, OSError):
+    """A disk tier's table file cannot be used: the disk is full, or the file is missing or truncated; names the file
+    and what to do, never a wrong row."""
 
 
 class Interrupted(KeyboardInterrupt):

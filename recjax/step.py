@@ -42,14 +42,17 @@ class TrainState:
     aux: dict[str, dict[str, jax.Array]] = flax.struct.field(default_factory=dict)
 
 
-def init_state(task: Task, rng: jax.Array, batch: Batch) -> TrainState:
-    """The single-device initial state: tables (DLRM init), dense params (from one example batch's shapes) and both
-    optimizer states. A backend lays it out with `place_state`."""
+def init_state(task: Task, rng: jax.Array, batch: Batch, backend: EmbeddingBackend | None = None) -> TrainState:
+    """The initial state: tables (DLRM init), dense params (from one example batch's shapes) and both optimizer
+    states. Single-device tables, which a backend lays out with `place_state`, unless the backend makes its own
+    (`backend.init_tables`: a disk tier writes the rows to its files and keeps only a cache in the state)."""
     table_rng, glue_rng, model_rng, dropout_rng = jax.random.split(rng, 4)
-    tables = task.collection.init_tables(table_rng)
+    backend = backend or LocalEmbedding(task.collection)
+    tables, sparse_opt_state = backend.init_tables(table_rng, task.sparse_optimizer)
     aux = task.collection.init_aux()
 
     def init_dense(tables, batch):
+        # Only the rows' shapes matter here (Flax initialises from the keys); a disk tier's cache gathers zeros.
         routes = task.collection.route(batch.ids, batch.lengths, aux=aux)
         rows = task.collection.gather(tables, routes)
         glue_vars = task.glue.init(glue_rng, rows, routes.features)
@@ -64,7 +67,7 @@ def init_state(task: Task, rng: jax.Array, batch: Batch) -> TrainState:
         dense_params=dense_params,
         dense_opt_state=task.dense_tx.init(dense_params),
         tables=tables,
-        sparse_opt_state=task.collection.init_optimizer(task.sparse_optimizer),
+        sparse_opt_state=sparse_opt_state,
         dropout_rng=dropout_rng,
         aux=aux,
     )

@@ -31,7 +31,7 @@ import ml_collections
 import numpy as np
 import tqdm
 
-from recjax import sharding
+from recjax import sharding, tiering
 from recjax.batch import pad_batch, validate_batch
 from recjax.checkpoint import Checkpointer, ResumePoint
 from recjax.config_check import validate_config
@@ -92,9 +92,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                 else dynamic.with_capacities(task, saved_dynamic["capacities"]))
 
     # --- where the embedding rows live ------------------------------------------------------------------
-    # One device: the collection's own engine; a mesh: the plan's blocks and collectives (recjax/sharding).
-    backend = sharding.setup(config, task) or LocalEmbedding(task.collection)
-    check_memory(config, task, backend)  # before the tables are made
+    # Tables on disk / in host RAM: a row cache in front of them (recjax/tiering); a mesh: the plan's blocks and
+    # collectives (recjax/sharding); else one device: the collection's own engine.
+    backend = tiering.setup(config, task, dataset) or sharding.setup(config, task) or LocalEmbedding(task.collection)
+    check_memory(config, task, backend)  # before the tables are made (a disk tier: what stays in memory)
     if checkpointer is not None:  # where the tables' rows are, and how to restore a checkpoint saved elsewhere
         checkpointer.layout = sharding.layout(backend)
         checkpointer.relayout = sharding.relayout(task.collection, backend)
@@ -125,6 +126,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     finally:
         if checkpointer:
             checkpointer.close()  # waits for a save in flight
+        backend.close()  # a disk tier's writer thread and files
 
 
 @dataclasses.dataclass
@@ -188,7 +190,7 @@ class Run:
             print(backend.describe(), flush=True)
         if isinstance(backend, sharding.MeshEmbedding):
             sharding.save_plan(backend.plan, self.workdir)
-        init = lambda batch: init_state(task, jax.random.key(self.config.seed), batch)  # noqa: E731
+        init = lambda batch: init_state(task, jax.random.key(self.config.seed), batch, backend)  # noqa: E731
         if resume and isinstance(backend, LocalEmbedding):  # restored into: no need to initialise the tables
             self.state = self._restore_or_track(jax.eval_shape(init, first), resume)
         else:  # the single-device initial state, laid out by the backend (a mesh: by the plan)

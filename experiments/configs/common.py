@@ -81,6 +81,25 @@ def sharding_config() -> ml_collections.ConfigDict:
     return sharding
 
 
+def tiering_config() -> ml_collections.ConfigDict:
+    """Where each physical table's rows live (recjax/tiering): memory (a device array), host (GPU / TPU: host RAM
+    behind a device cache; on a CPU the same as memory) or disk (a file behind an in-RAM cache). One device only, and
+    a run with a table off memory cannot checkpoint yet (checkpoint.enabled=False)."""
+    tiering = ml_collections.ConfigDict()
+    tiering.default = "memory"  # the tier of every table not matched below: "memory", "host" or "disk"
+    tiering.tables = ""  # per-table tiers, e.g. "C3=disk,C4/q=disk" (logical or physical names); these win
+    tiering.disk_over_bytes = 0  # rule: a table whose rows + optimizer state exceed this many bytes goes to disk
+    tiering.host_over_bytes = 0  # rule: ... to host (0 = neither rule)
+    tiering.dir = ""  # where the disk tables' files go; "" = a temporary directory, removed at the end of the run
+    tiering.cache_fraction = 0.1  # in-RAM cache per stacked group: this fraction of its disk / host rows ...
+    tiering.cache_rows = 0  # ... or exactly this many rows (0 = use cache_fraction); at least one step's rows
+    tiering.policy = "lru"  # which rows leave the cache: "lru", "lfu" or "static" (a profiled hot set pinned + lru)
+    tiering.profile_batches = 50  # static: the hot set is the rows the first N training batches read most
+    tiering.prefetch = True  # read step i+1's missing rows while step i runs (False: after it; for measuring)
+    tiering.io_threads = 16  # threads reading / writing rows (the disk serves random reads best ~16 at a time)
+    return tiering
+
+
 def model_config(name: str, dim: int) -> ml_collections.ConfigDict:
     """`model.name` picks the family; each family's knobs live in its own sub-config, sized here for embedding
     dim `dim` (DLRM's dot interaction needs the bottom MLP to end in `dim`)."""

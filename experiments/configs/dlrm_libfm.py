@@ -40,6 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.embedding = common.embedding_config(16)
     config.mesh = common.mesh_config()
     config.sharding = common.sharding_config()
+    config.tiering = common.tiering_config()
     config.model = common.model_config("dlrm", 16)
     config.model.dlrm.bottom_mlp = (16,)  # no dense features: the bottom MLP learns a constant vector
     config.model.dlrm.top_mlp = (64, 1)

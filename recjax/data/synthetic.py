@@ -54,6 +54,13 @@ KAGGLE_VOCAB_SIZES = (
     27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
 )
 
+# MLPerf DLRMv2 (DCNv2 on Criteo 1TB) per-feature cardinalities, capped at 40M rows: 204,184,588 rows in all, 52.3 GB
+# at dim 64 in f32 (the disk tier's preset, experiments/configs/dlrm_synthetic.py:mlperf52).
+MLPERF_VOCAB_SIZES = (
+    40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10, 2209, 11938, 155, 4, 976,
+    14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36,
+)
+
 _EVAL_CHUNK = 4096  # eval examples are generated in fixed chunks so the eval set ignores the eval batch size
 _CALIBRATION_EXAMPLES = 16384
 _TRAIN, _TEST, _CALIBRATION, _VALIDATION = 0, 1, 2, 3  # stream ids; test keeps id 1 (the former eval split)

@@ -1,0 +1,490 @@
+r"""The disk tier (recjax/tiering): storage engines, the disk's floor, the cache against memory, the MLPerf tables.
+
+    python benchmarks/tiering.py --out /tmp/tiering.jsonl                 # every section, in this order
+    python benchmarks/tiering.py --only engines,floor --dir /tmp/t        # one or more sections
+    python benchmarks/tiering.py --only plot --out /tmp/tiering.jsonl     # the PNG from an earlier run's lines
+
+One JSON line per measurement to stdout (and appended to --out), progress to stderr. Table files go under --dir (a
+fresh temporary directory by default), removed at the end. Sections:
+
+  engines   random reads / writes of 260-byte records (dim 64 + a row-wise accumulator) in batches of 8192 distinct
+            rows of a 1M-row table, per candidate engine: the file mapped + numpy gathers on a 16-thread pool (what
+            recjax uses), pread / pwrite from the same pool, LMDB, RocksDB (rocksdict), tensorstore (zarr3, 256-row
+            chunks); warm (page cache holding the file) and, where the engine reads a plain file, cold (its pages
+            dropped with posix_fadvise DONTNEED; a mapping's own pages with MADV_DONTNEED first). The two key-value
+            stores and tensorstore keep their own files, so only their warm numbers are comparable.
+  floor     the disk itself: random 4 KiB reads/s one at a time and 16 in flight, sequential read MB/s, with the page
+            cache dropped (posix_fadvise DONTNEED; whether O_DIRECT opens is reported too).
+  kaggle    the Kaggle shape (26 Criteo Kaggle cardinalities, 33.8M rows, dim 16, bottom 512-256-64-16, top 512-256-1,
+            batch 2048, row-wise Adagrad), the 8 tables over 4 MiB on disk: step time of the disk tier / the
+            in-memory step (same batches, same process), at cache 1, 5, 10, 25, 50 % and Zipf exponents 0.8, 1.05,
+            1.2; hit rate, rows and bytes read and written per step, the host's time reading misses per step, and at
+            Zipf 1.05 / cache 10 % the same step without the overlap (tiering.prefetch=False): the share of the miss
+            time the prefetch hides = (no-overlap - overlap) / (no-overlap - memory).
+  mlperf52  the MLPerf DLRMv2 table set (experiments/configs/dlrm_synthetic.py:mlperf52, 52.3 GB of f32 rows) trained
+            with its six large tables on disk, beside the same model with every table capped at --cap rows in memory
+            (the speed goal's reference) and the full table set compressed with QR (--qr_collisions) to fit in memory
+            (the "compress or offload" row): examples/s, test AUC, hit rate, peak RSS of each run (each in its own
+            process: `python -m experiments.train`).
+  plot      tiering.png beside --out: step-time ratio and hit rate against cache size, one line per Zipf exponent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import mmap
+import os
+import pathlib
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+SECTIONS = ("engines", "floor", "kaggle", "mlperf52", "plot")
+OUT: pathlib.Path | None = None
+
+
+def _log(message: str) -> None:
+    print(f"[tiering] {message}", file=sys.stderr, flush=True)
+
+
+def machine() -> dict[str, Any]:
+    import jax
+
+    return {"cpu_count": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend(),
+            "load_average": round(os.getloadavg()[0], 1)}
+
+
+def emit(record: dict) -> None:
+    line = json.dumps({**record, "machine": machine()})
+    print(line, flush=True)
+    if OUT is not None:
+        with OUT.open("a") as f:
+            f.write(line + "\n")
+
+
+def drop_page_cache(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------------- engines
+def engines(directory: pathlib.Path, rows: int = 1_000_000, width: int = 65, batch: int = 8192,
+            batches: int = 6, threads: int = 16) -> None:
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((rows, width), dtype=np.float32)
+    picks = [np.sort(rng.choice(rows, batch, replace=False)) for _ in range(batches)]
+    values = rng.standard_normal((batch, width), dtype=np.float32)
+    record_bytes = width * 4
+    pool = ThreadPoolExecutor(threads)
+
+    def rate(op, n=batches) -> float:
+        start = time.perf_counter()
+        for b in picks[:n]:
+            op(b)
+        return n * batch / (time.perf_counter() - start)
+
+    def split(n):
+        return np.array_split(np.arange(n), threads)
+
+    path = directory / "engine.f32"
+    data.tofile(path)
+
+    # the mapped file, numpy gathers over the pool (recjax/tiering/store.py)
+    fd = os.open(path, os.O_RDWR)
+    region = mmap.mmap(fd, rows * record_bytes)
+    region.madvise(mmap.MADV_RANDOM)
+    mapped = np.frombuffer(region, np.float32).reshape(rows, width)
+
+    def mapped_read(r):
+        out = np.empty((len(r), width), np.float32)
+        list(pool.map(lambda p: out.__setitem__(p, mapped[r[p]]), split(len(r))))
+        return out
+
+    def mapped_write(r):
+        list(pool.map(lambda p: mapped.__setitem__(r[p], values[p]), split(len(r))))
+
+    assert np.array_equal(mapped_read(picks[0]), data[picks[0]])
+    warm_read, write = rate(mapped_read), rate(mapped_write)
+    region.flush()
+    region.madvise(mmap.MADV_DONTNEED)
+    drop_page_cache(path)
+    cold = rate(mapped_read, 3)
+    emit({"section": "engines", "engine": "mmap + numpy, 16 threads", "warm_read_rows_s": warm_read,
+          "write_rows_s": write, "cold_read_rows_s": cold, "record_bytes": record_bytes})
+    mapped = None  # the mapping cannot close while an array exports it
+    region.close()
+
+    # pread / pwrite, one call per row, over the pool
+    def pread_rows(r):
+        out = np.empty((len(r), width), np.float32)
+        view = memoryview(out).cast("B")
+
+        def work(p):
+            for i in p:
+                os.preadv(fd, [view[i * record_bytes:(i + 1) * record_bytes]], int(r[i]) * record_bytes)
+
+        list(pool.map(work, split(len(r))))
+        return out
+
+    def pwrite_rows(r):
+        view = memoryview(values).cast("B")
+
+        def work(p):
+            for i in p:
+                os.pwrite(fd, view[i * record_bytes:(i + 1) * record_bytes], int(r[i]) * record_bytes)
+
+        list(pool.map(work, split(len(r))))
+
+    data.tofile(path)
+    assert np.array_equal(pread_rows(picks[0]), data[picks[0]])
+    warm_read, write = rate(pread_rows), rate(pwrite_rows)
+    drop_page_cache(path)
+    cold = rate(pread_rows, 3)
+    emit({"section": "engines", "engine": "pread / pwrite, 16 threads", "warm_read_rows_s": warm_read,
+          "write_rows_s": write, "cold_read_rows_s": cold, "record_bytes": record_bytes})
+    os.close(fd)
+
+    keys = np.arange(rows, dtype=">u8").tobytes()
+
+    def key_list(r):
+        raw = r.astype(">u8").tobytes()
+        return [raw[8 * i: 8 * i + 8] for i in range(len(r))]
+
+    with contextlib.suppress(ImportError):
+        import lmdb
+
+        env = lmdb.open(str(directory / "lmdb"), map_size=4 << 30, readahead=False, sync=False)
+        start = time.perf_counter()
+        with env.begin(write=True) as txn:
+            for i in range(rows):
+                txn.put(keys[8 * i: 8 * i + 8], data[i].tobytes(), append=True)
+        load = rows / (time.perf_counter() - start)
+
+        def lmdb_read(r):
+            with env.begin() as txn:
+                return np.frombuffer(b"".join(txn.get(k) for k in key_list(r)), np.float32).reshape(-1, width)
+
+        def lmdb_write(r):
+            with env.begin(write=True) as txn:
+                for k, v in zip(key_list(r), values, strict=True):
+                    txn.put(k, v.tobytes())
+
+        assert np.array_equal(lmdb_read(picks[0]), data[picks[0]])
+        emit({"section": "engines", "engine": "LMDB (python lmdb)", "warm_read_rows_s": rate(lmdb_read),
+              "write_rows_s": rate(lmdb_write), "load_rows_s": load, "record_bytes": record_bytes})
+        env.close()
+
+    with contextlib.suppress(ImportError):
+        from rocksdict import Options, Rdict, WriteBatch
+
+        db = Rdict(str(directory / "rocks"), Options(raw_mode=True))
+        start = time.perf_counter()
+        for s in range(0, rows, 65536):
+            wb = WriteBatch(raw_mode=True)
+            for i in range(s, min(rows, s + 65536)):
+                wb.put(keys[8 * i: 8 * i + 8], data[i].tobytes())
+            db.write(wb)
+        load = rows / (time.perf_counter() - start)
+
+        def rocks_read(r):
+            return np.frombuffer(b"".join(db[key_list(r)]), np.float32).reshape(-1, width)
+
+        def rocks_write(r):
+            wb = WriteBatch(raw_mode=True)
+            for k, v in zip(key_list(r), values, strict=True):
+                wb.put(k, v.tobytes())
+            db.write(wb)
+
+        assert np.array_equal(rocks_read(picks[0]), data[picks[0]])
+        emit({"section": "engines", "engine": "RocksDB (rocksdict)", "warm_read_rows_s": rate(rocks_read),
+              "write_rows_s": rate(rocks_write), "load_rows_s": load, "record_bytes": record_bytes})
+        db.close()
+
+    with contextlib.suppress(ImportError):
+        import tensorstore as ts
+
+        array = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(directory / "ts")}},
+                        dtype=ts.float32, shape=[rows, width], create=True, delete_existing=True,
+                        chunk_layout=ts.ChunkLayout(chunk_shape=[256, width])).result()
+        start = time.perf_counter()
+        array.write(data).result()
+        load = rows / (time.perf_counter() - start)
+        assert np.array_equal(array[picks[0]].read().result(), data[picks[0]])
+        emit({"section": "engines", "engine": "tensorstore (zarr3, 256-row chunks)",
+              "warm_read_rows_s": rate(lambda r: array[r].read().result(), 2),
+              "write_rows_s": rate(lambda r: array[r].write(values).result(), 1), "load_rows_s": load,
+              "record_bytes": record_bytes})
+    pool.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------------ floor
+def floor(directory: pathlib.Path, size: int = 2 << 30) -> None:
+    path = directory / "floor.bin"
+    block = os.urandom(1 << 20)
+    start = time.perf_counter()
+    with path.open("wb") as f:
+        for _ in range(size >> 20):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    write_mb_s = size / 2**20 / (time.perf_counter() - start)
+    drop_page_cache(path)
+    fd = os.open(path, os.O_RDONLY)
+    start, n = time.perf_counter(), 0
+    while chunk := os.read(fd, 1 << 20):
+        n += len(chunk)
+    read_mb_s = n / 2**20 / (time.perf_counter() - start)
+    result = {"section": "floor", "dropped_with": "posix_fadvise(DONTNEED)", "sequential_read_mb_s": read_mb_s,
+              "sequential_write_mb_s_fsync": write_mb_s}
+    for in_flight in (1, 16):
+        drop_page_cache(path)
+        offsets = [random.randrange(size >> 12) << 12 for _ in range(4000 if in_flight == 1 else 16000)]
+        parts = [offsets[i::in_flight] for i in range(in_flight)]
+
+        def work(part):
+            for o in part:
+                os.pread(fd, 4096, o)
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(in_flight) as ex:
+            list(ex.map(work, parts))
+        result[f"random_4k_reads_s_{in_flight}_in_flight"] = len(offsets) / (time.perf_counter() - start)
+    os.close(fd)
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+        result["o_direct"] = "opens"
+    except OSError as error:
+        result["o_direct"] = f"refused: {error.strerror}"
+    path.unlink()
+    emit(result)
+
+
+# ----------------------------------------------------------------------------------------------------- kaggle
+def kaggle_config(zipf: float, tiered: bool, cache: float, prefetch: bool = True, vocab_cap: int = 0):
+    sys.path.insert(0, str(REPO))
+    from experiments.configs.dlrm_synthetic import get_config
+
+    config = get_config("kaggle")
+    if vocab_cap:  # a smaller table set (smoke runs)
+        config.data.vocab_sizes = tuple(min(v, vocab_cap) for v in config.data.vocab_sizes)
+    config.data.zipf_exponent = zipf
+    config.optimizer = get_config("mlperf52").optimizer  # row-wise Adagrad: 4 bytes of state a row
+    config.train.batch_size = 2048
+    config.checkpoint.enabled = False
+    if tiered:
+        config.tiering.disk_over_bytes = 4 * 2**20
+        config.tiering.cache_fraction = cache
+        config.tiering.prefetch = prefetch
+    return config
+
+
+def time_steps(config, directory: pathlib.Path, host_batches, warmup: int) -> dict:
+    """Median and mean step time over the batches after `warmup`, run as the trainer does (batches placed on the
+    prefetch thread, at most `steps_in_flight` steps queued)."""
+    import jax
+
+    from recjax import tiering
+    from recjax.data.pipeline import DevicePrefetcher
+    from recjax.embedding_backend import LocalEmbedding
+    from recjax.specs import DatasetSpec, FeatureSpec
+    from recjax.step import init_state, make_train_step
+    from recjax.task import build_task
+
+    spec = DatasetSpec(num_dense=13, features=tuple(FeatureSpec(f"C{i + 1}", v)
+                                                    for i, v in enumerate(config.data.vocab_sizes)))
+    task = build_task(config, spec)
+    config.tiering.dir = str(directory)
+    backend = tiering.setup(config, task) or LocalEmbedding(task.collection)
+    try:
+        t0 = time.perf_counter()
+        with DevicePrefetcher(iter(host_batches), lambda b, w: None, put=backend.put_batch) as batches:
+            first = next(batches)
+            state = backend.place_state(init_state(task, jax.random.key(0), host_batches[0], backend))
+            init_s = time.perf_counter() - t0
+            step = make_train_step(task, backend, state).lower(state, first).compile()
+            in_flight, batch = [], first
+            stats_at = None
+            for i in range(len(host_batches)):
+                if i == warmup:
+                    jax.block_until_ready(state)
+                    stats_at = json.loads(json.dumps(backend.summary()))
+                    start = time.perf_counter()
+                state, metrics = step(state, batch)
+                in_flight.append(metrics["loss"])
+                if len(in_flight) > 2:
+                    in_flight.pop(0).block_until_ready()
+                if i + 1 < len(host_batches):
+                    batch = next(batches)
+            jax.block_until_ready(state)
+            elapsed = time.perf_counter() - start
+        steps = len(host_batches) - warmup
+        out = {"step_ms": 1000 * elapsed / steps, "init_s": init_s, "steps": steps}
+        summary = backend.summary()
+        if "tiering" in summary:
+            (g0, before), = stats_at["tiering"]["groups"].items()
+            after = summary["tiering"]["groups"][g0]
+            lookups = after["lookups"] - before["lookups"]
+            width_bytes = after["bytes_read"] / max(after["rows_read"], 1)
+            out.update({
+                "hit_rate": (after["hits"] - before["hits"]) / max(lookups, 1),
+                "rows_read_per_step": (after["rows_read"] - before["rows_read"]) / steps,
+                "rows_written_per_step": (after["rows_written"] - before["rows_written"]) / steps,
+                "bytes_read_per_step": (after["rows_read"] - before["rows_read"]) * width_bytes / steps,
+                "bytes_written_per_step": (after["rows_written"] - before["rows_written"]) * width_bytes / steps,
+                "read_ms_per_step": 1000 * (summary["tiering"]["read_s"] - stats_at["tiering"]["read_s"]) / steps,
+                "plan_ms_per_step": 1000 * (summary["tiering"]["plan_s"] - stats_at["tiering"]["plan_s"]) / steps,
+                "cache_slots": after["cache_slots"], "cached_rows": after["cached_rows"]})
+        return out
+    finally:
+        backend.close()
+
+
+def kaggle(directory: pathlib.Path, zipfs, caches, steps: int, warmup: int, vocab_cap: int = 0) -> None:
+    from recjax.data.synthetic import SyntheticDataset
+
+    for zipf in zipfs:
+        config = kaggle_config(zipf, False, 0.0, vocab_cap=vocab_cap)
+        data = SyntheticDataset(vocab_sizes=config.data.vocab_sizes, zipf_exponent=zipf, eval_examples=16, seed=0)
+        stream = data.train_batches(2048)
+        host_batches = [next(stream) for _ in range(warmup + steps)]
+        _log(f"kaggle zipf {zipf}: memory")
+        memory = time_steps(config, directory, host_batches, warmup)
+        emit({"section": "kaggle", "zipf": zipf, "cache": 0, "tier": "memory", **memory})
+        for cache in caches:
+            runs = [True] + ([False] if zipf == 1.05 and cache == 0.1 else [])
+            for prefetch in runs:
+                _log(f"kaggle zipf {zipf}: cache {cache:.0%}, prefetch {prefetch}")
+                tiered = time_steps(kaggle_config(zipf, True, cache, prefetch, vocab_cap), directory, host_batches,
+                                    warmup)
+                emit({"section": "kaggle", "zipf": zipf, "cache": cache, "tier": "disk", "prefetch": prefetch,
+                      "memory_step_ms": memory["step_ms"], "ratio": tiered["step_ms"] / memory["step_ms"], **tiered})
+
+
+# --------------------------------------------------------------------------------------------------- mlperf52
+def mlperf52(directory: pathlib.Path, steps: int, cap: int, qr_collisions: int, eval_examples: int) -> None:
+    from recjax.data.synthetic import MLPERF_VOCAB_SIZES
+
+    capped = tuple(min(v, cap) for v in MLPERF_VOCAB_SIZES)
+    common = [f"--config.train.steps={steps}", f"--config.train.eval_every={steps}", "--config.train.log_every=25",
+              f"--config.data.eval_examples={eval_examples}", "--config.train.progress_bar=False"]
+    arms = {
+        "disk": [f"--config.tiering.dir={directory / 'mlperf52'}"],
+        "capped_memory": [f"--config.data.vocab_sizes={capped}", "--config.tiering.disk_over_bytes=0"],
+        "qr_memory": ["--config.embedding.method=qr", f"--config.embedding.options.collisions={qr_collisions}",
+                      "--config.tiering.disk_over_bytes=0"],
+    }
+    for arm, extra in arms.items():
+        workdir = directory / f"run_{arm}"
+        command = [sys.executable, "-m", "experiments.train", "--config=experiments/configs/dlrm_synthetic.py:mlperf52",
+                   f"--workdir={workdir}", *common, *extra]
+        _log(f"mlperf52 {arm}: {' '.join(command[2:])}")
+        start = time.perf_counter()
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        (directory / f"{arm}.log").write_text(done.stdout + done.stderr)
+        if done.returncode:
+            emit({"section": "mlperf52", "arm": arm, "error": (done.stdout + done.stderr)[-2000:], "wall_s": wall})
+            continue
+        summary = json.loads((workdir / "summary.json").read_text())
+        record = {"section": "mlperf52", "arm": arm, "command": " ".join(command[2:]), "wall_s": wall,
+                  **{k: summary[k] for k in ("examples_per_sec", "auc", "logloss", "peak_rss_bytes", "embedding_bytes",
+                                             "embedding_optimizer_bytes", "compile_time_s", "train_time_s", "steps",
+                                             "batch_size", "bayes_auc")}}
+        if "tiering" in summary:
+            (group, stats), = summary["tiering"]["groups"].items()
+            record.update({"hit_rate": stats["hit_rate"], "cache_slots": stats["cache_slots"],
+                           "rows_read": stats["rows_read"], "rows_written": stats["rows_written"],
+                           "read_s": summary["tiering"]["read_s"], "plan_s": summary["tiering"]["plan_s"]})
+        emit(record)
+        shutil.rmtree(directory / "mlperf52", ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------------- plot
+def plot(results: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    rows = [r for r in lines if r.get("section") == "kaggle" and r.get("tier") == "disk" and r.get("prefetch")]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for zipf in sorted({r["zipf"] for r in rows}):
+        points = sorted((r["cache"], r["ratio"], r["hit_rate"]) for r in rows if r["zipf"] == zipf)
+        x = [100 * p[0] for p in points]
+        left.plot(x, [p[1] for p in points], marker="o", label=f"Zipf {zipf}")
+        right.plot(x, [p[2] for p in points], marker="o", label=f"Zipf {zipf}")
+    for axis, label in ((left, "disk-tier step / in-memory step"), (right, "cache hit rate")):
+        axis.set_xscale("log")
+        axis.set_xlabel("cache size (% of the disk tables' rows)")
+        axis.set_ylabel(label)
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    left.axhline(1.5, color="gray", linestyle="--", linewidth=0.8)
+    fig.suptitle("Kaggle shape, batch 2048: the disk tier against memory")
+    fig.tight_layout()
+    path = results.with_suffix(".png")
+    fig.savefig(path, dpi=120)
+    _log(f"wrote {path}")
+
+
+def main() -> None:
+    global OUT
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
+    parser.add_argument("--out", default="", help="also append the JSON lines here (the plot reads them)")
+    parser.add_argument("--dir", default="", help="where table files go (default: a temporary directory)")
+    parser.add_argument("--zipfs", default="1.05,0.8,1.2")
+    parser.add_argument("--caches", default="0.01,0.05,0.1,0.25,0.5")
+    parser.add_argument("--kaggle_steps", type=int, default=40, help="timed steps per kaggle run")
+    parser.add_argument("--kaggle_warmup", type=int, default=20, help="untimed steps first (the cache fills)")
+    parser.add_argument("--vocab_cap", type=int, default=0, help="kaggle: cap every table at this many rows (smoke)")
+    parser.add_argument("--mlperf_steps", type=int, default=300)
+    parser.add_argument("--cap", type=int, default=4_000_000, help="rows per table of the capped in-memory arm")
+    parser.add_argument("--qr_collisions", type=int, default=16, help="QR arm: ids per quotient row")
+    parser.add_argument("--eval_examples", type=int, default=65536)
+    args = parser.parse_args()
+    from recjax import cli
+
+    cli.tune_malloc()  # as the launcher does, so the benchmark measures what a run gets
+    cli.use_cpu_if_no_accelerator()
+    OUT = pathlib.Path(args.out) if args.out else None
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = set(only) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; use {SECTIONS}")
+    directory = pathlib.Path(args.dir or tempfile.mkdtemp(prefix="recjax-tiering-bench-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        if "engines" in only:
+            engines(directory)
+        if "floor" in only:
+            floor(directory)
+        if "kaggle" in only:
+            kaggle(directory, [float(z) for z in args.zipfs.split(",")], [float(c) for c in args.caches.split(",")],
+                   args.kaggle_steps, args.kaggle_warmup, args.vocab_cap)
+        if "mlperf52" in only:
+            mlperf52(directory, args.mlperf_steps, args.cap, args.qr_collisions, args.eval_examples)
+        if "plot" in only and OUT is not None:
+            plot(OUT)
+    finally:
+        if not args.dir:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
