@@ -403,7 +403,7 @@ def test_expected_reuse_histogram_matches_row_by_row_poisson_and_monte_carlo():
 # ------------------------------------------------------------------------------------------------------ notebook
 @pytest.mark.slow
 def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
-    notebook = run_notebook(NOTEBOOK, tmp_path, monkeypatch, timeout=600)  # per cell: planning ~1 s idle
+    notebook = run_notebook(NOTEBOOK, tmp_path, monkeypatch)
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not any(o.get("output_type") == "error" for o in outputs)
     text = "".join(o.get("text", "") for o in outputs)

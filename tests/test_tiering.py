@@ -454,7 +454,7 @@ def test_compress_or_offload_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the kernel inherits TMPDIR below
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     path = pathlib.Path(__file__).resolve().parent.parent / "experiments" / "notebooks" / "compress_or_offload.ipynb"
-    notebook = run_notebook(path, tmp_path, monkeypatch, timeout=1200)  # per cell; the sweep cell is the slowest
+    notebook = run_notebook(path, tmp_path, monkeypatch)
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not any(o.get("output_type") == "error" for o in outputs)
     assert any("image/png" in o.get("data", {}) for o in outputs), "the notebook shows no plot"
