@@ -128,12 +128,13 @@ def test_ctrl_c_checkpoints_the_step_and_a_rerun_resumes_bit_identical(reference
     """Ctrl-C at step 13 (between the saves of 10 and 20): the run stops after that step, checkpoints it, says so
     (Interrupted, which the launcher prints with exit status 130), restores the SIGINT handler; the same call again
     resumes at 13 and ends bit-identical to the uninterrupted run."""
+    before = signal.getsignal(signal.SIGINT)  # the default, or SIG_IGN in a process some earlier test left so
     with monkeypatch.context() as patch:
         ctrl_c_at(patch, 13)
         with pytest.raises(Interrupted, match=rf"^interrupted at step 13; rerun the same command to resume from its "
                                               rf"checkpoint of step 13 \({tmp_path / 'checkpoints' / '13'}\)$"):
             train_and_evaluate(reference_config(), tmp_path)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
     assert "interrupt: stopping after this step" in capsys.readouterr().out
     assert checkpoint.open_checkpoint(tmp_path / "checkpoints").step == 13
     train_and_evaluate(reference_config(), tmp_path)
@@ -142,13 +143,14 @@ def test_ctrl_c_checkpoints_the_step_and_a_rerun_resumes_bit_identical(reference
 
 
 def test_ctrl_c_twice_stops_at_once_and_resumes_from_the_last_checkpoint(tmp_path, monkeypatch):
+    before = signal.getsignal(signal.SIGINT)
     with monkeypatch.context() as patch:
         ctrl_c_at(patch, 13, presses=2)
         with pytest.raises(Interrupted, match=r"^interrupted at step 13; rerun the same command to resume from its "
                                               r"checkpoint of step 10 "):
             train_and_evaluate(tiny(steps=20), tmp_path)
     assert checkpoint.open_checkpoint(tmp_path / "checkpoints").step == 10
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_finished_run_is_not_trained_again(reference, monkeypatch, capsys):

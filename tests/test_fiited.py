@@ -318,6 +318,7 @@ def test_adjustments_mark_the_slots_they_change_as_dirty_rows():
     assert sum(int(np.asarray(d).sum()) for d in state2.dirty_rows.values()) > 0
 
 
+@pytest.mark.slow  # trains full and FIITED on ML-100K
 def test_fiited_at_a_tenth_of_the_bytes_trains_within_0_01_auc_of_full_on_ml100k(tmp_path):
     """The issue's bar, on real data: FIITED with its defaults at compression ratio 10 -- every byte counted: the
     pools, the packed offsets and the tables <= 200 ids kept full, keep solved by the sweep's plan -- ends within

@@ -388,6 +388,7 @@ def take_batches(stream, n: int) -> list:
     return [next(stream) for _ in range(n)]
 
 
+@pytest.mark.slow  # trains DLRM and LR on ML-100K
 def test_dlrm_beats_logistic_regression_on_ml100k(ml100k_dir, tmp_path):
     """Both from the DLRM config (`model.name` swaps the model), each with early stopping on validation."""
     from experiments.configs import dlrm_movielens, lr_movielens

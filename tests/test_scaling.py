@@ -201,6 +201,7 @@ def test_ladders_grow_flops_and_span_two_orders_of_magnitude():
 
 
 # ---------------------------------------------------------------------------------------- tiny sweep
+@pytest.mark.slow  # nine runs and a resume
 def test_tiny_sweep_writes_results_fit_and_plot_and_resumes(tmp_path):
     lines = []
     rows, fit = ss.run_sweep(tmp_path, ["wukong", "dlrm"], [0], steps=10, tiny_setting=True, log=lines.append)

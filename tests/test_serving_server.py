@@ -219,6 +219,7 @@ def test_server_options_are_checked():
         "error: --model=/nonexistent: cannot load the export: /nonexistent is not a recjax export")
 
 
+@pytest.mark.slow  # trains, exports and serves under load
 def test_serving_cost_notebook_runs(tmp_path, monkeypatch):
     """experiments/notebooks/serving_cost.ipynb top to bottom in its tiny setting: the format table, the load curves
     and both plots."""

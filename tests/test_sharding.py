@@ -53,12 +53,21 @@ def runs(tmp_path_factory) -> pathlib.Path:
 EXACT = sorted(c for c in CASES if "bf16" not in c)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", EXACT)
-def test_sharded_training_equals_single_device(runs, case):
+# The one case the default suite runs (the full set is `slow`): mixed shardings (table, row, column, replicated)
+# on a data=4 x model=2 mesh, full tables, lazy Adam.
+DEFAULT_CASE = "dlrm-full-mixed-4x2"
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("sharding_default")
+    run_devices(out, [DEFAULT_CASE])
+    return out
+
+
+def assert_equals_single_device(r, case: str) -> None:
     """Losses, logits, updated tables + optimizer state and dense params (dense SGD: equal params = equal dense
     gradients) after 3 steps on 8 devices equal the single-device run."""
-    r = np.load(runs / f"{case}.npz")
     np.testing.assert_allclose(r["loss"], r["ref_loss"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(r["logits"], r["ref_logits"], rtol=1e-5, atol=1e-5)
     keys = [k for k in r.files if k.startswith(("table/", "opt/", "dense/", "aux/"))]
@@ -73,6 +82,16 @@ def test_sharded_training_equals_single_device(runs, case):
         np.testing.assert_allclose(r[key], r[f"ref_{key}"], rtol=1e-4, atol=atol, err_msg=key)
     # The run really trained: tables moved from one step to the next (guards against comparing two no-ops).
     assert r["ref_loss"][0] != r["ref_loss"][-1]
+
+
+def test_the_default_mesh_case_equals_single_device(default_run):
+    assert_equals_single_device(np.load(default_run / f"{DEFAULT_CASE}.npz"), DEFAULT_CASE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", EXACT)
+def test_sharded_training_equals_single_device(runs, case):
+    assert_equals_single_device(np.load(runs / f"{case}.npz"), case)
 
 
 @pytest.mark.slow

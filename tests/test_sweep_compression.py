@@ -149,6 +149,7 @@ def png_size(path: pathlib.Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+@pytest.mark.slow  # a sweep of runs and a resume
 def test_tiny_sweep_writes_results_plot_and_resumes(tmp_path, monkeypatch):
     base = tiny_base()
     logged = []
