@@ -33,7 +33,7 @@ import numpy as np
 
 from recjax import sharding
 from recjax.batch import Batch
-from recjax.checkpoint import ResumePoint, open_checkpoint, restore_state
+from recjax.checkpoint import ResumePoint, open_checkpoint, restore_state, table_record
 from recjax.data import make_dataset
 from recjax.dynamic import DynamicTables
 from recjax.embedding_backend import LocalEmbedding
@@ -97,11 +97,12 @@ def load_run(workdir: str | pathlib.Path, step: int | None = None) -> TrainedRun
     budget = resolve_budget(config.train, dataset)
     task = build_task(config, dataset.spec, dataset, budget.steps)
     dynamic = DynamicTables.create(task.collection, budget.steps, int(config.seed))
-    if dynamic is not None:  # FIITED pools as the checkpoint's compactions left them
+    if dynamic is not None and point.meta["loop"].get("dynamic"):  # FIITED pools as the compactions left them
         task = dynamic.resume(task, point.meta["loop"]["dynamic"])
     like = jax.eval_shape(lambda b: init_state(task, jax.random.key(int(config.seed)), b),
                           _example_batch(dataset.spec))
-    state = restore_state(point, like, sharding.relayout(task.collection, LocalEmbedding(task.collection)))
+    state = restore_state(point, like, sharding.relayout(task.collection, LocalEmbedding(task.collection)),
+                          record=table_record(task.collection, task.sparse_optimizer, like))
     return TrainedRun(workdir, config, dataset, task, state, point)
 
 
