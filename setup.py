@@ -32,7 +32,9 @@ setup(
         "importlib_resources>=5",  # TFDS (via etils.epath) needs it to locate builder code; not always pulled in
         "matplotlib>=3.8,<4",
         # recjax/checkpoint/: CheckpointManager, StandardSave / JsonSave items, read_only managers (0.11+).
-        "orbax-checkpoint>=0.11,<0.13",  # experiments/sweep_compression.py: the Pareto plot (Agg canvas, no display)
+        "orbax-checkpoint>=0.11,<0.13",
+        # recjax/serving/export.py: jax.export serializes an exported model with flatbuffers (not a jax dependency).
+        "flatbuffers>=23",
     ],
     extras_require={
         # python -m experiments.serve (recjax/serving/server.py): the asyncio HTTP server (and the load generator's

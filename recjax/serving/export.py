@@ -36,6 +36,7 @@ from recjax.batch import Batch
 from recjax.checkpoint import ResumePoint, open_checkpoint, restore_state, table_record
 from recjax.data import make_dataset
 from recjax.dynamic import DynamicTables
+from recjax.embedding import EmbeddingCollection, EmbeddingGlue
 from recjax.embedding_backend import LocalEmbedding
 from recjax.errors import CheckpointError, ConfigError, DataError
 from recjax.evaluation import resolve_budget
@@ -197,8 +198,13 @@ def input_spec(config: ml_collections.ConfigDict, spec: DatasetSpec) -> tuple[di
 # ---------------------------------------------------------------------------------------------------- export
 def scoring_function(task: Task, table_format: str):
     """(tables, dense params, routing arrays, dense, ids, lengths) -> probabilities f32[B]: the trainer's predict
-    step over serving tables of `table_format`."""
-    predict = make_predict_step(task, ServingEmbedding(task.collection, table_format))
+    step over serving tables of `table_format`. Its lookups are XLA's (`embedding.kernel="xla"`): the Pallas kernels
+    size their grids from the batch, which the export leaves symbolic."""
+    c = task.collection
+    xla = EmbeddingCollection(c.spec, list(c.table_specs.values()), c.pooling, c.bounds_check, "xla", c.dedup,
+                              "distinct_rows")
+    task = dataclasses.replace(task, collection=xla, glue=EmbeddingGlue(xla))
+    predict = make_predict_step(task, ServingEmbedding(xla, table_format))
 
     def score(tables, params, aux, dense, ids, lengths):
         state = TrainState(step=jnp.zeros((), jnp.int32), dense_params=params, dense_opt_state=(), tables=tables,
