@@ -25,6 +25,7 @@ from typing import NoReturn
 from absl import flags as absl_flags
 
 from recjax.errors import Interrupted, UserError
+from recjax.validation import find
 
 DEBUG_ENV = "RECJAX_DEBUG"
 MALLOC_ENV = "RECJAX_MALLOC"  # "default" leaves glibc's malloc settings alone
@@ -208,26 +209,16 @@ def _load_config(path: pathlib.Path):
         return None
 
 
-def _get_key(config, key: str):
-    """config[a][b]... for key "a.b...", or None when some part is missing."""
-    node = config
-    for part in key.split("."):
-        if not hasattr(node, "keys") or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
 def configs_with_field(key: str, config_file: pathlib.Path, is_default: bool) -> str:
     """For a field `key` (e.g. "data.dir") that `config_file` lacks: what that config is, and the config files beside
     it that have the field, as text to append to the error; "" if none has it."""
     others = [path for path in sorted(config_file.parent.glob("*.py"))
               if path.name not in ("__init__.py", "common.py") and path.resolve() != config_file.resolve()]
-    others = [_shown(path) for path in others if _get_key(_load_config(path), key) is not None]
+    others = [_shown(path) for path in others if find(_load_config(path), key) is not None]
     if not others:
         return ""
     which = f"the default config ({_shown(config_file)}, used without --config)" if is_default else _shown(config_file)
-    section, data_name = key.split(".", 1)[0], _get_key(_load_config(config_file), "data.name")
+    section, data_name = key.split(".", 1)[0], find(_load_config(config_file), "data.name")
     what = f" (data.name={data_name!r}: generated, no files to read)" if section == "data" and data_name == (
         "synthetic") else ""
     return f"; {which} has no {key}{what}; the configs with {key}: {', '.join(others)} (e.g. --config={others[0]})"

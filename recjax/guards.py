@@ -18,6 +18,7 @@ from recjax.checkpoint import Checkpointer
 from recjax.embedding_backend import EmbeddingBackend
 from recjax.errors import ConfigError, Interrupted
 from recjax.task import Task
+from recjax.validation import MISSING, find
 
 
 @dataclasses.dataclass
@@ -133,7 +134,7 @@ def check_memory(config: ml_collections.ConfigDict, task: Task, backend: Embeddi
                             f"{_gib(t['bytes'] + t['optimizer_bytes'])}" for name, t in tables[:3])
         caps = [key for key in ("data.vocab_sizes", "data.max_index", "data.frequency_threshold",
                                 "data.sparse.frequency_threshold", "data.sparse.hash_buckets")
-                if _has_key(config, key)]
+                if find(config, key, MISSING) is not MISSING]
         parts = []
         if device.platform == "cpu" or not saves_in_it:  # on a GPU / TPU the host holds only the saves' buffers
             parts += [f"{_gib(accounting['bytes'])} of embedding tables",
@@ -149,15 +150,6 @@ def check_memory(config: ml_collections.ConfigDict, task: Task, backend: Embeddi
             + (f", fewer rows ({', '.join(caps)})" if caps else "")
             + ", or shard them over more devices (mesh.shape; the devices of one CPU host share its memory, so on "
             "CPU that means more hosts); or train.check_memory=False to start anyway"))
-
-
-def _has_key(config, key: str) -> bool:
-    node = config
-    for part in key.split("."):
-        if not hasattr(node, "keys") or part not in node:
-            return False
-        node = node[part]
-    return True
 
 
 def writable_directory(path: pathlib.Path, key: str) -> None:

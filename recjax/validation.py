@@ -14,15 +14,25 @@ from typing import Any
 
 from recjax.errors import ConfigError
 
+MISSING = object()  # what `find` returns for a key the config lacks (None is a value configs hold)
 
-def get(config: Mapping, key: str) -> Any:
-    """`config[key]` for a dotted key, or a ConfigError saying it is missing."""
+
+def find(config: Mapping, key: str, default: Any = None) -> Any:
+    """`config[key]` for a dotted key, or `default` when some part of it is missing."""
     node: Any = config
     for part in key.split("."):
         if not hasattr(node, "keys") or part not in node:
-            raise ConfigError(key, "is missing from the config; add it (see experiments/configs/common.py)")
+            return default
         node = node[part]
     return node
+
+
+def get(config: Mapping, key: str) -> Any:
+    """`config[key]` for a dotted key, or a ConfigError saying it is missing."""
+    value = find(config, key, MISSING)
+    if value is MISSING:
+        raise ConfigError(key, "is missing from the config; add it (see experiments/configs/common.py)")
+    return value
 
 
 def check_integer(key: str, value: Any, minimum: int | None = None, below: int | None = None) -> int:

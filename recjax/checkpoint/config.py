@@ -7,6 +7,7 @@ from typing import Any
 import ml_collections
 
 from recjax import quantize
+from recjax.checkpoint.integrity import flat
 from recjax.errors import ConfigError
 from recjax.validation import boolean, check_number, choice, get, integer, known_keys
 
@@ -60,14 +61,9 @@ def config_dict(config: ml_collections.ConfigDict) -> dict:
     return json.loads(config.to_json_best_effort(sort_keys=True))
 
 
-def flatten_config(d: Mapping, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping):
-            out.update(flatten_config(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+def flatten_config(d: Mapping) -> dict[str, Any]:
+    """{"a.b": value} of a nested config dict."""
+    return flat(d, sep=".")
 
 
 def config_differences(saved: Mapping, current: Mapping) -> list[str]:

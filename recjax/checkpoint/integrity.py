@@ -25,11 +25,12 @@ def sha256(array: np.ndarray) -> str:
     return blocks.digest(array).hex()
 
 
-def flat(tree: Mapping, prefix: str = "") -> dict[str, np.ndarray]:
+def flat(tree: Mapping, prefix: str = "", sep: str = "/") -> dict[str, Any]:
+    """{"a/b": leaf} of a nested dict (keys joined by `sep`)."""
     out = {}
     for k, v in tree.items():
         if isinstance(v, Mapping):
-            out.update(flat(v, f"{prefix}{k}/"))
+            out.update(flat(v, f"{prefix}{k}{sep}", sep))
         else:
             out[f"{prefix}{k}"] = v
     return out
