@@ -51,6 +51,7 @@ class Server:
             [sys.executable, "-m", "experiments.serve", f"--model={model}", "--port=0", f"--max_batch={MAX_BATCH}",
              *flags], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.output: list[str] = []
+        self.terminated = False
         for line in self.process.stdout:  # blocks until the server is ready (or has died)
             self.output.append(line)
             if line.startswith("serving on http://"):
@@ -77,9 +78,15 @@ class Server:
         _, text = self.request("GET", "/metrics")
         return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
-    def stop(self) -> str:
-        if self.process.poll() is None:
+    def terminate(self) -> None:
+        """SIGTERM, once: a second one could reach the process after its drain, when asyncio has already removed
+        the handlers, and kill it (exit status -15) on its way out."""
+        if not self.terminated and self.process.poll() is None:
+            self.terminated = True
             self.process.send_signal(signal.SIGTERM)
+
+    def stop(self) -> str:
+        self.terminate()
         rest = self.process.stdout.read()
         self.process.wait()
         return "".join(self.output) + rest
@@ -174,7 +181,7 @@ def test_sigterm_drains_the_queued_request(tiny):
         client.start()
         while server.metric("recjax_serving_queued_rows") < 2:  # the request waits in the batcher's queue
             pass
-        server.process.send_signal(signal.SIGTERM)
+        server.terminate()
         client.join()
     finally:
         log = server.stop()
