@@ -81,8 +81,33 @@ def run_planners(problem, seed: int, model=None, judge=None) -> dict[str, dict]:
         cpu = time.process_time()
         result = run()
         out[name] = {"cost": result.cost.max, "fits": result.fits, "wall": result.seconds,
-                     "cpu": time.process_time() - cpu, "shardings": result.to_json()["shardings"]}
+                     "cpu": time.process_time() - cpu, "shardings": result.to_json()["shardings"],
+                     "exchange": result.cost.exchange, "compute_mean": float(result.cost.compute.mean())}
     return out
+
+
+def floors(runs: list[dict[str, dict]]) -> dict:
+    """How much lower than the best fitting baseline a plan could go by placement alone, per task averaged: every
+    device pays the exchange, and the slowest device's compute is at least the mean device's. `exchange_share`: the
+    exchange's share of each planner's step cost; `balanced_floor`: (the best baseline's exchange + its mean device
+    compute) / its step cost, what perfectly balancing that plan's compute would reach; `exchange_floor`: its
+    exchange / its step cost, what a plan with no compute at all and the same exchange would reach. Below them only
+    a smaller exchange (other sharding kinds per storage) goes."""
+    from recjax.sharding import planner as P
+
+    planners = list(runs[0])
+    record = {"exchange_share": {p: float(np.mean([r[p]["exchange"] / r[p]["cost"] for r in runs if r[p]["fits"]]
+                                                  or [np.nan])) for p in planners}}
+    balanced, exchange = [], []
+    for r in runs:
+        fitting = [b for b in P.BASELINES if r[b]["fits"]]
+        if fitting:
+            best = r[min(fitting, key=lambda b: r[b]["cost"])]
+            balanced.append((best["exchange"] + best["compute_mean"]) / best["cost"])
+            exchange.append(best["exchange"] / best["cost"])
+    record["best_baseline_balanced_floor"] = float(np.mean(balanced)) if balanced else None
+    record["best_baseline_exchange_floor"] = float(np.mean(exchange)) if exchange else None
+    return record
 
 
 def summarize(name: str, devices: int, tables: int, runs: list[dict[str, dict]]) -> dict:
@@ -105,6 +130,7 @@ def summarize(name: str, devices: int, tables: int, runs: list[dict[str, dict]])
         if fitting and r["recjax"]["fits"]:
             best.append(r["recjax"]["cost"] / min(fitting))
     record["cost_ratio_vs"] = ratios
+    record.update(floors(runs))
     record["cost_ratio_vs_best_baseline"] = float(np.mean(best)) if best else None
     record["tasks_with_a_fitting_baseline"] = len(best)
     record["recjax_shardings"] = runs[-1]["recjax"]["shardings"]

@@ -16,6 +16,11 @@ Measurements
              checkpoint scored is the run's last one, for every format alike.
   forward    the bare exported model (loader.score_arrays, no HTTP, no batching) per batch size: the floor a server
              adds to; in the same process as the load generator, before any load.
+  overhead   the server's own cost at low load: one client sends one-row requests one after another (closed loop,
+             --overhead_requests) to the f32 export behind the server without batching (max_batch 1): the client's
+             p50 latency minus the bare forward's median at batch 1 (measured twice, before and after the server,
+             so drift shows), and the server's own time from its Server-Timing header, with and without its
+             model call (what the server adds, apart from the HTTP round trip and the client on the same cores).
   load       the synthetic runs exported (full: f32, int8, int4; qr, md: f32), each behind the server on 127.0.0.1
              at rising open-loop request rates (--rates, Poisson arrivals, --seconds per rate and at most
              --max_requests, 1 encoded row per request; recjax/serving/measure.py): p50 / p95 / p99 against achieved
@@ -41,7 +46,7 @@ from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-MEASUREMENTS = ("tables", "forward", "load")
+MEASUREMENTS = ("tables", "forward", "overhead", "load")
 SHARED = os.environ.get("RECJAX_SHARED_DATA", str(REPO.parent / "shared" / "data"))
 RESULTS = sys.stdout  # the JSON lines; everything else (training's and the data builders' prints) goes to stderr
 
@@ -153,9 +158,29 @@ def load_curve(args, directory: pathlib.Path, rows: list[dict], label: str, mode
     return levels
 
 
+def measure_overhead(args, models: dict[str, pathlib.Path], rows: list[dict]) -> None:
+    from recjax.serving import loader
+    from recjax.serving.measure import ServerProcess, closed_loop, forward_times
+
+    model = loader.load(models["f32"])
+    before = forward_times(model, [1], rows, repeats=200)[1]
+    with ServerProcess(models["f32"], batch_shapes="pow2", max_batch=1, max_wait_ms=0) as process:
+        closed_loop(process.url, rows, 50)  # warm: connection, first requests
+        served = closed_loop(process.url, rows, args.overhead_requests)
+    after = forward_times(model, [1], rows, repeats=200)[1]
+    forward_ms = 1e3 * (before + after) / 2
+    _emit({"measurement": "overhead", "model": "f32", "max_batch": 1, **served,
+           "forward_batch1_ms_before": 1e3 * before, "forward_batch1_ms_after": 1e3 * after,
+           "client_overhead_p50_ms": served["client_p50_ms"] - forward_ms})
+    _log(f"server overhead at p50: the client sees {served['client_p50_ms']:.3f} ms against a bare forward of "
+         f"{forward_ms:.3f} ms (+{served['client_p50_ms'] - forward_ms:.3f} ms); the server's own time "
+         f"{served['server_p50_ms']:.3f} ms, {served['server_minus_forward_p50_ms']:.3f} ms of it not the model call")
+
+
 def measure_load(args, models: dict[str, pathlib.Path], rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
     curves = {}
-    for name, directory in models.items():
+    for name in args.load_models:
+        directory = models[name]
         curves[(name, "fixed")] = load_curve(args, directory, rows, f"b{args.format_batch}_w{args.format_wait_ms:g}",
                                              name, max_batch=args.format_batch, max_wait_ms=args.format_wait_ms)
     f32 = models["f32"]
@@ -210,12 +235,16 @@ def main() -> None:
     parser.add_argument("--synthetic_steps", type=int, default=2000)
     parser.add_argument("--ml100k", default=str(pathlib.Path(SHARED) / "movielens_100k"))
     parser.add_argument("--forward_sizes", default="1,2,4,8,16,32,64,128,256")
-    parser.add_argument("--rates", default="20,50,100,200,400,800,1600,3200")
+    parser.add_argument("--overhead_requests", type=int, default=1000)
+    parser.add_argument("--rates", default="20,50,100,150,200,300,400,600,800,1200,1600,3200")
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--max_requests", type=int, default=4000)
     parser.add_argument("--format_batch", type=int, default=32)
     parser.add_argument("--format_wait_ms", type=float, default=1.0)
-    parser.add_argument("--grid", default="8x1,32x1,128x1,8x4,32x4,128x4", help="max_batch x max_wait_ms")
+    parser.add_argument("--grid", default="8x0,32x0,128x0,8x1,32x1,128x1,8x4,32x4,128x4",
+                        help="max_batch x max_wait_ms")
+    parser.add_argument("--load_models", default="f32,int8,int4,qr,md",
+                        help="load: the exports measured at the one --format_batch setting")
     parser.add_argument("--targets", default="10,20,50")
     parser.add_argument("--adaptive_targets", default="20", help="a scheduler run per p99 target (ms)")
     parser.add_argument("--plot", default="benchmarks/serving.png")
@@ -224,7 +253,7 @@ def main() -> None:
     unknown = set(only) - set(MEASUREMENTS)
     if unknown:
         parser.error(f"--only: unknown {sorted(unknown)}; choose from {MEASUREMENTS}")
-    for name in ("datasets", "methods", "formats", "grid"):
+    for name in ("datasets", "methods", "formats", "grid", "load_models"):
         setattr(args, name, [v for v in getattr(args, name).split(",") if v])
     args.forward_sizes = [int(v) for v in args.forward_sizes.split(",")]
     args.rates = [float(v) for v in args.rates.split(",")]
@@ -244,11 +273,13 @@ def main() -> None:
 def run(args, only: list[str], root: pathlib.Path) -> None:
     if "tables" in only:
         measure_tables(args, root)
-    if "forward" in only or "load" in only:
+    if {"forward", "overhead", "load"} & set(only):
         models = exports(args, root)
         rows = request_rows(models["f32"])
         if "forward" in only:
             measure_forward(args, models, rows)
+        if "overhead" in only:
+            measure_overhead(args, models, rows)
         if "load" in only:
             curves = measure_load(args, models, rows)
             if args.plot:

@@ -21,6 +21,7 @@ from test_train import tiny_config
 from recjax.errors import ConfigError
 from recjax.serving import loader
 from recjax.serving.export import export_run, load_run
+from recjax.serving.measure import server_timing
 from recjax.serving.server import AdaptiveBatching, ServerOptions
 from recjax.train import train_and_evaluate
 
@@ -113,6 +114,12 @@ def test_server_scores_batches_clients_apart_and_answers_bad_requests(tiny):
         status, body = server.score(rows[:3])
         assert status == 200 and body["errors"] == []
         np.testing.assert_array_equal(_bits(body["scores"]), alone[:3].view(np.uint32))
+        # Server-Timing: a lone request waited --max_wait_ms=5 for company, then one model call.
+        connection = http.client.HTTPConnection("127.0.0.1", server.port)
+        connection.request("POST", "/v1/score", json.dumps({"rows": rows[:3]}), {"Content-Type": "application/json"})
+        timing = server_timing(connection.getresponse().getheader("Server-Timing"))
+        connection.close()
+        assert timing["forward"] > 0 and timing["total"] >= 5.0 + timing["forward"]
 
         # Mixed requests, many clients at once: each row's score is its score alone, bit for bit.
         bad = {"dense": rows[0]["dense"], "ids": {**rows[0]["ids"], "C3": 1000}}
@@ -157,11 +164,11 @@ def test_server_scores_batches_clients_apart_and_answers_bad_requests(tiny):
         np.testing.assert_array_equal(_bits(body["scores"]), alone[3:6].view(np.uint32))
 
         # /metrics counts what happened: rows scored, rows refused, requests by code.
-        scored = 3 + sum(len(r) - (len(r) == 3) for r in requests) + 3
+        scored = 3 + 3 + sum(len(r) - (len(r) == 3) for r in requests) + 3  # the Server-Timing request's 3 too
         assert server.metric("recjax_serving_rows_scored_total") == scored
         assert server.metric("recjax_serving_row_errors_total") == 4 + 5
         assert server.metric('recjax_serving_requests_total{code="413"') == 3
-        scoring = 1 + len(requests) + 1 + 1  # the requests that reached the batcher, 422s included
+        scoring = 2 + len(requests) + 1 + 1  # the requests that reached the batcher, 422s included
         assert server.metric("recjax_serving_request_latency_seconds_count") == scoring
         assert server.metric("recjax_serving_batch_rows_sum") == scored
     finally:
@@ -195,24 +202,42 @@ def test_sigterm_drains_the_queued_request(tiny):
 
 
 def test_adaptive_batching_decisions():
-    """DeepRecSys-style hill climbing, by hand: grow while the worker is busy and p99 has slack, back off past the
-    target, stop waiting when idle."""
-    adaptive = AdaptiveBatching(cap=64, target_ms=20.0, window=4)
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (1, 0.0)
+    """DeepRecSys-style hill climbing, by hand: start at the cap without waiting, wait longer while the worker is busy
+    and p99 has slack, stop waiting past the target and then shrink a batch whose one call is too long, stop waiting
+    when idle; a window closes after `window` requests or after `period_s` with `min_requests`."""
+    adaptive = AdaptiveBatching(cap=64, target_ms=20.0, window=4, period_s=0.5, min_requests=2)
+    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 0.0)
     adaptive.decide(p99_ms=5.0, utilisation=0.9)
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (2, 0.25)
+    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 0.25)
     for _ in range(6):
         adaptive.decide(p99_ms=5.0, utilisation=0.9)
     assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 5.0)  # capped: 64 rows, target / 4
-    adaptive.decide(p99_ms=25.0, utilisation=0.9)
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (32, 2.5)
+    adaptive.decide(p99_ms=25.0, utilisation=0.9, longest_call_ms=8.0)
+    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 2.5)  # waiting goes first
     adaptive.decide(p99_ms=15.0, utilisation=0.9)  # busy but no slack (15 > 0.6 * 20): hold
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (32, 2.5)
+    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 2.5)
     adaptive.decide(p99_ms=1.0, utilisation=0.1)
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (32, 1.25)
-    for seconds in (0.001, 0.002, 0.003, 0.1):  # a window of 4 requests -> one decision on their p99
-        adaptive.record_request(seconds, now=adaptive.window_start + 1.0)
-    assert adaptive.decisions[-1][1:] == (16, 0.625) and adaptive.latencies == []
+    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 1.25)
+    for _ in range(4):  # 1.25 -> 0.625 -> 0.3125 -> 0.15625 -> 0 (under 0.25 ms: no wait at all)
+        adaptive.decide(p99_ms=25.0, utilisation=0.9, longest_call_ms=8.0)
+    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 0.0)
+    adaptive.decide(p99_ms=25.0, utilisation=0.9, longest_call_ms=4.0)  # a call is 4 <= 20 / 4 ms: overload, hold
+    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 0.0)
+    adaptive.decide(p99_ms=25.0, utilisation=0.9, longest_call_ms=6.0)  # one call spends > target / 4: shrink
+    assert (adaptive.max_batch, adaptive.max_wait_ms) == (32, 0.0)
+    start = adaptive.window_start
+    adaptive.record_forward(0.004)
+    adaptive.record_forward(0.007)
+    for seconds in (0.001, 0.002, 0.003, 0.1):  # 4 requests in 0.1 s -> one decision on their p99: over
+        # the target, no wait, the longest call 7 > 20 / 4 ms -> shrink
+        adaptive.record_request(seconds, now=start + 0.1)
+    assert adaptive.decisions[-1] == (pytest.approx(1e3 * np.percentile([0.001, 0.002, 0.003, 0.1], 99)), 16, 0.0)
+    assert adaptive.latencies == [] and adaptive.longest_call_s == 0.0
+    adaptive.record_request(0.001, now=start + 0.3)  # 0.2 s into the window, 1 request: open
+    adaptive.record_request(0.001, now=start + 0.5)  # 0.4 s: open
+    assert len(adaptive.latencies) == 2
+    adaptive.record_request(0.001, now=start + 0.7)  # 0.6 s >= period, 3 >= min_requests: closes (idle, no wait)
+    assert adaptive.decisions[-1] == (pytest.approx(1.0), 16, 0.0) and adaptive.latencies == []
 
 
 def test_server_options_are_checked():

@@ -154,6 +154,51 @@ def open_loop(url: str, rows: Sequence[Any], rate: float, seconds: float, max_re
         return thread.submit(asyncio.run, _open_loop(url, bodies, rate, count, seed)).result()
 
 
+def server_timing(header: str | None) -> dict[str, float]:
+    """{name: milliseconds} of a Server-Timing header ("total;dur=1.2, forward;dur=0.8")."""
+    out = {}
+    for part in (header or "").split(","):
+        name, _, rest = part.strip().partition(";")
+        if rest.startswith("dur="):
+            out[name] = float(rest[4:])
+    return out
+
+
+async def _closed_loop(url: str, bodies: Sequence[bytes], count: int) -> np.ndarray:
+    import aiohttp
+
+    out = np.full((count, 3), np.nan)  # client seconds, the server's total and forward ms
+    async with aiohttp.ClientSession() as session:
+        loop = asyncio.get_running_loop()
+        for i in range(count):
+            start = loop.time()
+            async with session.post(f"{url}/v1/score", data=bodies[i % len(bodies)],
+                                    headers={"Content-Type": "application/json"}) as response:
+                await response.read()
+                if response.status == 200:
+                    timing = server_timing(response.headers.get("Server-Timing"))
+                    out[i] = (loop.time() - start, timing.get("total", np.nan), timing.get("forward", np.nan))
+    return out
+
+
+def closed_loop(url: str, rows: Sequence[Any], count: int) -> dict[str, Any]:
+    """One client, one request (one row) at a time over one kept-alive connection: the latency of a request that
+    never waits for another, i.e. what the server and the HTTP round trip add to the model's forward at batch 1 (the
+    low-load end the open loop cannot reach without queueing noise). Percentiles in ms of the answered requests, as
+    the client saw them and as the server's Server-Timing header reports them (its own time; its time minus the
+    model call's)."""
+    bodies = [json.dumps({"rows": [row]}).encode() for row in rows]
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        out = thread.submit(asyncio.run, _closed_loop(url, bodies, count)).result()
+    out = out[np.isfinite(out[:, 0])]
+    series = {"client": out[:, 0] * 1e3, "server": out[:, 1], "server_minus_forward": out[:, 1] - out[:, 2]}
+    record: dict[str, Any] = {"requests": count, "ok": len(out)}
+    for name, values in series.items():
+        for q in (50, 90, 99):
+            record[f"{name}_p{q}_ms"] = float(np.percentile(values, q)) if values.size else float("nan")
+    return record
+
+
 def latency_bounded_throughput(levels: Sequence[dict[str, Any]], target_ms: float) -> float:
     """The highest achieved QPS among load levels with p99 <= target and no failed request (0 if none)."""
     return max([lv["achieved_qps"] for lv in levels if lv["p99_ms"] <= target_ms and lv["failed"] == 0], default=0.0)

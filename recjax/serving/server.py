@@ -3,6 +3,7 @@ r"""The scoring server: an export (recjax/serving/loader.py) behind HTTP, with d
     python -m experiments.serve --model=DIR --port=8500 [--max_batch=64 --max_wait_ms=2]
 
     POST /v1/score   {"rows": [row, ...]} -> {"scores": [p or null, ...], "errors": [{"row", "field", "error"}]}
+                     and a Server-Timing header: the server's own milliseconds (total) and its model call's (forward)
                      a row is a raw line in the dataset's format or {"dense": [...], "ids": {feature: id | [ids]}}
                      (loader.py); 200 when every row scored, 422 when some rows have errors (the others are scored),
                      400 for a body that is not {"rows": [...]}, 413 past --max_rows rows or --max_body_bytes bytes
@@ -85,45 +86,57 @@ class ServerOptions:
 class AdaptiveBatching:
     """Online tuning of (max_batch, max_wait_ms) against a p99 latency target, one decision per window of requests.
 
-    DeepRecSys's scheduler (Gupta et al., ISCA 2020, Sec. 5) grows the batch size while the tail latency stays under
-    the target, since bigger batches amortise the per-call cost and raise the throughput the target allows. Online,
-    per window of `window` finished requests with p99 latency p and worker utilisation u (forward time / window time):
-        p > target                      halve max_batch and max_wait_ms (back off)
-        u > busy and p < slack target   double max_batch (up to `cap`) and max_wait_ms (from 0.25 ms, up to target/4):
+    DeepRecSys's scheduler (Gupta et al., ISCA 2020, Sec. 5) grows the batch while the tail latency stays under the
+    target, since bigger batches amortise the per-call cost and raise the throughput the target allows. Here it starts
+    from max_batch = `cap` and no wait: the batcher then scores together whatever queued while the worker was busy
+    (requests that would have waited anyway), so batching adds no latency at low load and grows with the load by
+    itself; what is left to tune is how long to *wait* for fuller batches, and whether one call at max_batch is too
+    long for the target. Per window (`window` finished requests, or `period_s` seconds with at least `min_requests`),
+    with p99 latency p, worker utilisation u (forward time / window time) and the longest call c:
+        p > target                      waiting: halve max_wait_ms (0 below 0.125 ms); not waiting and c > target/4:
+                                        halve max_batch (one call alone spends the target's budget)
+        u > busy and p < slack target   double max_wait_ms (from 0.25 ms, up to target/4) and max_batch (up to cap):
                                         the worker is the bottleneck and there is latency to spend on amortising it
         u < idle                        halve max_wait_ms: at low load waiting only adds latency
     """
 
-    def __init__(self, cap: int, target_ms: float, max_batch: int = 1, max_wait_ms: float = 0.0, window: int = 200,
-                 busy: float = 0.7, idle: float = 0.3, slack: float = 0.6):
-        self.cap, self.target_ms, self.window = cap, target_ms, window
-        self.max_batch, self.max_wait_ms = min(max_batch, cap), max_wait_ms
+    def __init__(self, cap: int, target_ms: float, max_batch: int | None = None, max_wait_ms: float = 0.0,
+                 window: int = 200, period_s: float = 0.5, min_requests: int = 20, busy: float = 0.7,
+                 idle: float = 0.3, slack: float = 0.6):
+        self.cap, self.target_ms = cap, target_ms
+        self.window, self.period_s, self.min_requests = window, period_s, min_requests
+        self.max_batch, self.max_wait_ms = min(cap if max_batch is None else max_batch, cap), max_wait_ms
         self.busy, self.idle, self.slack = busy, idle, slack
         self.latencies: list[float] = []
-        self.busy_s = 0.0
+        self.busy_s = self.longest_call_s = 0.0
         self.window_start = time.perf_counter()
         self.decisions: list[tuple[float, int, float]] = []  # (p99 ms, max_batch, max_wait_ms) after each window
 
     def record_forward(self, seconds: float) -> None:
         self.busy_s += seconds
+        self.longest_call_s = max(self.longest_call_s, seconds)
 
     def record_request(self, seconds: float, now: float | None = None) -> None:
         self.latencies.append(seconds)
-        if len(self.latencies) >= self.window:
-            now = time.perf_counter() if now is None else now
-            self.decide(float(np.percentile(self.latencies, 99)) * 1e3,
-                        self.busy_s / max(now - self.window_start, 1e-9))
-            self.latencies, self.busy_s, self.window_start = [], 0.0, now
+        now = time.perf_counter() if now is None else now
+        elapsed = now - self.window_start
+        count = len(self.latencies)
+        if count >= self.window or (elapsed >= self.period_s and count >= self.min_requests):
+            self.decide(float(np.percentile(self.latencies, 99)) * 1e3, self.busy_s / max(elapsed, 1e-9),
+                        self.longest_call_s * 1e3)
+            self.latencies, self.busy_s, self.longest_call_s, self.window_start = [], 0.0, 0.0, now
 
-    def decide(self, p99_ms: float, utilisation: float) -> None:
+    def decide(self, p99_ms: float, utilisation: float, longest_call_ms: float = 0.0) -> None:
         if p99_ms > self.target_ms:
-            self.max_batch = max(1, self.max_batch // 2)
-            self.max_wait_ms = self.max_wait_ms / 2
+            if self.max_wait_ms > 0:
+                self.max_wait_ms = self.max_wait_ms / 2 if self.max_wait_ms >= 0.25 else 0.0
+            elif longest_call_ms > self.target_ms / 4:
+                self.max_batch = max(1, self.max_batch // 2)
         elif utilisation > self.busy and p99_ms < self.slack * self.target_ms:
             self.max_batch = min(self.cap, self.max_batch * 2)
             self.max_wait_ms = min(self.target_ms / 4, max(0.25, self.max_wait_ms * 2))
         elif utilisation < self.idle:
-            self.max_wait_ms = self.max_wait_ms / 2
+            self.max_wait_ms = self.max_wait_ms / 2 if self.max_wait_ms >= 0.25 else 0.0
         self.decisions.append((p99_ms, self.max_batch, self.max_wait_ms))
 
 
@@ -206,7 +219,8 @@ class Batcher:
                                     {f["name"]: np.zeros((1, f["bag_size"]), np.int32) for f in spec},
                                     {f["name"]: np.zeros(1, np.int32) for f in spec}, pad_to=size)
 
-    async def submit(self, rows: EncodedRows) -> np.ndarray:
+    async def submit(self, rows: EncodedRows) -> tuple[np.ndarray, float]:
+        """(the rows' scores, the seconds of the model call(s) that scored them)."""
         future = asyncio.get_running_loop().create_future()
         self.queue.append(_Pending(rows, future, time.perf_counter()))
         self.queued_rows += rows.size
@@ -245,7 +259,7 @@ class Batcher:
             self.metrics.max_batch.set(self.max_batch)
             self.metrics.max_wait.set(self.max_wait_s)
             try:
-                scores = await loop.run_in_executor(self.worker, self._score, [p.rows for p in batch])
+                scores, seconds = await loop.run_in_executor(self.worker, self._score, [p.rows for p in batch])
             except Exception as error:  # a failing model call fails its requests, not the server
                 for p in batch:
                     if not p.future.done():
@@ -254,26 +268,28 @@ class Batcher:
             start = 0
             for p in batch:
                 if not p.future.done():  # a client that went away has a cancelled future
-                    p.future.set_result(scores[start:start + p.rows.size])
+                    p.future.set_result((scores[start:start + p.rows.size], seconds))
                 start += p.rows.size
 
-    def _score(self, parts: list[EncodedRows]) -> np.ndarray:
-        """One batch (several requests' rows) through the model, in calls of at most the largest batch shape."""
+    def _score(self, parts: list[EncodedRows]) -> tuple[np.ndarray, float]:
+        """One batch (several requests' rows) through the model, in calls of at most the largest batch shape; (the
+        scores, the calls' seconds)."""
         dense = np.concatenate([p.dense for p in parts])
         ids = {k: np.concatenate([p.ids[k] for p in parts]) for k in parts[0].ids}
         lengths = {k: np.concatenate([p.lengths[k] for p in parts]) for k in parts[0].lengths}
-        cap, out = self.options.max_batch, []
+        cap, out, total = self.options.max_batch, [], 0.0
         for a in range(0, dense.shape[0], cap):
             n = min(cap, dense.shape[0] - a)
             t0 = time.perf_counter()
             out.append(self.model.score_arrays(dense[a:a + n], {k: v[a:a + n] for k, v in ids.items()},
                                                {k: v[a:a + n] for k, v in lengths.items()}, pad_to=self.shape_for(n)))
             seconds = time.perf_counter() - t0
+            total += seconds
             self.metrics.forward.observe(seconds)
             self.metrics.batch_rows.observe(n)
             if self.adaptive:
                 self.adaptive.record_forward(seconds)
-        return np.concatenate(out)
+        return np.concatenate(out), total
 
 
 def _json_error(status: int, message: str, **extra) -> web.Response:
@@ -328,8 +344,10 @@ def make_app(model: Any, options: ServerOptions | None = None) -> web.Applicatio
             return _json_error(400, "\"rows\" is empty")
         encoded, errors = model.encode(rows)
         scores: list[float | None] = [None] * len(rows)
+        forward = 0.0
         if encoded.size:
-            for i, p in zip(encoded.index, (await batcher.submit(encoded)).tolist(), strict=True):
+            batch_scores, forward = await batcher.submit(encoded)
+            for i, p in zip(encoded.index, batch_scores.tolist(), strict=True):
                 scores[i] = p
         metrics.rows.inc(encoded.size)
         metrics.row_errors.inc(len(errors))
@@ -337,7 +355,11 @@ def make_app(model: Any, options: ServerOptions | None = None) -> web.Applicatio
         metrics.latency.observe(seconds)
         if batcher.adaptive:
             batcher.adaptive.record_request(seconds)
-        return web.json_response({"scores": scores, "errors": errors}, status=422 if errors else 200)
+        # Server-Timing (W3C): the server's own time for the request and the model call(s) in it, so a client can
+        # tell the server's cost from the network's and its own.
+        timing = f"total;dur={1e3 * seconds:.3f}, forward;dur={1e3 * forward:.3f}"
+        return web.json_response({"scores": scores, "errors": errors}, status=422 if errors else 200,
+                                 headers={"Server-Timing": timing})
 
     async def healthz(request: web.Request) -> web.Response:
         body = {"status": state["status"]}
