@@ -220,23 +220,24 @@ def _sharding_benchmark():
 def section_rank(args) -> None:
     import jax
 
-    from recjax import sharding, train
+    from recjax import sharding
     from recjax.sharding import cost_model as C
+    from recjax.step import init_state, make_train_step
 
     bench = _sharding_benchmark()
     shape = bench.SHAPES["kaggle_b2048"]
     bargs = argparse.Namespace(vocab_cap=args.vocab_cap, mesh=args.mesh, exchange_dtype="float32",
                                capacity_factor=1.0, capacity_sigmas=7.0)
     config, task, batch = bench.build(shape, bargs, "table")
-    host_state = jax.device_get(train.init_state(task, jax.random.key(0), jax.device_put(batch)))
+    host_state = jax.device_get(init_state(task, jax.random.key(0), jax.device_put(batch, jax.devices()[0])))
     plans = ("table", "row", "column", "replicated", "auto")
     runs = {}
     for name in plans:
         config.sharding.plan = name
         sharded = sharding.setup(config, task)
-        state, step, _, put = sharding.prepare(task, sharded, host_state, train._forward)
-        device_batch = put(batch)
-        compiled = step.lower(state, device_batch).compile()
+        state = sharded.place_state(host_state)
+        device_batch = sharded.put_batch(batch)
+        compiled = make_train_step(task, sharded, state).lower(state, device_batch).compile()
         state, metrics = compiled(state, device_batch)  # warm-up
         jax.block_until_ready(metrics)
         infos = sharding.table_infos(task.collection, task.sparse_optimizer)
