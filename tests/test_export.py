@@ -4,6 +4,7 @@ rows (MovieLens ratings lines, Criteo lines) encode exactly as the dataset build
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -13,7 +14,8 @@ import pytest
 from test_train import tiny_config
 
 from recjax.batch import pad_batch
-from recjax.errors import ConfigError
+from recjax.errors import CheckpointError, ConfigError
+from recjax.metrics import binary_metrics
 from recjax.serving import loader
 from recjax.serving.export import export_run, load_run
 from recjax.serving.tables import decode_table
@@ -126,6 +128,57 @@ def test_quantized_export_bytes_and_bad_rows(synthetic_run, tmp_path):
         export_run(run, tmp_path / "x", "int3")
     with pytest.raises(ConfigError, match="exists and is not an export"):
         export_run(run, tmp_path / "int8" / "arrays", "f32")
+
+
+@pytest.fixture(scope="module")
+def run_selecting_earlier(tmp_path_factory):
+    """A run whose selected step (35: the best validation logloss) is neither its last (40) nor among the `keep=1`
+    restore points the interval keeps."""
+    workdir = tmp_path_factory.mktemp("selecting")
+    config = tiny_config(40)
+    config.data.bag_sizes = (1, 3, 1, 1, 1, 2)
+    config.data.eval_examples = 512
+    config.train.eval_every = 5
+    config.train.select_on = "logloss"
+    config.optimizer.dense.learning_rate = 0.1  # noisy enough that the logloss is best before the end
+    config.checkpoint.keep = 1
+    summary = train_and_evaluate(config, workdir)
+    assert summary["selected_step"] == 35, summary["selected_step"]  # what the test below is about
+    return workdir, summary
+
+
+def _test_metrics(model: loader.ServingModel, run, batch_size: int) -> dict:
+    """The export's metrics over the test split, batched as the trainer's evaluation batches it."""
+    labels, probs = [], []
+    for batch in run.dataset.eval_batches(batch_size, "test"):
+        probs.append(model.score_arrays(batch.dense, batch.ids, batch.lengths, pad_to=batch_size))
+        labels.append(batch.labels)
+    return binary_metrics(np.concatenate(labels), np.concatenate(probs))
+
+
+def test_export_serves_the_selected_step(run_selecting_earlier, tmp_path):
+    """By default the export is the model whose test metrics summary.json reports (its selected step, kept by
+    checkpoint.keep_selected), not the last step's; --step still picks another; a run whose selected step has no
+    checkpoint says so."""
+    workdir, summary = run_selecting_earlier
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [35, 40]
+    run = load_run(workdir)
+    assert run.step == 35
+    manifest = export_run(run, tmp_path / "selected", "f32", log=lambda _: None)
+    assert manifest["source"]["checkpoint_step"] == manifest["source"]["selected_step"] == 35
+    batch_size = manifest["source"]["batch_size"]
+    served = _test_metrics(loader.load(tmp_path / "selected"), run, batch_size)
+    # The trainer's test metrics at its selected step, to the last bit (the export scores as the trainer does).
+    assert (served["auc"], served["logloss"]) == (summary["auc"], summary["logloss"])
+    notes = []
+    last = load_run(workdir, step=40)
+    export_run(last, tmp_path / "last", "f32", log=notes.append)
+    assert "not the run's selected step 35" in notes[-1]
+    assert _test_metrics(loader.load(tmp_path / "last"), last, batch_size)["logloss"] != summary["logloss"]
+    shutil.copytree(workdir, tmp_path / "copy")
+    shutil.rmtree(tmp_path / "copy" / "checkpoints" / "35")
+    with pytest.raises(CheckpointError, match="reports selected step 35, which has no checkpoint"):
+        load_run(tmp_path / "copy")
 
 
 def _need(path: pathlib.Path) -> pathlib.Path:

@@ -2,7 +2,9 @@ r"""Export a trained run as a self-contained serving model (read by recjax/servi
 
     python -m experiments.export --workdir=runs/ml100k --quantize=int8 --out=runs/ml100k/export_int8
 
-What it takes from the run: its checkpoint (the latest complete step, or `step`) and the config saved in it -- the
+What it takes from the run: its checkpoint at the step model selection chose (summary.json's "selected_step", whose
+test metrics the summary reports; the trainer keeps its restore point, `checkpoint.keep_selected`), or at `step`, or
+the latest one while the run has no selection, and the config saved in it -- the
 task is rebuilt from that config exactly as the trainer built it (dataset spec, planned tables, dynamic tables at the
 checkpoint's capacities), and the state restored into it (a mesh run's tables through the single-device layout).
 
@@ -89,10 +91,36 @@ def _example_batch(spec: DatasetSpec, size: int = 8) -> Batch:
                  labels=np.zeros(size, np.float32))
 
 
-def load_run(workdir: str | pathlib.Path, step: int | None = None) -> TrainedRun:
-    """The run in `workdir` at its latest complete checkpoint (or `step`), restored on one device."""
+def selected_step(workdir: pathlib.Path) -> int | None:
+    """The step model selection chose (summary.json's "selected_step": its test metrics are the ones reported), or
+    None for a run without a summary (still training) or without a selection (no evaluation)."""
+    summary = workdir / "summary.json"
+    if not summary.is_file():
+        return None
+    step = json.loads(summary.read_text()).get("selected_step")
+    return int(step) if step else None
+
+
+def load_run(workdir: str | pathlib.Path, step: int | None = None, log=print) -> TrainedRun:
+    """The run in `workdir` at `step`, or by default at its selected step (the model whose test metrics summary.json
+    reports; kept by `checkpoint.keep_selected`), or at its latest complete checkpoint if it has no selection yet --
+    restored on one device."""
     workdir = pathlib.Path(workdir).expanduser()
-    point = open_checkpoint(_checkpoints_of(workdir), step)
+    checkpoints = _checkpoints_of(workdir)
+    if step is None:
+        step = selected_step(workdir)
+        if step is None:
+            log(f"note: {workdir} has no selected step (no summary.json with one: the run is unfinished or never "
+                "evaluated); exporting its latest checkpoint")
+        else:
+            try:
+                open_checkpoint(checkpoints, step)
+            except CheckpointError as error:
+                raise CheckpointError(f"{workdir}'s summary.json reports selected step {step:,}, which has no "
+                                      f"checkpoint ({error}; the run kept no restore point of its selected step: "
+                                      "checkpoint.keep_selected was off, or it predates it); pass --step=<one of "
+                                      "its steps> to export another step, or train again") from None
+    point = open_checkpoint(checkpoints, step)
     config = ml_collections.ConfigDict(point.meta["config"])
     dataset = make_dataset(config.data, seed=int(config.seed))
     budget = resolve_budget(config.train, dataset)
@@ -306,6 +334,6 @@ def export_run(run: TrainedRun, out: str | pathlib.Path, table_format: str = "f3
         f"{manifest['bytes']['tables']:,} bytes, {manifest['bytes']['tables_f32'] / manifest['bytes']['tables']:.2f}x "
         f"fewer than f32; platforms {', '.join(platforms)}) to {out}")
     if selected is not None and selected != run.step:
-        log(f"note: the run's summary reports its selected step {selected:,}; its checkpoints keep the latest step "
-            f"{run.step:,}, which is what this export serves (--step picks another checkpointed step)")
+        log(f"note: this export serves step {run.step:,} (--step), not the run's selected step {selected:,} whose "
+            "test metrics summary.json reports")
     return manifest
