@@ -181,6 +181,101 @@ def test_export_serves_the_selected_step(run_selecting_earlier, tmp_path):
         load_run(tmp_path / "copy")
 
 
+def _clicks_csv(path: pathlib.Path, rows: int = 480) -> list[str]:
+    """A seeded CSV click log with missing and NaN dense cells, a skewed category, a hashed one and a bag column;
+    returns its data lines."""
+    rng = np.random.default_rng(7)
+    lines = []
+    for i in range(rows):
+        price = rng.choice(["", "NA", "nan", f"{rng.normal(3, 2):.3f}", f" {rng.integers(0, 50)} "], p=[.05, .05, .05,
+                                                                                                     .75, .1])
+        qty = str(int(rng.integers(-3, 400)))
+        site = f"s{min(int(rng.zipf(1.6)), 60)}"
+        app = f"a{int(rng.integers(0, 300))}"
+        tags = "|".join(f"t{int(v)}" for v in rng.integers(0, 12, int(rng.integers(0, 4))))
+        click = int(rng.random() < (0.7 if site in ("s1", "s2") else 0.2))
+        lines.append(f"{i},{click},{price},{qty},{site},{app},\"{tags}\"")
+    path.write_text("id,click,price,qty,site,app,tags\n" + "\n".join(lines) + "\n")
+    return lines
+
+
+def _clicks_config(directory: pathlib.Path, prepared: pathlib.Path):
+    from experiments.configs import dlrm_csv_clicks
+
+    config = dlrm_csv_clicks.get_config()
+    data = config.data
+    data.dir, data.files, data.prepared_dir = str(directory), "clicks.csv", str(prepared)
+    data.label.column, data.dense.columns = "click", ("price", "qty")
+    data.dense.transforms = {"qty": "clip+log1p+standardise"}
+    data.dense.clip_min = 0.0
+    data.sparse.columns, data.sparse.multi_valued = ("site", "app", "tags"), ("tags",)
+    data.sparse.overrides = {"app": {"vocab": "hash", "hash_buckets": 50}}
+    data.split.method, data.split.time_column = "random", ""
+    config.train.epochs, config.train.steps, config.train.eval_every = None, 12, 12
+    config.train.batch_size, config.train.progress_bar = 32, False
+    return config
+
+
+def test_tabular_csv_rows_encode_and_score_like_the_builder(tmp_path):
+    """Raw CSV rows of a tabular run's test split encode to the builder's test batches (vocabularies, hashing,
+    bags, missing / NaN cells, clip + log1p, standardisation) and score as the trainer, bit for bit; unseen values
+    map as the builder maps them; bad fields are row errors naming the field."""
+    from recjax.data.tabular import TabularOptions, prepare_tabular, split_uniform
+    from recjax.data.vocabulary import string_key
+
+    lines = _clicks_csv(tmp_path / "clicks.csv")
+    config = _clicks_config(tmp_path, tmp_path / "prepared")
+    train_and_evaluate(config, tmp_path / "run")
+    run = load_run(tmp_path / "run")
+    manifest = export_run(run, tmp_path / "export", "f32", log=lambda _: None)
+    assert manifest["input"]["columns"] == ["id", "click", "price", "qty", "site", "app", "tags"]
+    model = loader.load(tmp_path / "export")
+    batch_size = int(config.train.batch_size)
+    test_rows = np.flatnonzero(split_uniform(0, np.arange(len(lines))) >= 0.9)  # the random split's test rows
+    encoded, errors = model.encode([lines[i] for i in test_rows])
+    assert errors == []
+    start = 0
+    for batch in run.dataset.eval_batches(batch_size, "test"):
+        rows = slice(start, start + batch.size)
+        np.testing.assert_array_equal(encoded.dense[rows], batch.dense)
+        for f in batch.ids:
+            np.testing.assert_array_equal(encoded.lengths[f][rows], batch.lengths[f], err_msg=f)
+            np.testing.assert_array_equal(encoded.ids[f][rows], batch.ids[f], err_msg=f)
+        if start == 0:  # scores: the trainer's predict step on the builder's batch, bit for bit
+            padded = pad_batch(batch, batch_size)
+            trainer = np.asarray(run.predict_step()(run.state, jax.device_put(padded)))[:batch.size]
+            np.testing.assert_array_equal(model.score_arrays(encoded.dense[rows], {k: v[rows] for k, v in
+                                                                                  encoded.ids.items()},
+                                                             {k: v[rows] for k, v in encoded.lengths.items()},
+                                                             pad_to=batch_size), trainer)
+        start += batch.size
+    assert start == test_rows.size
+    # Unseen values, a rare one and the label left out: ids as the builder's own vocabularies give them.
+    with prepare_tabular(TabularOptions.from_config(config.data)) as prepared:
+        vocab = prepared.vocabularies
+
+        def builder_ids(feature: str, *values: str) -> list[int]:
+            return vocab[feature].ids_of(np.array([string_key(v) for v in values], np.int64)).tolist()
+
+        rare = next(k for k, c in zip(vocab["site"].raw_keys, vocab["site"].raw_counts, strict=True) if c == 1)
+        rare_site = next(line.split(",")[4] for line in lines if string_key(line.split(",")[4]) == rare)
+        unseen, _ = model.encode(["9,,1.5,7,never_seen,zz,t3|never|t1", f"9,1.5,7,{rare_site},a1,", "9,1,,,s1,a2,"])
+        assert unseen.ids["site"][:, 0].tolist() == [0, 0, builder_ids("site", "s1")[0]] and rare not in vocab[
+            "site"].keys
+        assert unseen.ids["app"][:, 0].tolist() == builder_ids("app", "zz", "a1", "a2")
+        assert unseen.ids["tags"][0, :3].tolist() == builder_ids("tags", "t3", "never", "t1")
+        assert unseen.lengths["tags"].tolist() == [3, 0, 0]
+        # Empty price and qty cells are data.dense.missing (0) before the chain and the standardisation.
+        shift, scale = prepared.dense_shift, prepared.dense_scale
+        np.testing.assert_array_equal(unseen.dense[2], ((np.array([0.0, 0.0]) - shift) / scale).astype(np.float32))
+    bad = ["9,1,abc,3,s1,a1,t1", "9,1,2.5,inf,s1,a1,t1", "9,1,2.5,3,s1", "9,1,2.5,3,s1,a1,t1|t2|t3|t4|t5|t6|t7",
+           "9,1,2.5,\"3,s1,a1,t1"]
+    scores, errors = model.score_rows([lines[0], *bad, lines[1]])
+    assert [(e["row"], e["field"]) for e in errors] == [(1, "price"), (2, "qty"), (3, "row"), (4, "tags"), (5, "row")]
+    assert "not a number" in errors[0]["error"] and "at most" in errors[3]["error"]
+    assert scores[0] is not None and scores[-1] is not None and scores[1:-1] == [None] * 5
+
+
 def _need(path: pathlib.Path) -> pathlib.Path:
     if not path.exists():
         pytest.skip(f"{path} not found (set RECJAX_SHARED_DATA to the shared data directory)")

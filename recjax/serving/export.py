@@ -18,8 +18,9 @@ files and checked against the spec the run trained on:
                          genres and year, as prepared for training (recjax/data/movielens.py)
     criteo_kaggle / _tb  the frequency vocabulary fitted on the train days (or the hashing modulus) and DLRM's dense
                          transform (recjax/data/criteo.py)
-    tabular              encoded rows only for now: the tabular builders do not keep the fitted key -> id maps, and
-                         re-deriving the 63-bit string keys outside recjax is not done yet
+    tabular              CSV: the file's columns, each feature's frequency vocabulary (or hash buckets) and each
+                         dense column's clip / log1p chain and train standardisation, as the builder fitted them
+                         (recjax/data/tabular.py); Parquet and libSVM data: encoded rows only
 """
 
 import dataclasses
@@ -213,6 +214,38 @@ def _criteo_input(config: ml_collections.ConfigDict, spec: DatasetSpec) -> tuple
     return {"kind": "criteo", "vocab": vocabulary.mode, "max_index": vocabulary.max_index}, arrays
 
 
+def _tabular_input(config: ml_collections.ConfigDict, spec: DatasetSpec) -> tuple[dict, dict[str, np.ndarray]]:
+    """CSV data: what the tabular builder fitted on the train split (each feature's vocabulary or hashing, each dense
+    column's chain and standardisation), prepared again from the run's files, and the first file's columns (the
+    order of a raw row's fields). Other tabular formats take encoded rows."""
+    from recjax.data.tabular import TabularOptions, prepare_tabular, source_paths
+    from recjax.data.tabular_formats import MISSING_MARKERS, NAN_MARKERS, csv_units
+
+    options = TabularOptions.from_config(config.data)
+    if options.format != "csv":
+        return {"kind": "tabular", "format": options.format}, {}
+    plan = options.read_plan()
+    with prepare_tabular(options) as prepared:
+        _check_spec(prepared.spec, spec, str(options.dir))
+        vocabularies, shift, scale = prepared.vocabularies, prepared.dense_shift, prepared.dense_scale
+    columns = next(csv_units(source_paths(options, options.dir), plan)).names
+    arrays = {"dense/shift": np.asarray(shift, np.float64), "dense/scale": np.asarray(scale, np.float64)}
+    sparse = []
+    for name, vocabulary in vocabularies.items():
+        settings = vocabulary.settings
+        sparse.append({"name": name, "vocab": settings.vocab, "hash_buckets": settings.hash_buckets,
+                       "multi_valued": vocabulary.multi_valued, "bag_size": vocabulary.bag_size})
+        if settings.vocab == "frequency":
+            arrays[f"{name}/keys"], arrays[f"{name}/ids"] = vocabulary.keys.astype(np.int64), vocabulary.ids
+    return {"kind": "tabular", "format": "csv", "delimiter": options.csv_delimiter, "columns": list(columns),
+            "label": options.label_column,
+            "dense": [{"name": d.name, "steps": list(d.steps)} for d in plan.dense],
+            "clip_min": options.dense_clip_min, "clip_max": options.dense_clip_max, "missing": options.dense_missing,
+            "nan": options.dense_nan, "missing_markers": list(MISSING_MARKERS), "nan_markers": list(NAN_MARKERS),
+            "sparse": sparse, "separator": options.sparse_separator, "max_bag_size": options.sparse_max_bag_size
+            }, arrays
+
+
 def input_spec(config: ml_collections.ConfigDict, spec: DatasetSpec) -> tuple[dict, dict[str, np.ndarray]]:
     """(export.json's "input", its arrays by name): how the dataset's raw rows become this model's ids."""
     name = config.data.name
@@ -220,7 +253,9 @@ def input_spec(config: ml_collections.ConfigDict, spec: DatasetSpec) -> tuple[di
         return _movielens_input(config, spec)
     if name in ("criteo_kaggle", "criteo_terabyte"):
         return _criteo_input(config, spec)
-    return {"kind": name}, {}  # synthetic and tabular data: encoded rows
+    if name == "tabular":
+        return _tabular_input(config, spec)
+    return {"kind": name}, {}  # synthetic data: encoded rows
 
 
 # ---------------------------------------------------------------------------------------------------- export

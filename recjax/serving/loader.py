@@ -22,9 +22,13 @@ Rows a model scores (`score_rows`), each independently:
                          label; the training vocabulary (rare / unseen ids -> 0) or hashing, dense log(max(x, 0) + 1)
               movielens  a ratings-file line, "user<sep>item" with optional rating and timestamp (sep: tab for 100K,
                          "::" for 1M, "," for latest-small); the user's and movie's features from the training data
+              tabular    (CSV data) a line with the data file's columns (input.columns; the label may be left out),
+                         each cell read as the tabular builder reads it: the train vocabulary (rare / unseen -> 0) or
+                         hashing, the dense columns' clip / log1p and train standardisation (`TabularCsvInput`)
 A bad row is an error naming the row and field; the other rows of the same call are still scored.
 """
 
+import csv
 import dataclasses
 import json
 import math
@@ -214,6 +218,120 @@ class MovieLensInput:
         return dense, ids
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser (recjax/data/vocabulary.py `mix64`), on Python ints modulo 2**64."""
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def string_key(data: bytes) -> int:
+    """A CSV cell's raw key, as recjax/data/vocabulary.py `string_keys` computes it: h = mix64(golden + len), then
+    h = mix64(h ^ w) for each little-endian 8-byte word w (the last one zero-padded); the key is h's low 63 bits."""
+    h = _mix64((0x9E3779B97F4A7C15 + len(data)) & _MASK64)
+    for at in range(0, len(data), 8):
+        h = _mix64(h ^ int.from_bytes(data[at:at + 8].ljust(8, b"\0"), "little"))
+    return h & ((1 << 63) - 1)
+
+
+class TabularCsvInput:
+    """CSV rows of a tabular run: one line with the data file's columns (the label's field may be left out), each
+    cell read as the tabular builder reads it (recjax/data/tabular.py, tabular_formats.py): a dense cell is missing
+    (a missing marker: data.dense.missing), NaN (imputed or a bad row, data.dense.nan), or a number, then the
+    column's clip / log1p chain and the train split's standardisation; a sparse cell's bytes are its raw key (a
+    multi-valued cell split at the separator, empty items dropped), whose id is the train frequency vocabulary's (0
+    for a rare or unseen value) or the key modulo the hash buckets."""
+
+    _FLOAT = re.compile(r"(?i)^[+-]?(([0-9]+\.?[0-9]*|\.[0-9]+)(e[+-]?[0-9]+)?|inf|infinity|nan)$")
+
+    def __init__(self, spec: dict, arrays: dict[str, np.ndarray]):
+        self.spec = spec
+        self.columns = spec["columns"]
+        self.label_at = self.columns.index(spec["label"]) if spec["label"] in self.columns else None
+        self.missing_markers, self.nan_markers = set(spec["missing_markers"]), set(spec["nan_markers"])
+        self.shift, self.scale = arrays["dense/shift"], arrays["dense/scale"]
+        self.sparse = spec["sparse"]
+        self.vocab = {f["name"]: (arrays.get(f"{f['name']}/keys"), arrays.get(f"{f['name']}/ids")) for f in self.sparse}
+
+    def fields(self, line: str) -> dict[str, str]:
+        try:
+            fields = next(csv.reader([line.rstrip("\r\n")], delimiter=self.spec["delimiter"]), [])
+        except csv.Error as error:
+            raise RowError("row", f"cannot be read as CSV ({error})") from None
+        n = len(self.columns)
+        if len(fields) == n - 1 and self.label_at is not None:
+            fields.insert(self.label_at, "")  # the label is not scored
+        if len(fields) != n:
+            raise RowError("row", f"a row has the data's {n} {self.spec['delimiter']!r}-separated columns "
+                                  f"{self.columns} ({n - 1} without the label {self.spec['label']!r}), got "
+                                  f"{len(fields)} fields")
+        return dict(zip(self.columns, fields, strict=True))
+
+    def number(self, name: str, text: str) -> float:
+        """A dense cell before its chain: the missing value for a missing (or, imputed, a NaN) cell."""
+        spec = self.spec
+        if text in self.missing_markers:
+            return float(spec["missing"])
+        value = None
+        if text not in self.nan_markers:
+            for candidate in (text, text.strip(" \t")):  # pyarrow's converter ignores surrounding blanks
+                if self._FLOAT.match(candidate):
+                    value = float(candidate)
+                    break
+            else:
+                raise RowError(name, f"{text[:40]!r} is not a number (or empty)")
+        if value is None or math.isnan(value):
+            if spec["nan"] == "skip":
+                raise RowError(name, f"{text[:40]!r} is NaN (data.dense.nan='skip')")
+            return float(spec["missing"])
+        if math.isinf(value):
+            raise RowError(name, f"{text[:40]!r} is infinite")
+        return value
+
+    def encode(self, line: str) -> tuple[np.ndarray, dict[str, list[int]]]:
+        spec = self.spec
+        cells = self.fields(line)
+        dense = np.zeros(len(spec["dense"]), np.float32)
+        for j, column in enumerate(spec["dense"]):
+            name = column["name"]
+            value = self.number(name, cells[name])
+            if "clip" in column["steps"]:
+                value = min(max(value, -math.inf if spec["clip_min"] is None else spec["clip_min"]),
+                            math.inf if spec["clip_max"] is None else spec["clip_max"])
+            if "log1p" in column["steps"]:
+                if value <= -1:
+                    raise RowError(name, f"{cells[name][:40]!r}: log1p needs values > -1 (after clip)")
+                value = float(np.log1p(np.float64(value)))
+            # The builder keeps the chain's result in float32, then standardises it in float64 (tabular.py _finalize).
+            dense[j] = np.float32((np.float64(np.float32(value)) - self.shift[j]) / self.scale[j])
+        ids = {}
+        for feature in self.sparse:
+            name, text = feature["name"], cells[feature["name"]]
+            if feature["multi_valued"]:
+                values = [v for v in text.split(spec["separator"]) if v]
+                if spec["max_bag_size"]:
+                    values = values[:spec["max_bag_size"]]
+                if len(values) > feature["bag_size"]:
+                    raise RowError(name, f"a bag of {len(values)} values; this feature holds at most "
+                                         f"{feature['bag_size']}")
+            else:
+                values = [text]
+            keys = [string_key(v.encode()) for v in values]
+            if feature["vocab"] == "hash":
+                ids[name] = [k % feature["hash_buckets"] for k in keys]
+            else:  # the train vocabulary; 0 for a rare or unseen value
+                known, index = self.vocab[name]
+                at = np.searchsorted(known, np.asarray(keys, np.int64))
+                ids[name] = [int(index[a]) if a < known.size and known[a] == k else 0
+                             for a, k in zip(at.tolist(), keys, strict=True)]
+        return dense, ids
+
+
 # --------------------------------------------------------------------------------------------------- model
 def _skeleton(tree: Any, directory: pathlib.Path) -> Any:
     """Nested dicts whose leaves are .npy paths -> the same dicts holding the arrays (memory-mapped)."""
@@ -254,6 +372,8 @@ class ServingModel:
             self.raw_input = CriteoInput(spec, vocab, self.features)
         elif spec["kind"] == "movielens":
             self.raw_input = MovieLensInput(spec, vocab, self.features, manifest["dense_names"])
+        elif spec["kind"] == "tabular" and spec.get("format") == "csv":
+            self.raw_input = TabularCsvInput(spec, vocab)
 
     # ------------------------------------------------------------------------------------------ encoding
     def encode_row(self, row: Any) -> tuple[np.ndarray, dict[str, list[int]]]:
