@@ -130,6 +130,40 @@ def test_quantized_export_bytes_and_bad_rows(synthetic_run, tmp_path):
         export_run(run, tmp_path / "int8" / "arrays", "f32")
 
 
+def test_tiered_tables_score_as_in_ram_and_count_cache_hits(synthetic_run, tmp_path):
+    """Tables left in their files behind a RAM row cache (10 % of each group's rows, so batches evict and re-read
+    rows) score exactly as the in-RAM model, per format; a cache holding every row misses each distinct row once."""
+    from recjax.serving.tiered import TieredServingModel
+
+    run = load_run(synthetic_run)
+    batch_size = 64
+    batches = list(run.dataset.eval_batches(batch_size, "test"))[:4]
+    for fmt in ("f32", "int4"):
+        export_run(run, tmp_path / fmt, fmt, log=lambda _: None)
+        in_ram, tiered = loader.load(tmp_path / fmt), TieredServingModel(tmp_path / fmt, cache=0.1)
+        for batch in batches + batches[:1]:
+            np.testing.assert_array_equal(
+                tiered.score_arrays(batch.dense, batch.ids, batch.lengths, pad_to=batch_size),
+                in_ram.score_arrays(batch.dense, batch.ids, batch.lengths, pad_to=batch_size), err_msg=fmt)
+        hits, lookups = tiered.cache_stats()
+        assert 0 < hits < lookups
+    # Every row fits: the hits are the lookups of rows seen in an earlier batch (counted here from the routes).
+    whole = TieredServingModel(tmp_path / "int4", cache=1.0)
+    seen = {g: set() for g in whole.caches}
+    expected_hits = expected_lookups = 0
+    for batch in batches + batches[:2]:
+        whole.score_arrays(batch.dense, batch.ids, batch.lengths, pad_to=batch_size)
+        padded = loader.pad_rows(batch.dense, batch.ids, batch.lengths, batch_size)
+        for g, ids in jax.device_get(whole._slot_rows(whole.constants[2], *padded[1:])).items():
+            rows = {int(i) for i in np.asarray(ids) if 0 <= i < whole.constants[0][g].shape[0]}
+            expected_lookups += len(rows)
+            expected_hits += len(rows & seen[g])
+            seen[g] |= rows
+    assert whole.cache_stats() == (expected_hits, expected_lookups)
+    with pytest.raises(ValueError, match="cache must be a fraction"):
+        TieredServingModel(tmp_path / "int4", cache=0.0)
+
+
 @pytest.fixture(scope="module")
 def run_selecting_earlier(tmp_path_factory):
     """A run whose selected step (35: the best validation logloss) is neither its last (40) nor among the `keep=1`

@@ -44,7 +44,14 @@ from recjax.embedding_backend import LocalEmbedding
 from recjax.errors import CheckpointError, ConfigError, DataError
 from recjax.evaluation import resolve_budget
 from recjax.serving import loader
-from recjax.serving.tables import FORMATS, ServingEmbedding, encode_tables, group_formats, stored_bytes
+from recjax.serving.tables import (
+    FORMATS,
+    GatheredEmbedding,
+    ServingEmbedding,
+    encode_tables,
+    group_formats,
+    stored_bytes,
+)
 from recjax.specs import DatasetSpec
 from recjax.step import TrainState, init_state, make_predict_step
 from recjax.task import Task, build_task
@@ -263,11 +270,19 @@ def scoring_function(task: Task, table_format: str):
     """(tables, dense params, routing arrays, dense, ids, lengths) -> probabilities f32[B]: the trainer's predict
     step over serving tables of `table_format`. Its lookups are XLA's (`embedding.kernel="xla"`): the Pallas kernels
     size their grids from the batch, which the export leaves symbolic."""
+    task = _xla_task(task)
+    return _score_with(task, ServingEmbedding(task.collection, table_format))
+
+
+def _xla_task(task: Task) -> Task:
     c = task.collection
     xla = EmbeddingCollection(c.spec, list(c.table_specs.values()), c.pooling, c.bounds_check, "xla", c.dedup,
                               "distinct_rows")
-    task = dataclasses.replace(task, collection=xla, glue=EmbeddingGlue(xla))
-    predict = make_predict_step(task, ServingEmbedding(xla, table_format))
+    return dataclasses.replace(task, collection=xla, glue=EmbeddingGlue(xla))
+
+
+def _score_with(task: Task, backend: ServingEmbedding):
+    predict = make_predict_step(task, backend)
 
     def score(tables, params, aux, dense, ids, lengths):
         state = TrainState(step=jnp.zeros((), jnp.int32), dense_params=params, dense_opt_state=(), tables=tables,
@@ -276,6 +291,20 @@ def scoring_function(task: Task, table_format: str):
                                     labels=jnp.zeros(dense.shape[:1], jnp.float32)))
 
     return score
+
+
+def gathered_functions(task: Task, table_format: str, rows: dict[str, int]):
+    """The scoring function in two halves, for tables kept outside the step (on disk behind a RAM row cache,
+    recjax/serving/tiered.py): (routing arrays, ids, lengths) -> {group: i32[M_g]} the stored row every bag slot
+    reads; and (those rows {group: [M_g, width]} in the stored format, dense params, routing arrays, dense, ids,
+    lengths) -> probabilities f32[B], the lookup decoding and pooling them as `scoring_function`'s does."""
+    task = _xla_task(task)
+    gathered = GatheredEmbedding(task.collection, table_format, rows)
+
+    def slot_rows(aux, ids, lengths):
+        return gathered.slot_rows(task.collection.route(ids, lengths, aux=aux, dedup=False))
+
+    return slot_rows, _score_with(task, gathered)
 
 
 def _save_tree(tree, directory: pathlib.Path, prefix: str) -> dict:
@@ -324,9 +353,23 @@ def export_run(run: TrainedRun, out: str | pathlib.Path, table_format: str = "f3
                  {f.name: jax.ShapeDtypeStruct((b,), jnp.int32) for f in spec.features})
     exported = jax.export.export(jax.jit(scoring_function(task, table_format)), platforms=tuple(platforms))(
         *arguments)
+    # Its two halves, for serving the tables from files behind a RAM cache (`experiments.serve --tier=disk`): every
+    # bag slot reads one stored row per placement, so group g's rows per batch are a fixed multiple of the batch.
+    rows = {g: int(t.shape[0]) for g, t in tables_f32.items()}
+    slot_rows, score_gathered = gathered_functions(task, table_format, rows)
+    per_example = {g: int(r.shape[0]) for g, r in jax.eval_shape(
+        slot_rows, arguments[2], *jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype),
+                                               arguments[4:])).items()}
+    exported_rows = jax.export.export(jax.jit(slot_rows), platforms=tuple(platforms))(*arguments[2:3],
+                                                                                     *arguments[4:])
+    exported_gathered = jax.export.export(jax.jit(score_gathered), platforms=tuple(platforms))(
+        {g: jax.ShapeDtypeStruct((b * k, stored[g].shape[1]), stored[g].dtype) for g, k in per_example.items()},
+        *arguments[1:])
 
     out.mkdir(parents=True)
     (out / "score.jax_export").write_bytes(exported.serialize())
+    (out / "slot_rows.jax_export").write_bytes(exported_rows.serialize())
+    (out / "score_gathered.jax_export").write_bytes(exported_gathered.serialize())
     skeletons = {"tables": _save_tree(stored, out, "arrays/tables"), "params": _save_tree(params, out, "arrays/params"),
                  "aux": _save_tree(aux, out, "arrays/aux")}
     vocab_files = {}
@@ -360,6 +403,8 @@ def export_run(run: TrainedRun, out: str | pathlib.Path, table_format: str = "f3
                   "dense_params": int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))),
                   "routing_arrays": int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(aux)))},
         "arguments": skeletons,
+        "gathered": {"slot_rows": "slot_rows.jax_export", "score": "score_gathered.jax_export",
+                     "rows_per_example": per_example},
         "input": {**kind, "arrays": vocab_files},
     }
     (out / "export.json").write_text(json.dumps(manifest, indent=2) + "\n")

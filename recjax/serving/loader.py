@@ -360,9 +360,7 @@ class ServingModel:
         self.table_format = manifest["table_format"]
         self.exported = jax.export.deserialize(bytearray((self.directory / "score.jax_export").read_bytes()))
         arguments = manifest["arguments"]
-        # The tables, dense params and routing arrays go to the device once; each call sends only the batch.
-        self.constants = jax.device_put(tuple(_skeleton(arguments[k], self.directory)
-                                              for k in ("tables", "params", "aux")))
+        self.constants = self._constants(arguments)
         self._call = jax.jit(self.exported.call)
         spec = manifest["input"]
         vocab = {k: np.load(self.directory / v) for k, v in spec.get("arrays", {}).items()}
@@ -374,6 +372,10 @@ class ServingModel:
             self.raw_input = MovieLensInput(spec, vocab, self.features, manifest["dense_names"])
         elif spec["kind"] == "tabular" and spec.get("format") == "csv":
             self.raw_input = TabularCsvInput(spec, vocab)
+
+    def _constants(self, arguments: dict) -> tuple:
+        """(tables, dense params, routing arrays): all go to the device once; each call sends only the batch."""
+        return jax.device_put(tuple(_skeleton(arguments[k], self.directory) for k in ("tables", "params", "aux")))
 
     # ------------------------------------------------------------------------------------------ encoding
     def encode_row(self, row: Any) -> tuple[np.ndarray, dict[str, list[int]]]:
@@ -413,13 +415,7 @@ class ServingModel:
         """Probabilities f32[n] of encoded rows, computed at batch shape `pad_to` (>= n; None: n). A row's score
         depends on the batch shape in the last bit (XLA's kernels differ by shape), never on the other rows."""
         n = dense.shape[0]
-        size = n if pad_to is None else pad_to
-        if size < n:
-            raise ValueError(f"{n} rows do not fit a batch of {size}")
-        if size > n:  # padding rows: empty bags, zero dense; their scores are dropped
-            dense = np.concatenate([dense, np.zeros((size - n, dense.shape[1]), np.float32)])
-            ids = {k: np.concatenate([v, np.zeros((size - n, v.shape[1]), np.int32)]) for k, v in ids.items()}
-            lengths = {k: np.concatenate([v, np.zeros(size - n, np.int32)]) for k, v in lengths.items()}
+        dense, ids, lengths = pad_rows(dense, ids, lengths, n if pad_to is None else pad_to)
         tables, params, aux = self.constants
         return np.asarray(self._call(tables, params, aux, dense, ids, lengths))[:n]
 
@@ -437,6 +433,19 @@ class ServingModel:
         m = self.manifest
         return (f"{m['source'].get('model', 'model')} on {m['input']['kind']} data, {len(self.features)} features, "
                 f"tables {self.table_format} ({m['bytes']['tables'] / 2**20:.2f} MiB)")
+
+
+def pad_rows(dense: np.ndarray, ids: dict[str, np.ndarray], lengths: dict[str, np.ndarray], size: int
+             ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Encoded rows padded to `size` rows: empty bags, zero dense (their scores are dropped)."""
+    n = dense.shape[0]
+    if size < n:
+        raise ValueError(f"{n} rows do not fit a batch of {size}")
+    if size > n:
+        dense = np.concatenate([dense, np.zeros((size - n, dense.shape[1]), np.float32)])
+        ids = {k: np.concatenate([v, np.zeros((size - n, v.shape[1]), np.int32)]) for k, v in ids.items()}
+        lengths = {k: np.concatenate([v, np.zeros(size - n, np.int32)]) for k, v in lengths.items()}
+    return dense, ids, lengths
 
 
 def load(directory: str | pathlib.Path) -> ServingModel:
