@@ -14,6 +14,7 @@ import pytest
 from test_train import tiny_config
 
 from recjax.batch import pad_batch
+from recjax.data.arrays import concatenate as concatenate_batches
 from recjax.errors import CheckpointError, ConfigError
 from recjax.metrics import binary_metrics
 from recjax.serving import loader
@@ -308,6 +309,65 @@ def test_tabular_csv_rows_encode_and_score_like_the_builder(tmp_path):
     assert [(e["row"], e["field"]) for e in errors] == [(1, "price"), (2, "qty"), (3, "row"), (4, "tags"), (5, "row")]
     assert "not a number" in errors[0]["error"] and "at most" in errors[3]["error"]
     assert scores[0] is not None and scores[-1] is not None and scores[1:-1] == [None] * 5
+
+
+def test_tabular_libfm_lines_encode_and_score_like_the_builder(tmp_path):
+    """Raw libFM lines (positional fields, a dense index, the label optional) of the test split encode to the
+    builder's test batches and score as the trainer; unseen indices map as the builder maps them; bad tokens are
+    row errors naming the token."""
+    from experiments.configs import dlrm_libfm
+    from recjax.data.tabular import TabularOptions, prepare_tabular, split_uniform
+
+    rng = np.random.default_rng(3)
+    lines = []
+    for _ in range(400):
+        user, item, hour = int(rng.zipf(1.5)) % 40, 100 + int(rng.integers(0, 30)), 200 + int(rng.integers(0, 5))
+        dense = f" 999:{rng.normal(2, 1):.3f}" if rng.random() < 0.9 else ""
+        label = 1 if (user + item) % 3 == 0 else -1
+        lines.append(f"{label} {user}:1 {item}:1{dense} {hour}:{int(rng.random() < 0.8)}")
+    (tmp_path / "data.libfm").write_text("\n".join(lines) + "\n")
+    config = dlrm_libfm.get_config()
+    data = config.data
+    data.dir, data.files, data.prepared_dir = str(tmp_path), "data.libfm", str(tmp_path / "prepared")
+    data.split.method = "random"
+    data.split.train_files = data.split.validation_files = data.split.test_files = ""
+    data.libsvm.dense_indices = (999,)
+    data.dense.transforms = {"i999": "clip+log1p+standardise"}
+    data.dense.clip_min = 0.0
+    config.train.epochs, config.train.steps, config.train.eval_every = None, 10, 10
+    config.train.batch_size, config.train.progress_bar = 32, False
+    train_and_evaluate(config, tmp_path / "run")
+    run = load_run(tmp_path / "run")
+    export_run(run, tmp_path / "export", "f32", log=lambda _: None)
+    model = loader.load(tmp_path / "export")
+    test_rows = np.flatnonzero(split_uniform(0, np.arange(len(lines))) >= 0.9)
+    # Half of them without their label: the label is not scored.
+    raw = [lines[i] if k % 2 else lines[i].split(" ", 1)[1] for k, i in enumerate(test_rows)]
+    encoded, errors = model.encode(raw)
+    assert errors == []
+    batch = concatenate_batches(list(run.dataset.eval_batches(int(config.train.batch_size), "test")))
+    np.testing.assert_array_equal(encoded.dense, batch.dense)
+    for f in batch.ids:
+        np.testing.assert_array_equal(encoded.ids[f], batch.ids[f], err_msg=f)
+    first = pad_batch(next(run.dataset.eval_batches(32, "test")), 32)
+    n = min(32, len(raw))
+    trainer = np.asarray(run.predict_step()(run.state, jax.device_put(first)))[:n]
+    np.testing.assert_array_equal(model.score_arrays(encoded.dense[:n], {k: v[:n] for k, v in encoded.ids.items()},
+                                                     {k: v[:n] for k, v in encoded.lengths.items()}, pad_to=32),
+                                  trainer)
+    with prepare_tabular(TabularOptions.from_config(config.data)) as prepared:
+        vocab = prepared.vocabularies
+        unseen, errors = model.encode(["1 77777:1 101:1 203:0", "5:1 101:1 999:nan 202:1"])
+        assert errors == []
+        assert unseen.ids["f0"][:, 0].tolist() == vocab["f0"].ids_of(np.array([77777, 5])).tolist()
+        assert unseen.ids["f2"][:, 0].tolist() == vocab["f2"].ids_of(np.array([2**63 - 1, 202])).tolist()
+        # An absent and a NaN dense value are both data.dense.missing (0): clip, log1p(0) = 0, then standardised.
+        expected = np.float32((0.0 - prepared.dense_shift[0]) / prepared.dense_scale[0])
+        assert unseen.dense[:, 0].tolist() == [expected, expected]
+    _, errors = model.score_rows(["1 5:1 101:1", "1 5:1 101:x 202:1", "1 5:1 101:2 202:1", "1 5:1 101:1 202:1 999:1 "
+                                  "999:2", "1 5;1 101:1 202:1", "1 5:1 101:1 202:1 999:inf"])
+    assert [(e["row"], e["field"]) for e in errors] == [(0, "row"), (1, "token 2"), (2, "token 2"), (3, "token 5"),
+                                                        (4, "token 1"), (5, "token 4")]
 
 
 def _need(path: pathlib.Path) -> pathlib.Path:

@@ -18,9 +18,9 @@ files and checked against the spec the run trained on:
                          genres and year, as prepared for training (recjax/data/movielens.py)
     criteo_kaggle / _tb  the frequency vocabulary fitted on the train days (or the hashing modulus) and DLRM's dense
                          transform (recjax/data/criteo.py)
-    tabular              CSV: the file's columns, each feature's frequency vocabulary (or hash buckets) and each
-                         dense column's clip / log1p chain and train standardisation, as the builder fitted them
-                         (recjax/data/tabular.py); Parquet and libSVM data: encoded rows only
+    tabular              CSV and libSVM: each feature's frequency vocabulary (or hash buckets) and each dense
+                         column's clip / log1p chain and train standardisation, as the builder fitted them
+                         (recjax/data/tabular.py), and a CSV file's columns; Parquet data: encoded rows only
 """
 
 import dataclasses
@@ -222,20 +222,24 @@ def _criteo_input(config: ml_collections.ConfigDict, spec: DatasetSpec) -> tuple
 
 
 def _tabular_input(config: ml_collections.ConfigDict, spec: DatasetSpec) -> tuple[dict, dict[str, np.ndarray]]:
-    """CSV data: what the tabular builder fitted on the train split (each feature's vocabulary or hashing, each dense
-    column's chain and standardisation), prepared again from the run's files, and the first file's columns (the
-    order of a raw row's fields). Other tabular formats take encoded rows."""
+    """CSV and libSVM data: what the tabular builder fitted on the train split (each feature's vocabulary or
+    hashing, each dense column's chain and standardisation), prepared again from the run's files; for CSV the first
+    file's columns (the order of a raw row's fields). Parquet data takes encoded rows."""
     from recjax.data.tabular import TabularOptions, prepare_tabular, source_paths
     from recjax.data.tabular_formats import MISSING_MARKERS, NAN_MARKERS, csv_units
 
     options = TabularOptions.from_config(config.data)
-    if options.format != "csv":
+    if options.format not in ("csv", "libsvm"):
         return {"kind": "tabular", "format": options.format}, {}
     plan = options.read_plan()
     with prepare_tabular(options) as prepared:
         _check_spec(prepared.spec, spec, str(options.dir))
         vocabularies, shift, scale = prepared.vocabularies, prepared.dense_shift, prepared.dense_scale
-    columns = next(csv_units(source_paths(options, options.dir), plan)).names
+    if options.format == "csv":
+        layout = {"delimiter": options.csv_delimiter,
+                  "columns": list(next(csv_units(source_paths(options, options.dir), plan)).names)}
+    else:
+        layout = {"fields": options.libsvm_fields}
     arrays = {"dense/shift": np.asarray(shift, np.float64), "dense/scale": np.asarray(scale, np.float64)}
     sparse = []
     for name, vocabulary in vocabularies.items():
@@ -244,9 +248,8 @@ def _tabular_input(config: ml_collections.ConfigDict, spec: DatasetSpec) -> tupl
                        "multi_valued": vocabulary.multi_valued, "bag_size": vocabulary.bag_size})
         if settings.vocab == "frequency":
             arrays[f"{name}/keys"], arrays[f"{name}/ids"] = vocabulary.keys.astype(np.int64), vocabulary.ids
-    return {"kind": "tabular", "format": "csv", "delimiter": options.csv_delimiter, "columns": list(columns),
-            "label": options.label_column,
-            "dense": [{"name": d.name, "steps": list(d.steps)} for d in plan.dense],
+    return {"kind": "tabular", "format": options.format, **layout, "label": options.label_column,
+            "dense": [{"name": d.name, "steps": list(d.steps), "index": d.index} for d in plan.dense],
             "clip_min": options.dense_clip_min, "clip_max": options.dense_clip_max, "missing": options.dense_missing,
             "nan": options.dense_nan, "missing_markers": list(MISSING_MARKERS), "nan_markers": list(NAN_MARKERS),
             "sparse": sparse, "separator": options.sparse_separator, "max_bag_size": options.sparse_max_bag_size

@@ -24,7 +24,8 @@ Rows a model scores (`score_rows`), each independently:
                          "::" for 1M, "," for latest-small); the user's and movie's features from the training data
               tabular    (CSV data) a line with the data file's columns (input.columns; the label may be left out),
                          each cell read as the tabular builder reads it: the train vocabulary (rare / unseen -> 0) or
-                         hashing, the dense columns' clip / log1p and train standardisation (`TabularCsvInput`)
+                         hashing, the dense columns' clip / log1p and train standardisation (`TabularCsvInput`);
+                         (libSVM data) a libSVM / libFM / libFFM line, the label optional (`TabularLibsvmInput`)
 A bad row is an error naming the row and field; the other rows of the same call are still scored.
 """
 
@@ -239,24 +240,83 @@ def string_key(data: bytes) -> int:
     return h & ((1 << 63) - 1)
 
 
-class TabularCsvInput:
-    """CSV rows of a tabular run: one line with the data file's columns (the label's field may be left out), each
-    cell read as the tabular builder reads it (recjax/data/tabular.py, tabular_formats.py): a dense cell is missing
-    (a missing marker: data.dense.missing), NaN (imputed or a bad row, data.dense.nan), or a number, then the
-    column's clip / log1p chain and the train split's standardisation; a sparse cell's bytes are its raw key (a
-    multi-valued cell split at the separator, empty items dropped), whose id is the train frequency vocabulary's (0
-    for a rare or unseen value) or the key modulo the hash buckets."""
+class TabularInput:
+    """What CSV and libSVM rows of a tabular run share, as the tabular builder does it (recjax/data/tabular.py,
+    tabular_formats.py): a dense value is missing (data.dense.missing), NaN (imputed or a bad row, data.dense.nan)
+    or a number, then its column's clip / log1p chain and the train split's standardisation; a sparse value's raw
+    key maps to the train frequency vocabulary's id (0 for a rare or unseen value) or to the key modulo the hash
+    buckets."""
 
     _FLOAT = re.compile(r"(?i)^[+-]?(([0-9]+\.?[0-9]*|\.[0-9]+)(e[+-]?[0-9]+)?|inf|infinity|nan)$")
 
     def __init__(self, spec: dict, arrays: dict[str, np.ndarray]):
         self.spec = spec
-        self.columns = spec["columns"]
-        self.label_at = self.columns.index(spec["label"]) if spec["label"] in self.columns else None
         self.missing_markers, self.nan_markers = set(spec["missing_markers"]), set(spec["nan_markers"])
         self.shift, self.scale = arrays["dense/shift"], arrays["dense/scale"]
         self.sparse = spec["sparse"]
+        self.feature = {f["name"]: f for f in self.sparse}
         self.vocab = {f["name"]: (arrays.get(f"{f['name']}/keys"), arrays.get(f"{f['name']}/ids")) for f in self.sparse}
+
+    def parse_number(self, field: str, text: str) -> float | None:
+        """A number as pyarrow's converter reads it (surrounding blanks ignored), NaN included; None if `text` is a
+        missing marker; a RowError if it is not a number or is infinite."""
+        if text in self.missing_markers:
+            return None
+        if text in self.nan_markers:
+            return math.nan
+        for candidate in (text, text.strip(" \t")):
+            if self._FLOAT.match(candidate):
+                value = float(candidate)
+                if math.isinf(value):
+                    raise RowError(field, f"{text[:40]!r} is infinite")
+                return value
+        raise RowError(field, f"{text[:40]!r} is not a number")
+
+    def dense_value(self, j: int, field: str, value: float | None) -> np.float32:
+        """Dense column j's model input from its raw value (None: missing)."""
+        spec, column = self.spec, self.spec["dense"][j]
+        if value is not None and math.isnan(value):
+            if spec["nan"] == "skip":
+                raise RowError(field, "is NaN (data.dense.nan='skip')")
+            value = None
+        value = float(spec["missing"]) if value is None else value
+        if "clip" in column["steps"]:
+            value = min(max(value, -math.inf if spec["clip_min"] is None else spec["clip_min"]),
+                        math.inf if spec["clip_max"] is None else spec["clip_max"])
+        if "log1p" in column["steps"]:
+            if value <= -1:
+                raise RowError(field, f"{value:g}: log1p needs values > -1 (after clip)")
+            value = float(np.log1p(np.float64(value)))
+        # The builder keeps the chain's result in float32, then standardises it in float64 (tabular.py _finalize).
+        return np.float32((np.float64(np.float32(value)) - self.shift[j]) / self.scale[j])
+
+    def ids(self, name: str, keys: Sequence[int]) -> list[int]:
+        feature = self.feature[name]
+        if feature["vocab"] == "hash":
+            return [k % feature["hash_buckets"] for k in keys]
+        known, index = self.vocab[name]  # the train vocabulary; 0 for a rare or unseen value
+        at = np.searchsorted(known, np.asarray(keys, np.int64))
+        return [int(index[a]) if a < known.size and known[a] == k else 0
+                for a, k in zip(at.tolist(), keys, strict=True)]
+
+    def bag(self, name: str, keys: list[int]) -> list[int]:
+        """A multi-valued feature's keys, truncated to data.sparse.max_bag_size as the builder truncates."""
+        if self.spec["max_bag_size"]:
+            keys = keys[:self.spec["max_bag_size"]]
+        if len(keys) > self.feature[name]["bag_size"]:
+            raise RowError(name, f"a bag of {len(keys)} values; this feature holds at most "
+                                 f"{self.feature[name]['bag_size']}")
+        return keys
+
+
+class TabularCsvInput(TabularInput):
+    """CSV rows: one line with the data file's columns (the label's field may be left out); a sparse cell's UTF-8
+    bytes are its raw key (a multi-valued cell split at the separator, empty items dropped)."""
+
+    def __init__(self, spec: dict, arrays: dict[str, np.ndarray]):
+        super().__init__(spec, arrays)
+        self.columns = spec["columns"]
+        self.label_at = self.columns.index(spec["label"]) if spec["label"] in self.columns else None
 
     def fields(self, line: str) -> dict[str, str]:
         try:
@@ -272,64 +332,86 @@ class TabularCsvInput:
                                   f"{len(fields)} fields")
         return dict(zip(self.columns, fields, strict=True))
 
-    def number(self, name: str, text: str) -> float:
-        """A dense cell before its chain: the missing value for a missing (or, imputed, a NaN) cell."""
-        spec = self.spec
-        if text in self.missing_markers:
-            return float(spec["missing"])
-        value = None
-        if text not in self.nan_markers:
-            for candidate in (text, text.strip(" \t")):  # pyarrow's converter ignores surrounding blanks
-                if self._FLOAT.match(candidate):
-                    value = float(candidate)
-                    break
-            else:
-                raise RowError(name, f"{text[:40]!r} is not a number (or empty)")
-        if value is None or math.isnan(value):
-            if spec["nan"] == "skip":
-                raise RowError(name, f"{text[:40]!r} is NaN (data.dense.nan='skip')")
-            return float(spec["missing"])
-        if math.isinf(value):
-            raise RowError(name, f"{text[:40]!r} is infinite")
-        return value
-
     def encode(self, line: str) -> tuple[np.ndarray, dict[str, list[int]]]:
-        spec = self.spec
         cells = self.fields(line)
-        dense = np.zeros(len(spec["dense"]), np.float32)
-        for j, column in enumerate(spec["dense"]):
-            name = column["name"]
-            value = self.number(name, cells[name])
-            if "clip" in column["steps"]:
-                value = min(max(value, -math.inf if spec["clip_min"] is None else spec["clip_min"]),
-                            math.inf if spec["clip_max"] is None else spec["clip_max"])
-            if "log1p" in column["steps"]:
-                if value <= -1:
-                    raise RowError(name, f"{cells[name][:40]!r}: log1p needs values > -1 (after clip)")
-                value = float(np.log1p(np.float64(value)))
-            # The builder keeps the chain's result in float32, then standardises it in float64 (tabular.py _finalize).
-            dense[j] = np.float32((np.float64(np.float32(value)) - self.shift[j]) / self.scale[j])
+        dense = np.asarray([self.dense_value(j, c["name"], self.parse_number(c["name"], cells[c["name"]]))
+                            for j, c in enumerate(self.spec["dense"])], np.float32)
         ids = {}
         for feature in self.sparse:
             name, text = feature["name"], cells[feature["name"]]
-            if feature["multi_valued"]:
-                values = [v for v in text.split(spec["separator"]) if v]
-                if spec["max_bag_size"]:
-                    values = values[:spec["max_bag_size"]]
-                if len(values) > feature["bag_size"]:
-                    raise RowError(name, f"a bag of {len(values)} values; this feature holds at most "
-                                         f"{feature['bag_size']}")
-            else:
-                values = [text]
+            values = [v for v in text.split(self.spec["separator"]) if v] if feature["multi_valued"] else [text]
             keys = [string_key(v.encode()) for v in values]
-            if feature["vocab"] == "hash":
-                ids[name] = [k % feature["hash_buckets"] for k in keys]
-            else:  # the train vocabulary; 0 for a rare or unseen value
-                known, index = self.vocab[name]
-                at = np.searchsorted(known, np.asarray(keys, np.int64))
-                ids[name] = [int(index[a]) if a < known.size and known[a] == k else 0
-                             for a, k in zip(at.tolist(), keys, strict=True)]
+            ids[name] = self.ids(name, self.bag(name, keys) if feature["multi_valued"] else keys)
         return dense, ids
+
+
+class TabularLibsvmInput(TabularInput):
+    """libSVM / libFM / libFFM lines "[label] idx:val ..." (or field:idx:val), tokens separated by blanks: an index
+    is its own raw key; a dense index's value is its dense feature (absent: missing); any other value is 0 or 1,
+    and 0 reads as absent. positional: the k-th pair is feature f<k> (every line has as many pairs as the model has
+    features); ffm: field f's pair is feature f<f> (an absent field is missing); bag: every index with value 1."""
+
+    MISSING_INDEX_KEY = 2**63 - 1  # an absent field (recjax/data/tabular_formats.py)
+    _UINT = re.compile(r"[0-9]{1,18}")
+
+    def __init__(self, spec: dict, arrays: dict[str, np.ndarray]):
+        super().__init__(spec, arrays)
+        self.mode = spec["fields"]
+        self.dense_at = {int(c["index"]): j for j, c in enumerate(spec["dense"])}
+
+    def _uint(self, token: str, text: str, what: str) -> int:
+        if not self._UINT.fullmatch(text):
+            raise RowError(token, f"the {what} is not a non-negative integer of at most 18 digits")
+        return int(text)
+
+    def encode(self, line: str) -> tuple[np.ndarray, dict[str, list[int]]]:
+        tokens = [t for t in re.split(r"[ \t\r\n]+", line) if t]  # the builder's separators, no other blank
+        if tokens and ":" not in tokens[0]:
+            tokens = tokens[1:]  # the label is not scored
+        ffm = self.mode == "ffm"
+        dense_values: dict[int, float] = {}
+        pairs: list[tuple[int, int, int]] = []  # (field, index, value) of the sparse tokens, in line order
+        for k, text in enumerate(tokens):
+            token = f"token {k + 1}"
+            parts = text.split(":")
+            if len(parts) != (3 if ffm else 2):
+                raise RowError(token, f"{text[:40]!r} is not {'field:index:value' if ffm else 'index:value'}")
+            field = self._uint(token, parts[0], "field") if ffm else 0
+            index = self._uint(token, parts[-2], "index")
+            value = 1.0 if parts[-1] == "1" else 0.0 if parts[-1] == "0" else self.parse_number(token, parts[-1])
+            if value is None:
+                raise RowError(token, f"{text[:40]!r}: the value is not a finite number")
+            if index in self.dense_at:
+                if index in dense_values:
+                    raise RowError(token, f"dense index {index} appears twice in the line")
+                dense_values[index] = value
+                continue
+            if math.isnan(value) or value not in (0.0, 1.0):
+                raise RowError(token, f"{text[:40]!r}: index {index} has a value other than 0 or 1")
+            pairs.append((field, index, int(value)))
+        dense = np.asarray([self.dense_value(j, c["name"], dense_values.get(int(c["index"])))
+                            for j, c in enumerate(self.spec["dense"])], np.float32)
+        key = lambda index, value: index if value == 1 else self.MISSING_INDEX_KEY  # noqa: E731
+        if self.mode == "bag":
+            name = self.sparse[0]["name"]
+            return dense, {name: self.ids(name, self.bag(name, [index for _, index, value in pairs if value == 1]))}
+        if self.mode == "positional":
+            if len(pairs) != len(self.sparse):
+                raise RowError("row", f"{len(pairs)} index:value pairs; this model's lines have {len(self.sparse)} "
+                                      "(data.libsvm.fields='positional')")
+            return dense, {f"f{k}": self.ids(f"f{k}", [key(index, value)]) for k, (_, index, value) in
+                           enumerate(pairs)}
+        keys = dict.fromkeys(self.feature, self.MISSING_INDEX_KEY)
+        seen = set()
+        for field, index, value in pairs:
+            name = f"f{field}"
+            if name not in keys:
+                raise RowError(name, f"field {field} is not a feature of this model; its fields are {list(keys)}")
+            if name in seen:
+                raise RowError(name, f"field {field} appears twice in the line")
+            seen.add(name)
+            keys[name] = key(index, value)
+        return dense, {name: self.ids(name, [k]) for name, k in keys.items()}
 
 
 # --------------------------------------------------------------------------------------------------- model
@@ -372,6 +454,8 @@ class ServingModel:
             self.raw_input = MovieLensInput(spec, vocab, self.features, manifest["dense_names"])
         elif spec["kind"] == "tabular" and spec.get("format") == "csv":
             self.raw_input = TabularCsvInput(spec, vocab)
+        elif spec["kind"] == "tabular" and spec.get("format") == "libsvm":
+            self.raw_input = TabularLibsvmInput(spec, vocab)
 
     def _constants(self, arguments: dict) -> tuple:
         """(tables, dense params, routing arrays): all go to the device once; each call sends only the batch."""
