@@ -199,7 +199,7 @@ def measure_load(args, models: dict[str, pathlib.Path], rows: list[dict]) -> dic
         batch, wait = setting.split("x")
         curves[("f32", f"grid {setting}")] = load_curve(args, f32, rows, f"grid b{batch}_w{wait}", "f32",
                                                         max_batch=int(batch), max_wait_ms=float(wait))
-    cap = max(int(s.split("x")[0]) for s in args.grid)
+    cap = max((int(s.split("x")[0]) for s in args.grid), default=args.format_batch)
     for target in args.adaptive_targets:
         curves[("f32", f"adaptive p99<{target:g}")] = load_curve(
             args, f32, rows, f"adaptive p99<{target:g}ms", "f32", max_batch=cap, scheduler="adaptive",
