@@ -13,7 +13,8 @@ Measurements
              method (--methods, at --ratio x fewer embedding params than full; compression/ via
              experiments/sweep_compression.py's knobs) and format (f32, fp16, bf16, int8, int4): the stored table bytes,
              the ratio to f32, and the test AUC / logloss with the decoded tables and their change against f32. The
-             checkpoint scored is the run's last one, for every format alike.
+             checkpoint scored is the run's selected step (whose test metrics its summary reports; the export's
+             default), for every format alike.
   forward    the bare exported model (loader.score_arrays, no HTTP, no batching) per batch size: the floor a server
              adds to; in the same process as the load generator, before any load.
   load       the synthetic runs exported (full: f32, int8, int4; qr, md: f32; and the f32 export with its tables
