@@ -13,7 +13,8 @@ Measurements
              method (--methods, at --ratio x fewer embedding params than full; compression/ via
              experiments/sweep_compression.py's knobs) and format (f32, fp16, bf16, int8, int4): the stored table bytes,
              the ratio to f32, and the test AUC / logloss with the decoded tables and their change against f32. The
-             checkpoint scored is the run's last one, for every format alike.
+             checkpoint scored is the run's selected step (whose test metrics its summary reports; the export's
+             default), for every format alike.
   forward    the bare exported model (loader.score_arrays, no HTTP, no batching) per batch size: the floor a server
              adds to; in the same process as the load generator, before any load.
   overhead   the server's own cost at low load: one client sends one-row requests one after another (closed loop,
@@ -21,16 +22,18 @@ Measurements
              p50 latency minus the bare forward's median at batch 1 (measured twice, before and after the server,
              so drift shows), and the server's own time from its Server-Timing header, with and without its
              model call (what the server adds, apart from the HTTP round trip and the client on the same cores).
-  load       the synthetic runs exported (full: f32, int8, int4; qr, md: f32), each behind the server on 127.0.0.1
-             at rising open-loop request rates (--rates, Poisson arrivals, --seconds per rate and at most
-             --max_requests, 1 encoded row per request; recjax/serving/measure.py): p50 / p95 / p99 against achieved
-             QPS. Formats run at one batching setting (--format_batch, --format_wait_ms); the f32 model also runs
-             without batching (max_batch 1), at every --grid setting (max_batch x max_wait_ms) and with the adaptive
-             scheduler (recjax/serving/server.py AdaptiveBatching, cap --grid's largest max_batch, one run per
-             --adaptive_targets p99 target). Per curve, the
-             latency-bounded throughput at p99 targets --targets (ms). Batch shapes are padded to powers of two
-             (--batch_shapes=pow2) so a small batch costs a small batch's forward under every setting. The load
-             generator shares the machine's cores with the server: its own CPU time is part of the figures.
+  load       the synthetic runs exported (full: f32, int8, int4; qr, md: f32; and the f32 export with its tables
+             on disk behind a RAM row cache of --disk_cache of each table's rows, `--tier=disk`), each behind the
+             server on 127.0.0.1 at rising open-loop request rates (--rates, Poisson arrivals, --seconds per rate
+             and at most --max_requests, 1 encoded row per request; recjax/serving/measure.py): p50 / p95 / p99
+             against achieved QPS. Formats run at one batching setting (--format_batch, --format_wait_ms); the f32
+             model also runs without batching (max_batch 1), at every --grid setting (max_batch x max_wait_ms) and
+             with the adaptive scheduler (recjax/serving/server.py AdaptiveBatching, cap --grid's largest
+             max_batch, one run per --adaptive_targets p99 target). Per curve, the latency-bounded throughput at p99
+             targets --targets (ms). Batch shapes are padded to powers of two (--batch_shapes=pow2) so a small batch
+             costs a small batch's forward under every setting. The disk-tier model's cache hit ratio is read from
+             the server's /metrics after its curve. The load generator shares the machine's cores with the server:
+             its own CPU time is part of the figures.
 """
 
 from __future__ import annotations
@@ -124,17 +127,40 @@ def request_rows(directory: pathlib.Path, count: int = 512) -> list[dict]:
             for r in range(batch.size)]
 
 
+def with_disk_tier(args, models: dict[str, pathlib.Path]) -> dict[str, pathlib.Path]:
+    """`models` and, unless --disk_cache=0, the f32 export served with its tables on disk behind a RAM row cache of
+    --disk_cache of each table's rows (recjax/serving/tiered.py), named "f32 disk <pct>%"."""
+    if not args.disk_cache:
+        return models
+    return {**models, disk_name(args): models["f32"]}
+
+
+def disk_name(args) -> str:
+    return f"f32 disk {args.disk_cache * 100:g}%"
+
+
+def server_options(args, name: str) -> dict[str, Any]:
+    return {"tier": "disk", "cache": args.disk_cache} if args.disk_cache and name == disk_name(args) else {}
+
+
 def measure_forward(args, models: dict[str, pathlib.Path], rows: list[dict]) -> dict[str, dict[int, float]]:
     from recjax.serving import loader
     from recjax.serving.measure import forward_times
+    from recjax.serving.tiered import TieredServingModel
 
     out = {}
     for name, directory in models.items():
-        times = forward_times(loader.load(directory), args.forward_sizes, rows)
+        disk = server_options(args, name)
+        model = TieredServingModel(directory, disk["cache"]) if disk else loader.load(directory)
+        times = forward_times(model, args.forward_sizes, rows)
         out[name] = times
         for size, seconds in times.items():
             _emit({"measurement": "forward", "model": name, "batch": size, "ms": seconds * 1e3,
                    "us_per_row": seconds * 1e6 / size})
+        if disk:
+            hits, lookups = model.cache_stats()
+            _emit({"measurement": "cache_hit_ratio", "model": name, "where": "forward", "hits": hits,
+                   "lookups": lookups, "ratio": hits / lookups})
     return out
 
 
@@ -152,6 +178,13 @@ def load_curve(args, directory: pathlib.Path, rows: list[dict], label: str, mode
                  f"p99 {level['p99_ms']:.2f} ms, failed {level['failed']}")
             if level["p99_ms"] > 4 * max(args.targets) or level["achieved_qps"] < 0.7 * rate:
                 break  # saturated: higher rates only queue
+        if server.get("tier") == "disk":
+            import urllib.request
+
+            with urllib.request.urlopen(f"{process.url}/metrics") as answer:
+                ratio = next(float(line.split()[-1]) for line in answer.read().decode().splitlines()
+                             if line.startswith("recjax_serving_table_cache_hit_ratio"))
+            _emit({"measurement": "cache_hit_ratio", "model": model, "where": "load", "ratio": ratio})
     for target in args.targets:
         _emit({"measurement": "latency_bounded_throughput", "model": model, "setting": label, **server,
                "p99_target_ms": target, "qps": latency_bounded_throughput(levels, target)})
@@ -179,17 +212,19 @@ def measure_overhead(args, models: dict[str, pathlib.Path], rows: list[dict]) ->
 
 def measure_load(args, models: dict[str, pathlib.Path], rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
     curves = {}
-    for name in args.load_models:
-        directory = models[name]
+    for name, directory in models.items():
+        if args.models and name not in args.models:
+            continue
         curves[(name, "fixed")] = load_curve(args, directory, rows, f"b{args.format_batch}_w{args.format_wait_ms:g}",
-                                             name, max_batch=args.format_batch, max_wait_ms=args.format_wait_ms)
+                                             name, max_batch=args.format_batch, max_wait_ms=args.format_wait_ms,
+                                             **server_options(args, name))
     f32 = models["f32"]
     curves[("f32", "no batching")] = load_curve(args, f32, rows, "no batching", "f32", max_batch=1, max_wait_ms=0)
     for setting in args.grid:
         batch, wait = setting.split("x")
         curves[("f32", f"grid {setting}")] = load_curve(args, f32, rows, f"grid b{batch}_w{wait}", "f32",
                                                         max_batch=int(batch), max_wait_ms=float(wait))
-    cap = max(int(s.split("x")[0]) for s in args.grid)
+    cap = max((int(s.split("x")[0]) for s in args.grid), default=args.format_batch)
     for target in args.adaptive_targets:
         curves[("f32", f"adaptive p99<{target:g}")] = load_curve(
             args, f32, rows, f"adaptive p99<{target:g}ms", "f32", max_batch=cap, scheduler="adaptive",
@@ -243,22 +278,25 @@ def main() -> None:
     parser.add_argument("--format_wait_ms", type=float, default=1.0)
     parser.add_argument("--grid", default="8x0,32x0,128x0,8x1,32x1,128x1,8x4,32x4,128x4",
                         help="max_batch x max_wait_ms")
-    parser.add_argument("--load_models", default="f32,int8,int4,qr,md",
-                        help="load: the exports measured at the one --format_batch setting")
     parser.add_argument("--targets", default="10,20,50")
     parser.add_argument("--adaptive_targets", default="20", help="a scheduler run per p99 target (ms)")
+    parser.add_argument("--disk_cache", type=float, default=0.1,
+                        help="also the f32 model with its tables on disk behind a RAM cache of this share of each "
+                             "table's rows (0: not)")
+    parser.add_argument("--models", default="", help="load: only these models' fixed-setting curves (names as in "
+                                                     "the JSON lines, e.g. 'f32,f32 disk 10%%'; default all)")
     parser.add_argument("--plot", default="benchmarks/serving.png")
     args = parser.parse_args()
     only = args.only.split(",")
     unknown = set(only) - set(MEASUREMENTS)
     if unknown:
         parser.error(f"--only: unknown {sorted(unknown)}; choose from {MEASUREMENTS}")
-    for name in ("datasets", "methods", "formats", "grid", "load_models"):
+    for name in ("datasets", "methods", "formats", "grid", "models"):
         setattr(args, name, [v for v in getattr(args, name).split(",") if v])
     args.forward_sizes = [int(v) for v in args.forward_sizes.split(",")]
     args.rates = [float(v) for v in args.rates.split(",")]
     args.targets = [float(v) for v in args.targets.split(",")]
-    args.adaptive_targets = [float(v) for v in args.adaptive_targets.split(",")]
+    args.adaptive_targets = [float(v) for v in args.adaptive_targets.split(",") if v]
     root = pathlib.Path(args.root).expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
     from recjax import cli
@@ -274,7 +312,7 @@ def run(args, only: list[str], root: pathlib.Path) -> None:
     if "tables" in only:
         measure_tables(args, root)
     if {"forward", "overhead", "load"} & set(only):
-        models = exports(args, root)
+        models = with_disk_tier(args, exports(args, root))
         rows = request_rows(models["f32"])
         if "forward" in only:
             measure_forward(args, models, rows)

@@ -19,7 +19,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (python -m ex
 _OUT = flags.DEFINE_string("out", None, "Where to write the export (a new directory, or an export to replace).")
 _QUANTIZE = flags.DEFINE_string("quantize", "f32", "Table format: f32, fp16, bf16, int8 or int4.")
 _PLATFORMS = flags.DEFINE_list("platforms", ["cpu"], "Platforms to lower for: cpu (always useful), cuda, rocm, tpu.")
-_STEP = flags.DEFINE_integer("step", None, "Export this checkpointed step instead of the latest.")
+_STEP = flags.DEFINE_integer("step", None, "Export this checkpointed step instead of the run's selected step (the "
+                             "one summary.json reports).")
 
 
 def main(argv):

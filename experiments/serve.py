@@ -3,6 +3,7 @@ r"""Serve an export (python -m experiments.export) over HTTP with dynamic batchi
     python -m experiments.serve --model=runs/ml100k/export --port=8500
     curl -s localhost:8500/v1/score -d '{"rows": ["196\t242", "186\t302"]}'
     curl -s localhost:8500/metrics
+    python -m experiments.serve --model=runs/ml100k/export_int8 --tier=disk --cache=0.1   # tables left on disk
 
 The endpoints, the batching and the scheduler are described in recjax/serving/server.py. --port=0 binds a free port
 and prints it ("serving on http://HOST:PORT ..."). SIGTERM / Ctrl-C drain: requests in flight are answered first.
@@ -25,6 +26,10 @@ _SCHEDULER = flags.DEFINE_string("scheduler", "fixed", "fixed, or adaptive: tune
                                  "against --p99_target_ms (DeepRecSys-style).")
 _P99 = flags.DEFINE_float("p99_target_ms", 20.0, "The adaptive scheduler's p99 latency target.")
 _DRAIN = flags.DEFINE_float("drain_seconds", 30.0, "On SIGTERM, wait at most this long for requests in flight.")
+_TIER = flags.DEFINE_string("tier", "memory", "Where the tables are: memory (all in RAM), or disk (left in the "
+                            "export's files behind a RAM row cache; recjax/serving/tiered.py).")
+_CACHE = flags.DEFINE_float("cache", 0.1, "--tier=disk: the share of each table's rows the RAM cache holds, (0, 1].")
+_CACHE_POLICY = flags.DEFINE_string("cache_policy", "lru", "--tier=disk: the cache's eviction, lru or lfu.")
 
 
 def main(argv):
@@ -36,13 +41,19 @@ def main(argv):
 
     from recjax.serving.loader import ServingModel
     from recjax.serving.server import ServerOptions, serve
+    from recjax.serving.tiered import TIERS, TieredServingModel
 
     options = ServerOptions(max_batch=_MAX_BATCH.value, max_wait_ms=_MAX_WAIT_MS.value, max_rows=_MAX_ROWS.value,
                             max_body_bytes=_MAX_BODY.value, batch_shapes=_BATCH_SHAPES.value,
                             scheduler=_SCHEDULER.value, p99_target_ms=_P99.value, drain_seconds=_DRAIN.value)
     options.check()
+    if _TIER.value not in TIERS:
+        cli.fail(f"--tier={_TIER.value}: use one of {list(TIERS)}")
     try:  # the loader imports no recjax (an export is read with jax + numpy only), so its errors are plain ones
-        model = ServingModel(_MODEL.value)
+        if _TIER.value == "disk":
+            model = TieredServingModel(_MODEL.value, _CACHE.value, _CACHE_POLICY.value)
+        else:
+            model = ServingModel(_MODEL.value)
     except (OSError, ValueError, KeyError) as error:
         cli.fail(f"--model={_MODEL.value}: cannot load the export: {error}")
     print(f"model: {model.describe()}", flush=True)

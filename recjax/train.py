@@ -6,8 +6,8 @@ embedding backend (`LocalEmbedding` on one device, `MeshEmbedding` on a mesh); b
 recjax/evaluation.py; what the run writes as it goes is recjax/metric_log.py. The loop:
 
     for each step: train step -> (dynamic tables: adjust) -> at log points: loss and the divergence check, at eval
-    points: validation, and test when validation improved -> early stop? -> checkpoint when due (or on Ctrl-C, then
-    stop)
+    points: validation, and test when validation improved -> early stop? -> checkpoint when due or newly selected (or
+    on Ctrl-C, then stop)
 
 What guards a run (a workdir it can write, a model that fits in memory, a loss that diverges, Ctrl-C) is
 recjax/guards.py.
@@ -292,7 +292,11 @@ class Run:
             bar.update(batch_size)
             if selection.should_stop:
                 break
-            due = self.checkpointer is not None and step < budget.steps and self.checkpointer.due(step)
+            # Due by the interval, or (`keep_selected`) because this step is the newly selected one: the export
+            # then serves the model whose test metrics the summary reports, not the last step's.
+            due = self.checkpointer is not None and step < budget.steps and (
+                self.checkpointer.due(step) or (self.checkpointer.keep_selected and evaluate_now
+                                                and selection.best_step == step))
             stopping = self.stop.requested and step < budget.steps  # read once: a later Ctrl-C stops after the next
             if due or (stopping and self.checkpointer):
                 jax.block_until_ready(self.state)

@@ -4,6 +4,7 @@ rows (MovieLens ratings lines, Criteo lines) encode exactly as the dataset build
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -13,7 +14,9 @@ import pytest
 from test_train import tiny_config
 
 from recjax.batch import pad_batch
-from recjax.errors import ConfigError
+from recjax.data.arrays import concatenate as concatenate_batches
+from recjax.errors import CheckpointError, ConfigError
+from recjax.metrics import binary_metrics
 from recjax.serving import loader
 from recjax.serving.export import export_run, load_run
 from recjax.serving.tables import decode_table
@@ -126,6 +129,245 @@ def test_quantized_export_bytes_and_bad_rows(synthetic_run, tmp_path):
         export_run(run, tmp_path / "x", "int3")
     with pytest.raises(ConfigError, match="exists and is not an export"):
         export_run(run, tmp_path / "int8" / "arrays", "f32")
+
+
+def test_tiered_tables_score_as_in_ram_and_count_cache_hits(synthetic_run, tmp_path):
+    """Tables left in their files behind a RAM row cache (10 % of each group's rows, so batches evict and re-read
+    rows) score exactly as the in-RAM model, per format; a cache holding every row misses each distinct row once."""
+    from recjax.serving.tiered import TieredServingModel
+
+    run = load_run(synthetic_run)
+    batch_size = 64
+    batches = list(run.dataset.eval_batches(batch_size, "test"))[:4]
+    for fmt in ("f32", "int4"):
+        export_run(run, tmp_path / fmt, fmt, log=lambda _: None)
+        in_ram, tiered = loader.load(tmp_path / fmt), TieredServingModel(tmp_path / fmt, cache=0.1)
+        for batch in batches + batches[:1]:
+            np.testing.assert_array_equal(
+                tiered.score_arrays(batch.dense, batch.ids, batch.lengths, pad_to=batch_size),
+                in_ram.score_arrays(batch.dense, batch.ids, batch.lengths, pad_to=batch_size), err_msg=fmt)
+        hits, lookups = tiered.cache_stats()
+        assert 0 < hits < lookups
+    # Every row fits: the hits are the lookups of rows seen in an earlier batch (counted here from the routes).
+    whole = TieredServingModel(tmp_path / "int4", cache=1.0)
+    seen = {g: set() for g in whole.caches}
+    expected_hits = expected_lookups = 0
+    for batch in batches + batches[:2]:
+        whole.score_arrays(batch.dense, batch.ids, batch.lengths, pad_to=batch_size)
+        padded = loader.pad_rows(batch.dense, batch.ids, batch.lengths, batch_size)
+        for g, ids in jax.device_get(whole._slot_rows(whole.constants[2], *padded[1:])).items():
+            rows = {int(i) for i in np.asarray(ids) if 0 <= i < whole.constants[0][g].shape[0]}
+            expected_lookups += len(rows)
+            expected_hits += len(rows & seen[g])
+            seen[g] |= rows
+    assert whole.cache_stats() == (expected_hits, expected_lookups)
+    with pytest.raises(ValueError, match="cache must be a fraction"):
+        TieredServingModel(tmp_path / "int4", cache=0.0)
+
+
+@pytest.fixture(scope="module")
+def run_selecting_earlier(tmp_path_factory):
+    """A run whose selected step (35: the best validation logloss) is neither its last (40) nor among the `keep=1`
+    restore points the interval keeps."""
+    workdir = tmp_path_factory.mktemp("selecting")
+    config = tiny_config(40)
+    config.data.bag_sizes = (1, 3, 1, 1, 1, 2)
+    config.data.eval_examples = 512
+    config.train.eval_every = 5
+    config.train.select_on = "logloss"
+    config.optimizer.dense.learning_rate = 0.1  # noisy enough that the logloss is best before the end
+    config.checkpoint.keep = 1
+    summary = train_and_evaluate(config, workdir)
+    assert summary["selected_step"] == 35, summary["selected_step"]  # what the test below is about
+    return workdir, summary
+
+
+def _test_metrics(model: loader.ServingModel, run, batch_size: int) -> dict:
+    """The export's metrics over the test split, batched as the trainer's evaluation batches it."""
+    labels, probs = [], []
+    for batch in run.dataset.eval_batches(batch_size, "test"):
+        probs.append(model.score_arrays(batch.dense, batch.ids, batch.lengths, pad_to=batch_size))
+        labels.append(batch.labels)
+    return binary_metrics(np.concatenate(labels), np.concatenate(probs))
+
+
+def test_export_serves_the_selected_step(run_selecting_earlier, tmp_path):
+    """By default the export is the model whose test metrics summary.json reports (its selected step, kept by
+    checkpoint.keep_selected), not the last step's; --step still picks another; a run whose selected step has no
+    checkpoint says so."""
+    workdir, summary = run_selecting_earlier
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [35, 40]
+    run = load_run(workdir)
+    assert run.step == 35
+    manifest = export_run(run, tmp_path / "selected", "f32", log=lambda _: None)
+    assert manifest["source"]["checkpoint_step"] == manifest["source"]["selected_step"] == 35
+    batch_size = manifest["source"]["batch_size"]
+    served = _test_metrics(loader.load(tmp_path / "selected"), run, batch_size)
+    # The trainer's test metrics at its selected step, to the last bit (the export scores as the trainer does).
+    assert (served["auc"], served["logloss"]) == (summary["auc"], summary["logloss"])
+    notes = []
+    last = load_run(workdir, step=40)
+    export_run(last, tmp_path / "last", "f32", log=notes.append)
+    assert "not the run's selected step 35" in notes[-1]
+    assert _test_metrics(loader.load(tmp_path / "last"), last, batch_size)["logloss"] != summary["logloss"]
+    shutil.copytree(workdir, tmp_path / "copy")
+    shutil.rmtree(tmp_path / "copy" / "checkpoints" / "35")
+    with pytest.raises(CheckpointError, match="reports selected step 35, which has no checkpoint"):
+        load_run(tmp_path / "copy")
+
+
+def _clicks_csv(path: pathlib.Path, rows: int = 480) -> list[str]:
+    """A seeded CSV click log with missing and NaN dense cells, a skewed category, a hashed one and a bag column;
+    returns its data lines."""
+    rng = np.random.default_rng(7)
+    lines = []
+    for i in range(rows):
+        price = rng.choice(["", "NA", "nan", f"{rng.normal(3, 2):.3f}", f" {rng.integers(0, 50)} "], p=[.05, .05, .05,
+                                                                                                     .75, .1])
+        qty = str(int(rng.integers(-3, 400)))
+        site = f"s{min(int(rng.zipf(1.6)), 60)}"
+        app = f"a{int(rng.integers(0, 300))}"
+        tags = "|".join(f"t{int(v)}" for v in rng.integers(0, 12, int(rng.integers(0, 4))))
+        click = int(rng.random() < (0.7 if site in ("s1", "s2") else 0.2))
+        lines.append(f"{i},{click},{price},{qty},{site},{app},\"{tags}\"")
+    path.write_text("id,click,price,qty,site,app,tags\n" + "\n".join(lines) + "\n")
+    return lines
+
+
+def _clicks_config(directory: pathlib.Path, prepared: pathlib.Path):
+    from experiments.configs import dlrm_csv_clicks
+
+    config = dlrm_csv_clicks.get_config()
+    data = config.data
+    data.dir, data.files, data.prepared_dir = str(directory), "clicks.csv", str(prepared)
+    data.label.column, data.dense.columns = "click", ("price", "qty")
+    data.dense.transforms = {"qty": "clip+log1p+standardise"}
+    data.dense.clip_min = 0.0
+    data.sparse.columns, data.sparse.multi_valued = ("site", "app", "tags"), ("tags",)
+    data.sparse.overrides = {"app": {"vocab": "hash", "hash_buckets": 50}}
+    data.split.method, data.split.time_column = "random", ""
+    config.train.epochs, config.train.steps, config.train.eval_every = None, 12, 12
+    config.train.batch_size, config.train.progress_bar = 32, False
+    return config
+
+
+def test_tabular_csv_rows_encode_and_score_like_the_builder(tmp_path):
+    """Raw CSV rows of a tabular run's test split encode to the builder's test batches (vocabularies, hashing,
+    bags, missing / NaN cells, clip + log1p, standardisation) and score as the trainer, bit for bit; unseen values
+    map as the builder maps them; bad fields are row errors naming the field."""
+    from recjax.data.tabular import TabularOptions, prepare_tabular, split_uniform
+    from recjax.data.vocabulary import string_key
+
+    lines = _clicks_csv(tmp_path / "clicks.csv")
+    config = _clicks_config(tmp_path, tmp_path / "prepared")
+    train_and_evaluate(config, tmp_path / "run")
+    run = load_run(tmp_path / "run")
+    manifest = export_run(run, tmp_path / "export", "f32", log=lambda _: None)
+    assert manifest["input"]["columns"] == ["id", "click", "price", "qty", "site", "app", "tags"]
+    model = loader.load(tmp_path / "export")
+    batch_size = int(config.train.batch_size)
+    test_rows = np.flatnonzero(split_uniform(0, np.arange(len(lines))) >= 0.9)  # the random split's test rows
+    encoded, errors = model.encode([lines[i] for i in test_rows])
+    assert errors == []
+    start = 0
+    for batch in run.dataset.eval_batches(batch_size, "test"):
+        rows = slice(start, start + batch.size)
+        np.testing.assert_array_equal(encoded.dense[rows], batch.dense)
+        for f in batch.ids:
+            np.testing.assert_array_equal(encoded.lengths[f][rows], batch.lengths[f], err_msg=f)
+            np.testing.assert_array_equal(encoded.ids[f][rows], batch.ids[f], err_msg=f)
+        if start == 0:  # scores: the trainer's predict step on the builder's batch, bit for bit
+            padded = pad_batch(batch, batch_size)
+            trainer = np.asarray(run.predict_step()(run.state, jax.device_put(padded)))[:batch.size]
+            np.testing.assert_array_equal(model.score_arrays(encoded.dense[rows], {k: v[rows] for k, v in
+                                                                                  encoded.ids.items()},
+                                                             {k: v[rows] for k, v in encoded.lengths.items()},
+                                                             pad_to=batch_size), trainer)
+        start += batch.size
+    assert start == test_rows.size
+    # Unseen values, a rare one and the label left out: ids as the builder's own vocabularies give them.
+    with prepare_tabular(TabularOptions.from_config(config.data)) as prepared:
+        vocab = prepared.vocabularies
+
+        def builder_ids(feature: str, *values: str) -> list[int]:
+            return vocab[feature].ids_of(np.array([string_key(v) for v in values], np.int64)).tolist()
+
+        rare = next(k for k, c in zip(vocab["site"].raw_keys, vocab["site"].raw_counts, strict=True) if c == 1)
+        rare_site = next(line.split(",")[4] for line in lines if string_key(line.split(",")[4]) == rare)
+        unseen, _ = model.encode(["9,,1.5,7,never_seen,zz,t3|never|t1", f"9,1.5,7,{rare_site},a1,", "9,1,,,s1,a2,"])
+        assert unseen.ids["site"][:, 0].tolist() == [0, 0, builder_ids("site", "s1")[0]] and rare not in vocab[
+            "site"].keys
+        assert unseen.ids["app"][:, 0].tolist() == builder_ids("app", "zz", "a1", "a2")
+        assert unseen.ids["tags"][0, :3].tolist() == builder_ids("tags", "t3", "never", "t1")
+        assert unseen.lengths["tags"].tolist() == [3, 0, 0]
+        # Empty price and qty cells are data.dense.missing (0) before the chain and the standardisation.
+        shift, scale = prepared.dense_shift, prepared.dense_scale
+        np.testing.assert_array_equal(unseen.dense[2], ((np.array([0.0, 0.0]) - shift) / scale).astype(np.float32))
+    bad = ["9,1,abc,3,s1,a1,t1", "9,1,2.5,inf,s1,a1,t1", "9,1,2.5,3,s1", "9,1,2.5,3,s1,a1,t1|t2|t3|t4|t5|t6|t7",
+           "9,1,2.5,\"3,s1,a1,t1"]
+    scores, errors = model.score_rows([lines[0], *bad, lines[1]])
+    assert [(e["row"], e["field"]) for e in errors] == [(1, "price"), (2, "qty"), (3, "row"), (4, "tags"), (5, "row")]
+    assert "not a number" in errors[0]["error"] and "at most" in errors[3]["error"]
+    assert scores[0] is not None and scores[-1] is not None and scores[1:-1] == [None] * 5
+
+
+def test_tabular_libfm_lines_encode_and_score_like_the_builder(tmp_path):
+    """Raw libFM lines (positional fields, a dense index, the label optional) of the test split encode to the
+    builder's test batches and score as the trainer; unseen indices map as the builder maps them; bad tokens are
+    row errors naming the token."""
+    from experiments.configs import dlrm_libfm
+    from recjax.data.tabular import TabularOptions, prepare_tabular, split_uniform
+
+    rng = np.random.default_rng(3)
+    lines = []
+    for _ in range(400):
+        user, item, hour = int(rng.zipf(1.5)) % 40, 100 + int(rng.integers(0, 30)), 200 + int(rng.integers(0, 5))
+        dense = f" 999:{rng.normal(2, 1):.3f}" if rng.random() < 0.9 else ""
+        label = 1 if (user + item) % 3 == 0 else -1
+        lines.append(f"{label} {user}:1 {item}:1{dense} {hour}:{int(rng.random() < 0.8)}")
+    (tmp_path / "data.libfm").write_text("\n".join(lines) + "\n")
+    config = dlrm_libfm.get_config()
+    data = config.data
+    data.dir, data.files, data.prepared_dir = str(tmp_path), "data.libfm", str(tmp_path / "prepared")
+    data.split.method = "random"
+    data.split.train_files = data.split.validation_files = data.split.test_files = ""
+    data.libsvm.dense_indices = (999,)
+    data.dense.transforms = {"i999": "clip+log1p+standardise"}
+    data.dense.clip_min = 0.0
+    config.train.epochs, config.train.steps, config.train.eval_every = None, 10, 10
+    config.train.batch_size, config.train.progress_bar = 32, False
+    train_and_evaluate(config, tmp_path / "run")
+    run = load_run(tmp_path / "run")
+    export_run(run, tmp_path / "export", "f32", log=lambda _: None)
+    model = loader.load(tmp_path / "export")
+    test_rows = np.flatnonzero(split_uniform(0, np.arange(len(lines))) >= 0.9)
+    # Half of them without their label: the label is not scored.
+    raw = [lines[i] if k % 2 else lines[i].split(" ", 1)[1] for k, i in enumerate(test_rows)]
+    encoded, errors = model.encode(raw)
+    assert errors == []
+    batch = concatenate_batches(list(run.dataset.eval_batches(int(config.train.batch_size), "test")))
+    np.testing.assert_array_equal(encoded.dense, batch.dense)
+    for f in batch.ids:
+        np.testing.assert_array_equal(encoded.ids[f], batch.ids[f], err_msg=f)
+    first = pad_batch(next(run.dataset.eval_batches(32, "test")), 32)
+    n = min(32, len(raw))
+    trainer = np.asarray(run.predict_step()(run.state, jax.device_put(first)))[:n]
+    np.testing.assert_array_equal(model.score_arrays(encoded.dense[:n], {k: v[:n] for k, v in encoded.ids.items()},
+                                                     {k: v[:n] for k, v in encoded.lengths.items()}, pad_to=32),
+                                  trainer)
+    with prepare_tabular(TabularOptions.from_config(config.data)) as prepared:
+        vocab = prepared.vocabularies
+        unseen, errors = model.encode(["1 77777:1 101:1 203:0", "5:1 101:1 999:nan 202:1"])
+        assert errors == []
+        assert unseen.ids["f0"][:, 0].tolist() == vocab["f0"].ids_of(np.array([77777, 5])).tolist()
+        assert unseen.ids["f2"][:, 0].tolist() == vocab["f2"].ids_of(np.array([2**63 - 1, 202])).tolist()
+        # An absent and a NaN dense value are both data.dense.missing (0): clip, log1p(0) = 0, then standardised.
+        expected = np.float32((0.0 - prepared.dense_shift[0]) / prepared.dense_scale[0])
+        assert unseen.dense[:, 0].tolist() == [expected, expected]
+    _, errors = model.score_rows(["1 5:1 101:1", "1 5:1 101:x 202:1", "1 5:1 101:2 202:1", "1 5:1 101:1 202:1 999:1 "
+                                  "999:2", "1 5;1 101:1 202:1", "1 5:1 101:1 202:1 999:inf"])
+    assert [(e["row"], e["field"]) for e in errors] == [(0, "row"), (1, "token 2"), (2, "token 2"), (3, "token 5"),
+                                                        (4, "token 1"), (5, "token 4")]
 
 
 def _need(path: pathlib.Path) -> pathlib.Path:

@@ -177,6 +177,35 @@ def test_server_scores_batches_clients_apart_and_answers_bad_requests(tiny):
     assert "drained; bye" in log and "Traceback" not in log
 
 
+def test_server_with_tables_on_disk_reports_the_cache_hit_rate(tiny):
+    """--tier=disk: the scores are the in-RAM model's, bit for bit, and /metrics reports the RAM cache's hit rate,
+    that of the same calls (the warm-up's, then each request's batch) made in this process."""
+    from recjax.serving.tiered import TieredServingModel
+
+    export, rows = tiny
+    in_ram = loader.load(export)
+    replica = TieredServingModel(export, cache=0.1)
+    spec = replica.features
+    replica.score_arrays(np.zeros((1, replica.num_dense), np.float32),  # the server's warm-up call
+                         {f["name"]: np.zeros((1, f["bag_size"]), np.int32) for f in spec},
+                         {f["name"]: np.zeros(1, np.int32) for f in spec}, pad_to=MAX_BATCH)
+    server = Server(export, "--tier=disk", "--cache=0.1", "--max_wait_ms=0")
+    try:
+        for start in range(0, 24, 6):  # one request at a time: each is one batch
+            status, body = server.score(rows[start:start + 6])
+            assert status == 200 and body["errors"] == []
+            encoded, _ = in_ram.encode(rows[start:start + 6])
+            expected = in_ram.score_arrays(encoded.dense, encoded.ids, encoded.lengths, pad_to=MAX_BATCH)
+            np.testing.assert_array_equal(_bits(body["scores"]), expected.view(np.uint32))
+            replica.score_arrays(encoded.dense, encoded.ids, encoded.lengths, pad_to=MAX_BATCH)
+        hits, lookups = replica.cache_stats()
+        assert 0 < hits < lookups
+        assert server.metric("recjax_serving_table_cache_hit_ratio") == pytest.approx(hits / lookups, rel=1e-12)
+    finally:
+        log = server.stop()
+    assert "row cache" in log and server.process.returncode == 0, log[-3000:]
+
+
 def test_sigterm_drains_the_queued_request(tiny):
     """A request queued behind a long max_wait_ms is scored and answered after SIGTERM, then the server exits 0."""
     export, rows = tiny

@@ -196,6 +196,9 @@ def checkpoint_config() -> ml_collections.ConfigDict:
     checkpoint.every_steps = 0  # save every this many steps (0 = by time only); the last step is always saved
     checkpoint.every_minutes = 5.0  # and/or after this many minutes since the last save (0 = by steps only)
     checkpoint.keep = 2  # restore points kept (with the baseline and deltas each one needs)
+    # Also save at every step that improves the selected validation metric, and keep the selected step's restore
+    # point: the export serves the model whose test metrics summary.json reports (False: interval saves only).
+    checkpoint.keep_selected = True
     checkpoint.async_save = True  # write in a background thread; the loop only waits for the host copy
     # Tables: "full" (every checkpoint holds every row), or Check-N-Run incremental deltas of the rows touched since
     # a baseline: "one_shot" (one baseline, then each checkpoint a cumulative delta since it), "consecutive" (each

@@ -60,6 +60,7 @@ class Checkpointer:
         self.every_steps = int(ck.every_steps)
         self.every_seconds = 60.0 * float(ck.every_minutes)
         self.keep = int(ck.keep)
+        self.keep_selected = bool(ck.keep_selected)
         self.policy = Policy(ck.policy, float(ck.baseline_fraction), int(ck.quantize_bits),
                              int(ck.quantize_optimizer_bits))
         self.restore_from = ck.restore
@@ -268,8 +269,12 @@ class Checkpointer:
             return
         self._pending_retain = False
         steps = self.store.steps()
+        kept = set(steps[-self.keep:])
+        if self.keep_selected:  # and the step model selection chose (what summary.json reports, what export serves)
+            selected = self.store.meta(steps[-1])["loop"].get("selection", {}).get("best_step")
+            kept.update({selected} & set(steps))
         needed = set()
-        for s in steps[-self.keep:]:
+        for s in kept:
             needed.update(self.store.meta(s)["chain"])
         for s in steps:
             if s not in needed:

@@ -17,8 +17,8 @@ QUANTIZE_BITS = (0, 2, 4, 8)
 
 QUANTIZE_OPTIMIZER_BITS = (0, *quantize.STATE_BITS)
 
-KEYS = {"enabled", "dir", "every_steps", "every_minutes", "keep", "async_save", "policy", "baseline_fraction",
-        "quantize_bits", "quantize_optimizer_bits", "restore"}
+KEYS = {"enabled", "dir", "every_steps", "every_minutes", "keep", "keep_selected", "async_save", "policy",
+        "baseline_fraction", "quantize_bits", "quantize_optimizer_bits", "restore"}
 
 # Config keys that may change between a run and its resumption (everything else must match).
 # The mesh and plan may change too: the tables are re-laid out on restore.
@@ -36,6 +36,7 @@ def check_checkpoint_config(config: Mapping) -> None:
     integer(config, "checkpoint.every_steps", 0)
     check_number("checkpoint.every_minutes", get(config, "checkpoint.every_minutes"), at_least=0)
     integer(config, "checkpoint.keep", 1)
+    boolean(config, "checkpoint.keep_selected")
     boolean(config, "checkpoint.async_save")
     choice(config, "checkpoint.policy", POLICIES)
     check_number("checkpoint.baseline_fraction", get(config, "checkpoint.baseline_fraction"), above=0)

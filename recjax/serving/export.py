@@ -2,7 +2,9 @@ r"""Export a trained run as a self-contained serving model (read by recjax/servi
 
     python -m experiments.export --workdir=runs/ml100k --quantize=int8 --out=runs/ml100k/export_int8
 
-What it takes from the run: its checkpoint (the latest complete step, or `step`) and the config saved in it -- the
+What it takes from the run: its checkpoint at the step model selection chose (summary.json's "selected_step", whose
+test metrics the summary reports; the trainer keeps its restore point, `checkpoint.keep_selected`), or at `step`, or
+the latest one while the run has no selection, and the config saved in it -- the
 task is rebuilt from that config exactly as the trainer built it (dataset spec, planned tables, dynamic tables at the
 checkpoint's capacities), and the state restored into it (a mesh run's tables through the single-device layout).
 
@@ -16,8 +18,9 @@ files and checked against the spec the run trained on:
                          genres and year, as prepared for training (recjax/data/movielens.py)
     criteo_kaggle / _tb  the frequency vocabulary fitted on the train days (or the hashing modulus) and DLRM's dense
                          transform (recjax/data/criteo.py)
-    tabular              encoded rows only for now: the tabular builders do not keep the fitted key -> id maps, and
-                         re-deriving the 63-bit string keys outside recjax is not done yet
+    tabular              CSV and libSVM: each feature's frequency vocabulary (or hash buckets) and each dense
+                         column's clip / log1p chain and train standardisation, as the builder fitted them
+                         (recjax/data/tabular.py), and a CSV file's columns; Parquet data: encoded rows only
 """
 
 import dataclasses
@@ -41,7 +44,14 @@ from recjax.embedding_backend import LocalEmbedding
 from recjax.errors import CheckpointError, ConfigError, DataError
 from recjax.evaluation import resolve_budget
 from recjax.serving import loader
-from recjax.serving.tables import FORMATS, ServingEmbedding, encode_tables, group_formats, stored_bytes
+from recjax.serving.tables import (
+    FORMATS,
+    GatheredEmbedding,
+    ServingEmbedding,
+    encode_tables,
+    group_formats,
+    stored_bytes,
+)
 from recjax.specs import DatasetSpec
 from recjax.step import TrainState, init_state, make_predict_step
 from recjax.task import Task, build_task
@@ -89,10 +99,36 @@ def _example_batch(spec: DatasetSpec, size: int = 8) -> Batch:
                  labels=np.zeros(size, np.float32))
 
 
-def load_run(workdir: str | pathlib.Path, step: int | None = None) -> TrainedRun:
-    """The run in `workdir` at its latest complete checkpoint (or `step`), restored on one device."""
+def selected_step(workdir: pathlib.Path) -> int | None:
+    """The step model selection chose (summary.json's "selected_step": its test metrics are the ones reported), or
+    None for a run without a summary (still training) or without a selection (no evaluation)."""
+    summary = workdir / "summary.json"
+    if not summary.is_file():
+        return None
+    step = json.loads(summary.read_text()).get("selected_step")
+    return int(step) if step else None
+
+
+def load_run(workdir: str | pathlib.Path, step: int | None = None, log=print) -> TrainedRun:
+    """The run in `workdir` at `step`, or by default at its selected step (the model whose test metrics summary.json
+    reports; kept by `checkpoint.keep_selected`), or at its latest complete checkpoint if it has no selection yet --
+    restored on one device."""
     workdir = pathlib.Path(workdir).expanduser()
-    point = open_checkpoint(_checkpoints_of(workdir), step)
+    checkpoints = _checkpoints_of(workdir)
+    if step is None:
+        step = selected_step(workdir)
+        if step is None:
+            log(f"note: {workdir} has no selected step (no summary.json with one: the run is unfinished or never "
+                "evaluated); exporting its latest checkpoint")
+        else:
+            try:
+                open_checkpoint(checkpoints, step)
+            except CheckpointError as error:
+                raise CheckpointError(f"{workdir}'s summary.json reports selected step {step:,}, which has no "
+                                      f"checkpoint ({error}; the run kept no restore point of its selected step: "
+                                      "checkpoint.keep_selected was off, or it predates it); pass --step=<one of "
+                                      "its steps> to export another step, or train again") from None
+    point = open_checkpoint(checkpoints, step)
     config = ml_collections.ConfigDict(point.meta["config"])
     dataset = make_dataset(config.data, seed=int(config.seed))
     budget = resolve_budget(config.train, dataset)
@@ -185,6 +221,41 @@ def _criteo_input(config: ml_collections.ConfigDict, spec: DatasetSpec) -> tuple
     return {"kind": "criteo", "vocab": vocabulary.mode, "max_index": vocabulary.max_index}, arrays
 
 
+def _tabular_input(config: ml_collections.ConfigDict, spec: DatasetSpec) -> tuple[dict, dict[str, np.ndarray]]:
+    """CSV and libSVM data: what the tabular builder fitted on the train split (each feature's vocabulary or
+    hashing, each dense column's chain and standardisation), prepared again from the run's files; for CSV the first
+    file's columns (the order of a raw row's fields). Parquet data takes encoded rows."""
+    from recjax.data.tabular import TabularOptions, prepare_tabular, source_paths
+    from recjax.data.tabular_formats import MISSING_MARKERS, NAN_MARKERS, csv_units
+
+    options = TabularOptions.from_config(config.data)
+    if options.format not in ("csv", "libsvm"):
+        return {"kind": "tabular", "format": options.format}, {}
+    plan = options.read_plan()
+    with prepare_tabular(options) as prepared:
+        _check_spec(prepared.spec, spec, str(options.dir))
+        vocabularies, shift, scale = prepared.vocabularies, prepared.dense_shift, prepared.dense_scale
+    if options.format == "csv":
+        layout = {"delimiter": options.csv_delimiter,
+                  "columns": list(next(csv_units(source_paths(options, options.dir), plan)).names)}
+    else:
+        layout = {"fields": options.libsvm_fields}
+    arrays = {"dense/shift": np.asarray(shift, np.float64), "dense/scale": np.asarray(scale, np.float64)}
+    sparse = []
+    for name, vocabulary in vocabularies.items():
+        settings = vocabulary.settings
+        sparse.append({"name": name, "vocab": settings.vocab, "hash_buckets": settings.hash_buckets,
+                       "multi_valued": vocabulary.multi_valued, "bag_size": vocabulary.bag_size})
+        if settings.vocab == "frequency":
+            arrays[f"{name}/keys"], arrays[f"{name}/ids"] = vocabulary.keys.astype(np.int64), vocabulary.ids
+    return {"kind": "tabular", "format": options.format, **layout, "label": options.label_column,
+            "dense": [{"name": d.name, "steps": list(d.steps), "index": d.index} for d in plan.dense],
+            "clip_min": options.dense_clip_min, "clip_max": options.dense_clip_max, "missing": options.dense_missing,
+            "nan": options.dense_nan, "missing_markers": list(MISSING_MARKERS), "nan_markers": list(NAN_MARKERS),
+            "sparse": sparse, "separator": options.sparse_separator, "max_bag_size": options.sparse_max_bag_size
+            }, arrays
+
+
 def input_spec(config: ml_collections.ConfigDict, spec: DatasetSpec) -> tuple[dict, dict[str, np.ndarray]]:
     """(export.json's "input", its arrays by name): how the dataset's raw rows become this model's ids."""
     name = config.data.name
@@ -192,7 +263,9 @@ def input_spec(config: ml_collections.ConfigDict, spec: DatasetSpec) -> tuple[di
         return _movielens_input(config, spec)
     if name in ("criteo_kaggle", "criteo_terabyte"):
         return _criteo_input(config, spec)
-    return {"kind": name}, {}  # synthetic and tabular data: encoded rows
+    if name == "tabular":
+        return _tabular_input(config, spec)
+    return {"kind": name}, {}  # synthetic data: encoded rows
 
 
 # ---------------------------------------------------------------------------------------------------- export
@@ -200,11 +273,19 @@ def scoring_function(task: Task, table_format: str):
     """(tables, dense params, routing arrays, dense, ids, lengths) -> probabilities f32[B]: the trainer's predict
     step over serving tables of `table_format`. Its lookups are XLA's (`embedding.kernel="xla"`): the Pallas kernels
     size their grids from the batch, which the export leaves symbolic."""
+    task = _xla_task(task)
+    return _score_with(task, ServingEmbedding(task.collection, table_format))
+
+
+def _xla_task(task: Task) -> Task:
     c = task.collection
     xla = EmbeddingCollection(c.spec, list(c.table_specs.values()), c.pooling, c.bounds_check, "xla", c.dedup,
                               "distinct_rows")
-    task = dataclasses.replace(task, collection=xla, glue=EmbeddingGlue(xla))
-    predict = make_predict_step(task, ServingEmbedding(xla, table_format))
+    return dataclasses.replace(task, collection=xla, glue=EmbeddingGlue(xla))
+
+
+def _score_with(task: Task, backend: ServingEmbedding):
+    predict = make_predict_step(task, backend)
 
     def score(tables, params, aux, dense, ids, lengths):
         state = TrainState(step=jnp.zeros((), jnp.int32), dense_params=params, dense_opt_state=(), tables=tables,
@@ -213,6 +294,20 @@ def scoring_function(task: Task, table_format: str):
                                     labels=jnp.zeros(dense.shape[:1], jnp.float32)))
 
     return score
+
+
+def gathered_functions(task: Task, table_format: str, rows: dict[str, int]):
+    """The scoring function in two halves, for tables kept outside the step (on disk behind a RAM row cache,
+    recjax/serving/tiered.py): (routing arrays, ids, lengths) -> {group: i32[M_g]} the stored row every bag slot
+    reads; and (those rows {group: [M_g, width]} in the stored format, dense params, routing arrays, dense, ids,
+    lengths) -> probabilities f32[B], the lookup decoding and pooling them as `scoring_function`'s does."""
+    task = _xla_task(task)
+    gathered = GatheredEmbedding(task.collection, table_format, rows)
+
+    def slot_rows(aux, ids, lengths):
+        return gathered.slot_rows(task.collection.route(ids, lengths, aux=aux, dedup=False))
+
+    return slot_rows, _score_with(task, gathered)
 
 
 def _save_tree(tree, directory: pathlib.Path, prefix: str) -> dict:
@@ -261,9 +356,23 @@ def export_run(run: TrainedRun, out: str | pathlib.Path, table_format: str = "f3
                  {f.name: jax.ShapeDtypeStruct((b,), jnp.int32) for f in spec.features})
     exported = jax.export.export(jax.jit(scoring_function(task, table_format)), platforms=tuple(platforms))(
         *arguments)
+    # Its two halves, for serving the tables from files behind a RAM cache (`experiments.serve --tier=disk`): every
+    # bag slot reads one stored row per placement, so group g's rows per batch are a fixed multiple of the batch.
+    rows = {g: int(t.shape[0]) for g, t in tables_f32.items()}
+    slot_rows, score_gathered = gathered_functions(task, table_format, rows)
+    per_example = {g: int(r.shape[0]) for g, r in jax.eval_shape(
+        slot_rows, arguments[2], *jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape[1:]), a.dtype),
+                                               arguments[4:])).items()}
+    exported_rows = jax.export.export(jax.jit(slot_rows), platforms=tuple(platforms))(*arguments[2:3],
+                                                                                     *arguments[4:])
+    exported_gathered = jax.export.export(jax.jit(score_gathered), platforms=tuple(platforms))(
+        {g: jax.ShapeDtypeStruct((b * k, stored[g].shape[1]), stored[g].dtype) for g, k in per_example.items()},
+        *arguments[1:])
 
     out.mkdir(parents=True)
     (out / "score.jax_export").write_bytes(exported.serialize())
+    (out / "slot_rows.jax_export").write_bytes(exported_rows.serialize())
+    (out / "score_gathered.jax_export").write_bytes(exported_gathered.serialize())
     skeletons = {"tables": _save_tree(stored, out, "arrays/tables"), "params": _save_tree(params, out, "arrays/params"),
                  "aux": _save_tree(aux, out, "arrays/aux")}
     vocab_files = {}
@@ -297,6 +406,8 @@ def export_run(run: TrainedRun, out: str | pathlib.Path, table_format: str = "f3
                   "dense_params": int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))),
                   "routing_arrays": int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(aux)))},
         "arguments": skeletons,
+        "gathered": {"slot_rows": "slot_rows.jax_export", "score": "score_gathered.jax_export",
+                     "rows_per_example": per_example},
         "input": {**kind, "arrays": vocab_files},
     }
     (out / "export.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -306,6 +417,6 @@ def export_run(run: TrainedRun, out: str | pathlib.Path, table_format: str = "f3
         f"{manifest['bytes']['tables']:,} bytes, {manifest['bytes']['tables_f32'] / manifest['bytes']['tables']:.2f}x "
         f"fewer than f32; platforms {', '.join(platforms)}) to {out}")
     if selected is not None and selected != run.step:
-        log(f"note: the run's summary reports its selected step {selected:,}; its checkpoints keep the latest step "
-            f"{run.step:,}, which is what this export serves (--step picks another checkpointed step)")
+        log(f"note: this export serves step {run.step:,} (--step), not the run's selected step {selected:,} whose "
+            "test metrics summary.json reports")
     return manifest

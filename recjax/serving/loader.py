@@ -22,9 +22,14 @@ Rows a model scores (`score_rows`), each independently:
                          label; the training vocabulary (rare / unseen ids -> 0) or hashing, dense log(max(x, 0) + 1)
               movielens  a ratings-file line, "user<sep>item" with optional rating and timestamp (sep: tab for 100K,
                          "::" for 1M, "," for latest-small); the user's and movie's features from the training data
+              tabular    (CSV data) a line with the data file's columns (input.columns; the label may be left out),
+                         each cell read as the tabular builder reads it: the train vocabulary (rare / unseen -> 0) or
+                         hashing, the dense columns' clip / log1p and train standardisation (`TabularCsvInput`);
+                         (libSVM data) a libSVM / libFM / libFFM line, the label optional (`TabularLibsvmInput`)
 A bad row is an error naming the row and field; the other rows of the same call are still scored.
 """
 
+import csv
 import dataclasses
 import json
 import math
@@ -214,6 +219,201 @@ class MovieLensInput:
         return dense, ids
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser (recjax/data/vocabulary.py `mix64`), on Python ints modulo 2**64."""
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def string_key(data: bytes) -> int:
+    """A CSV cell's raw key, as recjax/data/vocabulary.py `string_keys` computes it: h = mix64(golden + len), then
+    h = mix64(h ^ w) for each little-endian 8-byte word w (the last one zero-padded); the key is h's low 63 bits."""
+    h = _mix64((0x9E3779B97F4A7C15 + len(data)) & _MASK64)
+    for at in range(0, len(data), 8):
+        h = _mix64(h ^ int.from_bytes(data[at:at + 8].ljust(8, b"\0"), "little"))
+    return h & ((1 << 63) - 1)
+
+
+class TabularInput:
+    """What CSV and libSVM rows of a tabular run share, as the tabular builder does it (recjax/data/tabular.py,
+    tabular_formats.py): a dense value is missing (data.dense.missing), NaN (imputed or a bad row, data.dense.nan)
+    or a number, then its column's clip / log1p chain and the train split's standardisation; a sparse value's raw
+    key maps to the train frequency vocabulary's id (0 for a rare or unseen value) or to the key modulo the hash
+    buckets."""
+
+    _FLOAT = re.compile(r"(?i)^[+-]?(([0-9]+\.?[0-9]*|\.[0-9]+)(e[+-]?[0-9]+)?|inf|infinity|nan)$")
+
+    def __init__(self, spec: dict, arrays: dict[str, np.ndarray]):
+        self.spec = spec
+        self.missing_markers, self.nan_markers = set(spec["missing_markers"]), set(spec["nan_markers"])
+        self.shift, self.scale = arrays["dense/shift"], arrays["dense/scale"]
+        self.sparse = spec["sparse"]
+        self.feature = {f["name"]: f for f in self.sparse}
+        self.vocab = {f["name"]: (arrays.get(f"{f['name']}/keys"), arrays.get(f"{f['name']}/ids")) for f in self.sparse}
+
+    def parse_number(self, field: str, text: str) -> float | None:
+        """A number as pyarrow's converter reads it (surrounding blanks ignored), NaN included; None if `text` is a
+        missing marker; a RowError if it is not a number or is infinite."""
+        if text in self.missing_markers:
+            return None
+        if text in self.nan_markers:
+            return math.nan
+        for candidate in (text, text.strip(" \t")):
+            if self._FLOAT.match(candidate):
+                value = float(candidate)
+                if math.isinf(value):
+                    raise RowError(field, f"{text[:40]!r} is infinite")
+                return value
+        raise RowError(field, f"{text[:40]!r} is not a number")
+
+    def dense_value(self, j: int, field: str, value: float | None) -> np.float32:
+        """Dense column j's model input from its raw value (None: missing)."""
+        spec, column = self.spec, self.spec["dense"][j]
+        if value is not None and math.isnan(value):
+            if spec["nan"] == "skip":
+                raise RowError(field, "is NaN (data.dense.nan='skip')")
+            value = None
+        value = float(spec["missing"]) if value is None else value
+        if "clip" in column["steps"]:
+            value = min(max(value, -math.inf if spec["clip_min"] is None else spec["clip_min"]),
+                        math.inf if spec["clip_max"] is None else spec["clip_max"])
+        if "log1p" in column["steps"]:
+            if value <= -1:
+                raise RowError(field, f"{value:g}: log1p needs values > -1 (after clip)")
+            value = float(np.log1p(np.float64(value)))
+        # The builder keeps the chain's result in float32, then standardises it in float64 (tabular.py _finalize).
+        return np.float32((np.float64(np.float32(value)) - self.shift[j]) / self.scale[j])
+
+    def ids(self, name: str, keys: Sequence[int]) -> list[int]:
+        feature = self.feature[name]
+        if feature["vocab"] == "hash":
+            return [k % feature["hash_buckets"] for k in keys]
+        known, index = self.vocab[name]  # the train vocabulary; 0 for a rare or unseen value
+        at = np.searchsorted(known, np.asarray(keys, np.int64))
+        return [int(index[a]) if a < known.size and known[a] == k else 0
+                for a, k in zip(at.tolist(), keys, strict=True)]
+
+    def bag(self, name: str, keys: list[int]) -> list[int]:
+        """A multi-valued feature's keys, truncated to data.sparse.max_bag_size as the builder truncates."""
+        if self.spec["max_bag_size"]:
+            keys = keys[:self.spec["max_bag_size"]]
+        if len(keys) > self.feature[name]["bag_size"]:
+            raise RowError(name, f"a bag of {len(keys)} values; this feature holds at most "
+                                 f"{self.feature[name]['bag_size']}")
+        return keys
+
+
+class TabularCsvInput(TabularInput):
+    """CSV rows: one line with the data file's columns (the label's field may be left out); a sparse cell's UTF-8
+    bytes are its raw key (a multi-valued cell split at the separator, empty items dropped)."""
+
+    def __init__(self, spec: dict, arrays: dict[str, np.ndarray]):
+        super().__init__(spec, arrays)
+        self.columns = spec["columns"]
+        self.label_at = self.columns.index(spec["label"]) if spec["label"] in self.columns else None
+
+    def fields(self, line: str) -> dict[str, str]:
+        try:
+            fields = next(csv.reader([line.rstrip("\r\n")], delimiter=self.spec["delimiter"]), [])
+        except csv.Error as error:
+            raise RowError("row", f"cannot be read as CSV ({error})") from None
+        n = len(self.columns)
+        if len(fields) == n - 1 and self.label_at is not None:
+            fields.insert(self.label_at, "")  # the label is not scored
+        if len(fields) != n:
+            raise RowError("row", f"a row has the data's {n} {self.spec['delimiter']!r}-separated columns "
+                                  f"{self.columns} ({n - 1} without the label {self.spec['label']!r}), got "
+                                  f"{len(fields)} fields")
+        return dict(zip(self.columns, fields, strict=True))
+
+    def encode(self, line: str) -> tuple[np.ndarray, dict[str, list[int]]]:
+        cells = self.fields(line)
+        dense = np.asarray([self.dense_value(j, c["name"], self.parse_number(c["name"], cells[c["name"]]))
+                            for j, c in enumerate(self.spec["dense"])], np.float32)
+        ids = {}
+        for feature in self.sparse:
+            name, text = feature["name"], cells[feature["name"]]
+            values = [v for v in text.split(self.spec["separator"]) if v] if feature["multi_valued"] else [text]
+            keys = [string_key(v.encode()) for v in values]
+            ids[name] = self.ids(name, self.bag(name, keys) if feature["multi_valued"] else keys)
+        return dense, ids
+
+
+class TabularLibsvmInput(TabularInput):
+    """libSVM / libFM / libFFM lines "[label] idx:val ..." (or field:idx:val), tokens separated by blanks: an index
+    is its own raw key; a dense index's value is its dense feature (absent: missing); any other value is 0 or 1,
+    and 0 reads as absent. positional: the k-th pair is feature f<k> (every line has as many pairs as the model has
+    features); ffm: field f's pair is feature f<f> (an absent field is missing); bag: every index with value 1."""
+
+    MISSING_INDEX_KEY = 2**63 - 1  # an absent field (recjax/data/tabular_formats.py)
+    _UINT = re.compile(r"[0-9]{1,18}")
+
+    def __init__(self, spec: dict, arrays: dict[str, np.ndarray]):
+        super().__init__(spec, arrays)
+        self.mode = spec["fields"]
+        self.dense_at = {int(c["index"]): j for j, c in enumerate(spec["dense"])}
+
+    def _uint(self, token: str, text: str, what: str) -> int:
+        if not self._UINT.fullmatch(text):
+            raise RowError(token, f"the {what} is not a non-negative integer of at most 18 digits")
+        return int(text)
+
+    def encode(self, line: str) -> tuple[np.ndarray, dict[str, list[int]]]:
+        tokens = [t for t in re.split(r"[ \t\r\n]+", line) if t]  # the builder's separators, no other blank
+        if tokens and ":" not in tokens[0]:
+            tokens = tokens[1:]  # the label is not scored
+        ffm = self.mode == "ffm"
+        dense_values: dict[int, float] = {}
+        pairs: list[tuple[int, int, int]] = []  # (field, index, value) of the sparse tokens, in line order
+        for k, text in enumerate(tokens):
+            token = f"token {k + 1}"
+            parts = text.split(":")
+            if len(parts) != (3 if ffm else 2):
+                raise RowError(token, f"{text[:40]!r} is not {'field:index:value' if ffm else 'index:value'}")
+            field = self._uint(token, parts[0], "field") if ffm else 0
+            index = self._uint(token, parts[-2], "index")
+            value = 1.0 if parts[-1] == "1" else 0.0 if parts[-1] == "0" else self.parse_number(token, parts[-1])
+            if value is None:
+                raise RowError(token, f"{text[:40]!r}: the value is not a finite number")
+            if index in self.dense_at:
+                if index in dense_values:
+                    raise RowError(token, f"dense index {index} appears twice in the line")
+                dense_values[index] = value
+                continue
+            if math.isnan(value) or value not in (0.0, 1.0):
+                raise RowError(token, f"{text[:40]!r}: index {index} has a value other than 0 or 1")
+            pairs.append((field, index, int(value)))
+        dense = np.asarray([self.dense_value(j, c["name"], dense_values.get(int(c["index"])))
+                            for j, c in enumerate(self.spec["dense"])], np.float32)
+        key = lambda index, value: index if value == 1 else self.MISSING_INDEX_KEY  # noqa: E731
+        if self.mode == "bag":
+            name = self.sparse[0]["name"]
+            return dense, {name: self.ids(name, self.bag(name, [index for _, index, value in pairs if value == 1]))}
+        if self.mode == "positional":
+            if len(pairs) != len(self.sparse):
+                raise RowError("row", f"{len(pairs)} index:value pairs; this model's lines have {len(self.sparse)} "
+                                      "(data.libsvm.fields='positional')")
+            return dense, {f"f{k}": self.ids(f"f{k}", [key(index, value)]) for k, (_, index, value) in
+                           enumerate(pairs)}
+        keys = dict.fromkeys(self.feature, self.MISSING_INDEX_KEY)
+        seen = set()
+        for field, index, value in pairs:
+            name = f"f{field}"
+            if name not in keys:
+                raise RowError(name, f"field {field} is not a feature of this model; its fields are {list(keys)}")
+            if name in seen:
+                raise RowError(name, f"field {field} appears twice in the line")
+            seen.add(name)
+            keys[name] = key(index, value)
+        return dense, {name: self.ids(name, [k]) for name, k in keys.items()}
+
+
 # --------------------------------------------------------------------------------------------------- model
 def _skeleton(tree: Any, directory: pathlib.Path) -> Any:
     """Nested dicts whose leaves are .npy paths -> the same dicts holding the arrays (memory-mapped)."""
@@ -242,9 +442,7 @@ class ServingModel:
         self.table_format = manifest["table_format"]
         self.exported = jax.export.deserialize(bytearray((self.directory / "score.jax_export").read_bytes()))
         arguments = manifest["arguments"]
-        # The tables, dense params and routing arrays go to the device once; each call sends only the batch.
-        self.constants = jax.device_put(tuple(_skeleton(arguments[k], self.directory)
-                                              for k in ("tables", "params", "aux")))
+        self.constants = self._constants(arguments)
         self._call = jax.jit(self.exported.call)
         spec = manifest["input"]
         vocab = {k: np.load(self.directory / v) for k, v in spec.get("arrays", {}).items()}
@@ -254,6 +452,14 @@ class ServingModel:
             self.raw_input = CriteoInput(spec, vocab, self.features)
         elif spec["kind"] == "movielens":
             self.raw_input = MovieLensInput(spec, vocab, self.features, manifest["dense_names"])
+        elif spec["kind"] == "tabular" and spec.get("format") == "csv":
+            self.raw_input = TabularCsvInput(spec, vocab)
+        elif spec["kind"] == "tabular" and spec.get("format") == "libsvm":
+            self.raw_input = TabularLibsvmInput(spec, vocab)
+
+    def _constants(self, arguments: dict) -> tuple:
+        """(tables, dense params, routing arrays): all go to the device once; each call sends only the batch."""
+        return jax.device_put(tuple(_skeleton(arguments[k], self.directory) for k in ("tables", "params", "aux")))
 
     # ------------------------------------------------------------------------------------------ encoding
     def encode_row(self, row: Any) -> tuple[np.ndarray, dict[str, list[int]]]:
@@ -293,13 +499,7 @@ class ServingModel:
         """Probabilities f32[n] of encoded rows, computed at batch shape `pad_to` (>= n; None: n). A row's score
         depends on the batch shape in the last bit (XLA's kernels differ by shape), never on the other rows."""
         n = dense.shape[0]
-        size = n if pad_to is None else pad_to
-        if size < n:
-            raise ValueError(f"{n} rows do not fit a batch of {size}")
-        if size > n:  # padding rows: empty bags, zero dense; their scores are dropped
-            dense = np.concatenate([dense, np.zeros((size - n, dense.shape[1]), np.float32)])
-            ids = {k: np.concatenate([v, np.zeros((size - n, v.shape[1]), np.int32)]) for k, v in ids.items()}
-            lengths = {k: np.concatenate([v, np.zeros(size - n, np.int32)]) for k, v in lengths.items()}
+        dense, ids, lengths = pad_rows(dense, ids, lengths, n if pad_to is None else pad_to)
         tables, params, aux = self.constants
         return np.asarray(self._call(tables, params, aux, dense, ids, lengths))[:n]
 
@@ -317,6 +517,19 @@ class ServingModel:
         m = self.manifest
         return (f"{m['source'].get('model', 'model')} on {m['input']['kind']} data, {len(self.features)} features, "
                 f"tables {self.table_format} ({m['bytes']['tables'] / 2**20:.2f} MiB)")
+
+
+def pad_rows(dense: np.ndarray, ids: dict[str, np.ndarray], lengths: dict[str, np.ndarray], size: int
+             ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Encoded rows padded to `size` rows: empty bags, zero dense (their scores are dropped)."""
+    n = dense.shape[0]
+    if size < n:
+        raise ValueError(f"{n} rows do not fit a batch of {size}")
+    if size > n:
+        dense = np.concatenate([dense, np.zeros((size - n, dense.shape[1]), np.float32)])
+        ids = {k: np.concatenate([v, np.zeros((size - n, v.shape[1]), np.int32)]) for k, v in ids.items()}
+        lengths = {k: np.concatenate([v, np.zeros(size - n, np.int32)]) for k, v in lengths.items()}
+    return dense, ids, lengths
 
 
 def load(directory: str | pathlib.Path) -> ServingModel:

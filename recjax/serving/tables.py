@@ -219,15 +219,17 @@ def decode_table(stored: np.ndarray, fmt: str, dim: int) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------------- backend
+def _in_table(ids: jax.Array, rows: int) -> jax.Array:
+    return (ids >= 0) & (ids < rows)
+
+
 class ServingEmbedding(EmbeddingBackend):
     """Read-only tables in a serving format on one device: the forward route (no dedup), a gather of the stored rows
     every bag slot reads, decoded to f32 inside the step, then the collection's own pooling and glue.
 
     f32 tables take the collection's gather unchanged, so an f32 export scores exactly as the trainer's predict
-    step. Train-side calls (`update`, `compile_train`) refuse: nothing here writes a row.
-
-    Tiered tables (rows in RAM + disk) are another backend of this shape: its `fetch` would read the batch's rows
-    from the cache tier and decode them the same way.
+    step. Train-side calls (`update`, `compile_train`) refuse: nothing here writes a row. `GatheredEmbedding` is the
+    same lookup over rows gathered outside the step (tables on disk behind a RAM cache, recjax/serving/tiered.py).
     """
 
     def __init__(self, collection: EmbeddingCollection, fmt: str = "f32"):
@@ -240,27 +242,34 @@ class ServingEmbedding(EmbeddingBackend):
             raise TypeError("ServingEmbedding is read-only: it has no train route")
         return self.collection.route(batch.ids, batch.lengths, aux=aux, dedup=False)
 
-    def fetch(self, tables: Mapping[str, jax.Array], routes: Routes) -> tuple[Rows, None]:
-        collection = self.collection
-        if self.format == "f32":
-            return collection.gather(tables, routes), None
-        # Every bag slot's stored row, decoded to f32[M_g, d] per group; the slots then index those rows in order,
-        # and the collection pools and combines them as it would the f32 table's.
-        flat: dict[str, list[jax.Array]] = {g: [] for g in collection.group_rows}
-        for name, placed in collection.placements.items():
+    def slot_rows(self, routes: Routes) -> dict[str, jax.Array]:
+        """The stored row every bag slot reads, {group: i32[M_g]}: each placement's slots flattened, in placement
+        order (padding and skipped ids are outside [0, rows): they read zeros)."""
+        flat: dict[str, list[jax.Array]] = {g: [] for g in self.collection.group_rows}
+        for name, placed in self.collection.placements.items():
             for p, slots in zip(placed, routes.features[name].slots, strict=True):
                 flat[p.group].append(slots.reshape(-1))
-        decoded, starts = {}, {}
-        for group, parts in flat.items():
-            if not parts:
-                continue
-            ids = jnp.concatenate(parts).astype(jnp.int32)
-            stored = tables[group]
-            valid = (ids >= 0) & (ids < stored.shape[0])  # padding and skipped ids read the sentinel: zeros
-            rows = stored.at[jnp.where(valid, ids, 0)].get(mode="promise_in_bounds")
-            decoded[group] = jnp.where(valid[:, None],
-                                       decode_rows(rows, self.formats[group], collection.group_dims[group]), 0.0)
-            starts[group] = 0
+        return {g: jnp.concatenate(parts).astype(jnp.int32) for g, parts in flat.items() if parts}
+
+    def fetch(self, tables: Mapping[str, jax.Array], routes: Routes) -> tuple[Rows, None]:
+        if self.format == "f32":
+            return self.collection.gather(tables, routes), None
+        # Every bag slot's stored row, decoded to f32[M_g, d] per group; the slots then index those rows in order,
+        # and the collection pools and combines them as it would the f32 table's.
+        ids = self.slot_rows(routes)
+        stored = {g: tables[g].at[jnp.where(_in_table(i, tables[g].shape[0]), i, 0)].get(
+            mode="promise_in_bounds") for g, i in ids.items()}
+        return self.lookup_slot_rows(stored, ids, {g: tables[g].shape[0] for g in ids}, routes), None
+
+    def lookup_slot_rows(self, stored: Mapping[str, jax.Array], ids: Mapping[str, jax.Array],
+                         rows: Mapping[str, int], routes: Routes) -> Rows:
+        """The lookups from `stored` {group: [M_g, width]}, the stored row of each bag slot (`slot_rows` order):
+        decoded to f32 (zeros where the slot's id `ids` is outside [0, rows)), then pooled and combined."""
+        collection = self.collection
+        decoded = {g: jnp.where(_in_table(i, rows[g])[:, None],
+                                decode_rows(stored[g], self.formats[g], collection.group_dims[g]), 0.0)
+                   for g, i in ids.items()}
+        starts = dict.fromkeys(decoded, 0)
         features = {}
         for name, placed in collection.placements.items():
             route, slots = routes.features[name], []
@@ -268,7 +277,7 @@ class ServingEmbedding(EmbeddingBackend):
                 slots.append((starts[p.group] + jnp.arange(s.size, dtype=jnp.int32)).reshape(s.shape))
                 starts[p.group] += s.size
             features[name] = FeatureRoute(slots=tuple(slots), weights=route.weights)
-        return collection.lookup(decoded, features), None
+        return collection.lookup(decoded, features)
 
     def update(self, optimizer, tables, opt_state, routes, exchange, rows, row_grads, lr, step):
         raise TypeError("ServingEmbedding is read-only: serving tables take no sparse update")
@@ -287,3 +296,21 @@ class ServingEmbedding(EmbeddingBackend):
 
     def summary(self) -> dict:
         return {"serving_format": self.format}
+
+
+class GatheredEmbedding(ServingEmbedding):
+    """`ServingEmbedding` whose `tables` argument holds, per group, the stored rows every bag slot of the batch reads
+    ({group: [M_g, width]} in `slot_rows` order), gathered outside the step -- from a RAM cache and the table files
+    (recjax/serving/tiered.py). `rows` {group: stored rows}: which ids are real rows (the others read zeros).
+    Every format goes through the decode-and-pool path; for f32 that reads the same rows in the same order as the
+    collection's gather, so the scores are the in-RAM model's."""
+
+    def __init__(self, collection: EmbeddingCollection, fmt: str, rows: Mapping[str, int]):
+        super().__init__(collection, fmt)
+        self.rows = dict(rows)
+
+    def fetch(self, tables: Mapping[str, jax.Array], routes: Routes) -> tuple[Rows, None]:
+        return self.lookup_slot_rows(tables, self.slot_rows(routes), self.rows, routes), None
+
+    def rebuilt(self, collection, optimizer) -> "GatheredEmbedding":
+        return GatheredEmbedding(collection, self.format, self.rows)
