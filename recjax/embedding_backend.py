@@ -142,6 +142,11 @@ class EmbeddingBackend(abc.ABC):
         accounting = self.collection.accounting(optimizer)
         return accounting["bytes"] + accounting["optimizer_bytes"]
 
+    def checkpoint_bytes(self, optimizer: SparseOptimizer) -> int:
+        """Bytes of tables and sparse-optimizer state a checkpoint baseline copies out of this process's state (the
+        memory check counts the saves' buffers in multiples of it): by default the state it holds."""
+        return self.process_state_bytes(optimizer)
+
     def describe(self) -> str | None:
         """What to print about the placement at the start of a run (None: nothing)."""
         return None

@@ -188,3 +188,34 @@ def test_checkpoint_moves_between_memory_and_disk(memory_reference, disk_resumed
     assert summary["restored_from"]["step"] == 6
     # Another run's checkpoint: this run's chain starts with a baseline of its own.
     assert_same_checkpoints(memory_reference, to_memory, steps=(9, 12), same_chain=False)
+
+
+def test_memory_check_counts_a_baseline_of_the_disk_tables(monkeypatch, tmp_path):
+    """A baseline reads the disk tier's tables whole into RAM (block-by-block writes from the files are not done), so
+    the memory check counts the saves in multiples of every table's bytes, not of the cache's: by hand, lazy Adam's
+    rows, m and v are 5,540 x 8 x 4 x 3 = 531,840 bytes; the state in RAM is that less the 4,900 disk rows the 100
+    cache slots do not hold (x 96 bytes a record): 61,440."""
+    import math
+
+    from recjax import guards, tiering
+    from recjax.errors import ConfigError
+    from recjax.specs import DatasetSpec, FeatureSpec
+    from recjax.task import build_task
+
+    config = tiny(disk=tmp_path)
+    spec = DatasetSpec(13, tuple(FeatureSpec(f"C{i + 1}", v) for i, v in enumerate(config.data.vocab_sizes)))
+    task = build_task(config, spec)
+    backend = tiering.setup(config, task)
+    state, full = 61_440, 531_840
+    assert backend.process_state_bytes(task.sparse_optimizer) == state
+    need = math.ceil(state * (1 + guards.MEMORY_MARGIN) + 2.5 * full + guards.MEMORY_MARGIN_BYTES)  # async saves
+    monkeypatch.setattr(guards, "host_available_bytes", lambda: need - 1)
+    with pytest.raises(ConfigError, match="a baseline reads the disk tier's tables whole: checkpoint.enabled=False"):
+        guards.check_memory(config, task, backend)
+    monkeypatch.setattr(guards, "host_available_bytes", lambda: need)
+    guards.check_memory(config, task, backend)
+    config.checkpoint.enabled = False
+    monkeypatch.setattr(guards, "host_available_bytes", lambda: math.ceil(
+        state * (1 + guards.MEMORY_MARGIN) + guards.MEMORY_MARGIN_BYTES))
+    guards.check_memory(config, task, backend)
+    backend.close()

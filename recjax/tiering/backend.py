@@ -653,6 +653,13 @@ class TieredEmbedding(EmbeddingBackend):
             total += (layout.slots - on_disk) * self.widths[g] * 4
         return max(int(total), 0)
 
+    def checkpoint_bytes(self, optimizer: SparseOptimizer) -> int:
+        """A baseline reads every table whole into host arrays (`CheckpointRows`, then Orbax's writes): all the rows
+        and optimizer state, the disk tier's too -- writing a table's rows block by block from its file is not done
+        yet, so the memory check refuses a checkpointed run whose tables do not fit in RAM."""
+        accounting = self.collection.accounting(optimizer)
+        return int(accounting["bytes"] + accounting["optimizer_bytes"])
+
     def describe(self) -> str:
         lines = ["embedding tiers (tables on disk / in host RAM behind a row cache):"]
         for g, layout in self.layouts.items():
