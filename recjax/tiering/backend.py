@@ -113,6 +113,10 @@ class GroupLayout:
         return starts, cached, device
 
 
+def _power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _bucket(n: int, step_rows: int) -> int:
     return next(size for size in (-(-step_rows // k) for k in _BUCKETS) if size >= n)
 
@@ -145,8 +149,8 @@ class CheckpointRows:
     """One array of a cached group as a checkpoint records it: the table (`field` None) or one sparse-optimizer field,
     f32[group rows, ...] in the single-device layout, read where its rows live -- the memory tables' rows from the
     device array `device`, the cached tables' from the store -- and only when asked: `rows(ids)` for a delta's rows,
-    `block(start, stop)` for a baseline written block by block, `np.asarray` for all of it. Valid until the next step
-    (the backend writes the cache's dirty rows back first: `TieredEmbedding.checkpoint_state`)."""
+    `block(start, stop)` for a range, `np.asarray` for all of it (a baseline: Orbax writes host arrays whole). Valid
+    until the next step (the backend writes the cache's dirty rows back first: `TieredEmbedding.checkpoint_state`)."""
 
     def __init__(self, backend: "TieredEmbedding", group: str, field: str | None, device: jax.Array):
         layout = backend.layouts[group]
@@ -177,7 +181,9 @@ class CheckpointRows:
         resident = np.flatnonzero(~on_store)
         if len(resident):
             t = table[resident]
-            out[resident] = np.asarray(self.device[jnp.asarray(device[t] + ids[resident] - starts[t])])
+            at = np.zeros(_power_of_two(len(resident)), np.int64)  # few shapes to compile (padding reads row 0)
+            at[: len(resident)] = device[t] + ids[resident] - starts[t]
+            out[resident] = np.asarray(self.device[jnp.asarray(at)])[: len(resident)]
         return out
 
     def block(self, start: int, stop: int) -> np.ndarray:
@@ -440,9 +446,10 @@ class TieredEmbedding(EmbeddingBackend):
 
     def checkpoint_state(self, state):
         """`state` in the single-device layout a checkpoint records, its cached groups' arrays `CheckpointRows`
-        (read on demand, never held whole) after the cache's dirty rows are written back to the stores -- the
-        files then hold the tables as of this step -- and its cached groups' dirty-row bitmaps by stacked row."""
-        self.flush(state)
+        (read on demand: a delta reads its rows only, a baseline every row) after the cache's dirty rows are written
+        back to the stores -- the files then hold the tables as of this step -- and its cached groups' dirty-row
+        bitmaps by stacked row."""
+        self.write_back(state)
         tables, opt_state, dirty = dict(state.tables), dict(state.sparse_opt_state), dict(state.dirty_rows)
         for g in self.layouts:
             tables[g] = CheckpointRows(self, g, None, state.tables[g])
@@ -462,18 +469,28 @@ class TieredEmbedding(EmbeddingBackend):
         return self.dirty[group]
 
     def flush(self, state=None) -> None:
+        """`write_back`, then the files synced to the disk (at the end of a run: they hold the final tables)."""
+        self.write_back(state)
+        for store in self.stores.values():
+            store.flush()
+
+    def write_back(self, state=None) -> None:
         """Write every pending eviction and every dirty cached row (of `state`'s cache; default the newest train
-        state's) to the stores: then the stores hold the tables."""
+        state's) to the stores: then the stores hold the tables (in the page cache: a checkpoint reads them back
+        through the same mapping, and a restore rewrites the files, so nothing waits for the disk here)."""
         self._drain()
         tables, opt_state = (state.tables, state.sparse_opt_state) if state is not None else (self._latest or (None,
                                                                                                                  None))
         for g, cache in self.caches.items():
             rows, slots = cache.dirty_slots()
             if len(rows) and tables is not None:
-                device = jnp.asarray(self.layouts[g].resident_rows + slots)
-                self.stores[g].write(rows, np.asarray(self._records_fn(tables[g], opt_state[g], device)))
+                # Padded to a power of two with an out-of-range slot (read as zeros, dropped): a flush before each
+                # checkpoint compiles a few shapes, not one per count of dirty rows.
+                device = np.full(_power_of_two(len(slots)), self.layouts[g].device_rows, np.int32)
+                device[: len(slots)] = self.layouts[g].resident_rows + slots
+                records = np.asarray(self._records_fn(tables[g], opt_state[g], jnp.asarray(device)))
+                self.stores[g].write(rows, records[: len(rows)])
                 cache.mark_clean()
-            self.stores[g].flush()
 
     def put_batch(self, batch) -> TieredBatch:
         device = jax.device_put(batch)
