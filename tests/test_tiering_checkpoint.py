@@ -173,21 +173,28 @@ def test_quantized_deltas_resume_like_the_memory_run(tmp_path, monkeypatch, opti
     resumed_alike(tmp_path, monkeypatch, optimizer, True, **ckpt)
 
 
-def test_checkpoint_moves_between_memory_and_disk(memory_reference, disk_resumed, tmp_path, monkeypatch):
-    """The checkpoint records the single-device layout whatever the tier: an in-memory run's checkpoint resumes with
-    the tables on disk (a run may change `tiering.*` when it resumes), and an in-memory run starts from a disk-tier
-    run's checkpoint (`checkpoint.restore`); both end with the uninterrupted in-memory run's state."""
-    to_disk, to_memory = tmp_path / "to_disk", tmp_path / "to_memory"
-    interrupted(tiny(), to_disk, monkeypatch, at_step=6)
-    train_and_evaluate(tiny(disk=tmp_path / "tables"), to_disk)
-    assert_same_checkpoints(memory_reference, to_disk)
-    assert_same_summary(memory_reference, to_disk)
-    config = tiny()
-    config.checkpoint.restore = str(disk_resumed / "disk" / "checkpoints" / "6")
-    summary = train_and_evaluate(config, to_memory)
-    assert summary["restored_from"]["step"] == 6
-    # Another run's checkpoint: this run's chain starts with a baseline of its own.
-    assert_same_checkpoints(memory_reference, to_memory, steps=(9, 12), same_chain=False)
+def test_checkpoint_moves_between_memory_and_disk(memory_reference, disk_resumed, tmp_path):
+    """The checkpoint records the single-device layout whatever the tier: a disk-tier run starts from an in-memory
+    run's checkpoint and an in-memory run from a disk-tier run's (`checkpoint.restore`); both end with the
+    uninterrupted in-memory run's state (each starts a chain of its own: a baseline at step 9)."""
+    for name, config, source in (("to_disk", tiny(disk=tmp_path / "tables"), memory_reference),
+                                 ("to_memory", tiny(), disk_resumed / "disk")):
+        config.checkpoint.restore = str(source / "checkpoints" / "6")
+        summary = train_and_evaluate(config, tmp_path / name)
+        assert summary["restored_from"]["step"] == 6
+        assert_same_checkpoints(memory_reference, tmp_path / name, steps=(9, 12), same_chain=False)
+        assert checkpoint.open_checkpoint(tmp_path / name / "checkpoints", 9).meta["kind"] == "full"
+
+
+def test_a_run_may_change_its_tiers_when_it_resumes():
+    """Its own checkpoints resume with tables moved to or from disk: `tiering.*` is a resumable change."""
+    from recjax.checkpoint.config import config_dict
+
+    memory, disk = config_dict(tiny()), config_dict(tiny(disk=pathlib.Path("/tables")))
+    assert checkpoint.config_differences(memory, disk) == []
+    other = tiny(disk=pathlib.Path("/tables"))
+    other.embedding.dim = 16
+    assert checkpoint.config_differences(memory, config_dict(other)) == ["embedding.dim"]
 
 
 def test_memory_check_counts_a_baseline_of_the_disk_tables(monkeypatch, tmp_path):
