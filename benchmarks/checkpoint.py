@@ -30,6 +30,10 @@ Measurements
              (whose continuation is exactly the uninterrupted run); the deltas' logical bytes split as above.
   With --mesh, bytes / bitmap / stall train on that mesh (tables split by `sharding.plan=row`, every device's block
   saved where it lives); on a CPU machine --cpu_devices gives JAX that many devices.
+  tiering    the same model with every table on the disk tier (a 10 % LRU cache, files in a temporary directory)
+             against in memory, alternating, per repeat a fresh chain: the baseline's and the next delta's loop stall
+             (the disk tier: its cache's dirty rows written back, then the rows read from the files) and time until
+             written (save + wait), medians, and their disk / memory ratios.
   crash      tests/crash_driver.py with `--crash_trials` SIGKILLs (mid-save and mid-steps): how many resumed from the
              newest complete checkpoint and ended bit-identical to an uninterrupted run.
 """
@@ -53,7 +57,7 @@ import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-MEASUREMENTS = ("bytes", "bitmap", "stall", "quality", "crash")
+MEASUREMENTS = ("bytes", "bitmap", "stall", "tiering", "quality", "crash")
 FRACTIONS = (0.001, 0.01, 0.1)
 MODES = {"full": dict(policy="full", quantize_bits=0, quantize_optimizer_bits=0),
          "incremental": dict(policy="consecutive", quantize_bits=0, quantize_optimizer_bits=0),
@@ -299,6 +303,63 @@ def stall_measurement(rows: int, batch: int, repeats: int, info: dict) -> None:
            "machine": info})
 
 
+def tiering_measurement(rows: int, batch: int, repeats: int, steps: int, info: dict) -> None:
+    import jax
+
+    from recjax import tiering
+    from recjax.checkpoint import Checkpointer
+    from recjax.data import make_dataset
+    from recjax.embedding_backend import LocalEmbedding
+    from recjax.step import init_state, make_train_step
+    from recjax.task import build_task
+
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="ckpt_bench_tiering_"))
+    arms = {}
+    for arm in ("memory", "disk"):
+        config = table_config(rows, batch, policy="consecutive", keep=1)
+        if arm == "disk":
+            config.tiering.default, config.tiering.cache_fraction = "disk", 0.1
+            config.tiering.dir = str(workdir / "tables")
+        dataset = make_dataset(config.data, seed=config.seed)
+        task = build_task(config, dataset.spec, dataset, 100_000)
+        backend = tiering.setup(config, task) or LocalEmbedding(task.collection)
+        stream = dataset.train_batches(batch)
+        state = backend.place_state(init_state(task, jax.random.key(0), next(stream), backend))
+        arms[arm] = {"config": config, "task": task, "backend": backend, "stream": stream, "state": state,
+                     "step": None, "at": 0, "times": {k: [] for k in ("full_stall", "full_written", "delta_stall",
+                                                                       "delta_written")}}
+    for repeat in range(repeats):
+        for arm, a in arms.items():
+            checkpointer = Checkpointer(a["config"], workdir / arm / str(repeat))
+            checkpointer.task, checkpointer.backend = a["task"], a["backend"]
+            a["state"] = checkpointer.track(a["state"])
+            if a["step"] is None:  # compiled for the tracked state (the bitmaps are part of it)
+                a["step"] = make_train_step(a["task"], a["backend"], a["state"])
+            for kind in ("full", "delta"):
+                for _ in range(steps):
+                    a["state"], _ = a["step"](a["state"], a["backend"].put_batch(next(a["stream"])))
+                    a["at"] += 1
+                jax.block_until_ready(a["state"])
+                t0 = time.perf_counter()
+                a["state"] = checkpointer.save(a["at"], a["state"], {})
+                checkpointer.wait()
+                a["times"][f"{kind}_written"].append(time.perf_counter() - t0)
+                a["times"][f"{kind}_stall"].append(checkpointer.save_stall_s[-1])
+                assert checkpointer.store.meta(a["at"])["kind"] == kind
+            checkpointer.close()
+            shutil.rmtree(workdir / arm / str(repeat), ignore_errors=True)
+    medians = {arm: {k: statistics.median(v) for k, v in a["times"].items()} for arm, a in arms.items()}
+    for a in arms.values():
+        a["backend"].close()
+    shutil.rmtree(workdir, ignore_errors=True)
+    _emit({"measurement": "tiering", **{f"{arm}_{k}_s": v for arm, m in medians.items() for k, v in m.items()},
+           **{f"disk_vs_memory_{k}": medians["disk"][k] / medians["memory"][k] for k in medians["disk"]},
+           "repeats": repeats, "steps_between_saves": steps,
+           "config": {"rows": rows, "dim": 16, "sparse": "lazy_adam", "policy": "consecutive", "async_save": True,
+                      "disk": "every table, cache_fraction 0.1 (lru)"},
+           "machine": info})
+
+
 def quality_measurement(steps: int, info: dict) -> None:
     import jax
 
@@ -402,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     if "stall" in only:
         _log("stall")
         stall_measurement(args.rows, args.batch, args.repeats, info)
+    if "tiering" in only:
+        _log("tiering")
+        tiering_measurement(args.rows, args.batch, args.repeats, 10, info)
     if "quality" in only:
         quality_measurement(args.quality_steps, info)
     if "crash" in only:

@@ -46,6 +46,9 @@ class EmbeddingBackend(abc.ABC):
     shards: int = 1
     # The trainer waits for the step dispatched this many steps earlier (None: never waits).
     steps_in_flight: int | None = None
+    # A checkpoint restores into the single-device layout, which `place_state` then lays out (a placement whose state
+    # does not hold its tables whole: a disk tier writes the restored rows to its files); False: into this layout.
+    restores_single_device: bool = False
 
     # ------------------------------------------------------------------------------------------- device side
     @abc.abstractmethod
@@ -107,6 +110,17 @@ class EmbeddingBackend(abc.ABC):
         """The inverse of `place_state`: this backend's state in the single-device layout, on the device."""
         return state
 
+    def checkpoint_state(self, state):
+        """`state` as a checkpoint records it, before a save: the tables, their optimizer state and the dirty-row
+        bitmaps in the layout `checkpoint.table_record` describes (the single-device one, or the mesh's storages).
+        By default the state itself; a placement whose state does not hold its tables whole (a disk tier) returns
+        arrays that read the rows where they live, after writing back what only its cache holds."""
+        return state
+
+    def checkpoint_saved(self, dirty_rows_cleared: bool) -> None:  # noqa: B027 (a hook)
+        """After a save of `checkpoint_state`: the checkpoint policy cleared the dirty-row bitmaps (or kept them: a
+        one-shot delta). A placement keeping bitmaps of its own clears them here."""
+
     def put_batch(self, batch):
         """A host batch (multi-host: this process's rows) -> the device arrays the compiled step takes."""
         return jax.device_put(batch)
@@ -128,6 +142,11 @@ class EmbeddingBackend(abc.ABC):
         accounting = self.collection.accounting(optimizer)
         return accounting["bytes"] + accounting["optimizer_bytes"]
 
+    def checkpoint_bytes(self, optimizer: SparseOptimizer) -> int:
+        """Bytes of tables and sparse-optimizer state a checkpoint baseline copies out of this process's state (the
+        memory check counts the saves' buffers in multiples of it): by default the state it holds."""
+        return self.process_state_bytes(optimizer)
+
     def describe(self) -> str | None:
         """What to print about the placement at the start of a run (None: nothing)."""
         return None
@@ -146,6 +165,8 @@ class LocalEmbedding(EmbeddingBackend):
     Training routes deduplicate unless the collection's `dedup` is off (plain SGD, XLA, multi-hot bags: every
     occurrence scatter-added); forward-only steps never do (bags pool straight from the tables).
     """
+
+    restores_single_device = True
 
     def __init__(self, collection: EmbeddingCollection):
         self.collection = collection

@@ -100,6 +100,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
         checkpointer.layout = sharding.layout(backend)
         checkpointer.relayout = sharding.relayout(task.collection, backend)
         checkpointer.task = task  # what the tables hold: checked on restore
+        checkpointer.backend = backend  # what a save writes of the tables (a disk tier reads them from its files)
 
     # --- input pipeline ---------------------------------------------------------------------------------
     # Step i's batch is a pure function of (seed, i), so a resumed run restarts the stream at its step.
@@ -191,8 +192,9 @@ class Run:
         if isinstance(backend, sharding.MeshEmbedding):
             sharding.save_plan(backend.plan, self.workdir)
         init = lambda batch: init_state(task, jax.random.key(self.config.seed), batch, backend)  # noqa: E731
-        if resume and isinstance(backend, LocalEmbedding):  # restored into: no need to initialise the tables
-            self.state = self._restore_or_track(jax.eval_shape(init, first), resume)
+        if resume and backend.restores_single_device:  # restored into: no need to initialise the tables
+            like = jax.eval_shape(lambda b: init_state(task, jax.random.key(self.config.seed), b), eval_host)
+            self.state = backend.place_state(self._restore_or_track(like, resume))
         else:  # the single-device initial state, laid out by the backend (a mesh: by the plan)
             self.state = self._restore_or_track(backend.place_state(init(eval_host)), resume)
         self.start_step = resume.step if resume else 0

@@ -2,6 +2,7 @@ r"""Kill training with SIGKILL at random moments (during steps and during checkp
 the final state with an uninterrupted run's. Used by tests/test_checkpoint_crash.py and benchmarks/checkpoint.py.
 
     python tests/crash_driver.py --workdir=/tmp/crash --trials=10 --seed=0
+    python tests/crash_driver.py --workdir=/tmp/crash --trials=4 --disk   # the killed runs' large tables on disk
 
 One process imports everything once and forks a fresh child per run (JAX's backend is initialised only in the
 children, so the fork is safe): the uninterrupted reference, then chains of runs killed again and again in one
@@ -39,6 +40,16 @@ def tiny_config(policy: str, every_steps: int):
     config.checkpoint.every_steps = every_steps
     config.checkpoint.policy = policy
     config.checkpoint.keep = 2
+    return config
+
+
+def on_disk(config, tables: pathlib.Path):
+    """`config` with C3 (1000 rows) and C5 (3000) on the disk tier, their files in `tables`, behind a cache of 200
+    rows (a step reads up to 128 of them: most steps evict)."""
+    config = config.copy_and_resolve_references()
+    config.tiering.tables = "C3=disk,C5=disk"
+    config.tiering.cache_rows = 200
+    config.tiering.dir = str(tables)
     return config
 
 
@@ -96,6 +107,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policy", default="consecutive", help="checkpoint.policy of the runs")
     parser.add_argument("--every_steps", type=int, default=3)
+    parser.add_argument("--disk", action="store_true", help="the killed runs put two tables on the disk tier (the "
+                                                           "reference keeps them in memory)")
     args = parser.parse_args()
     root = pathlib.Path(args.workdir)
     root.mkdir(parents=True, exist_ok=True)
@@ -122,13 +135,14 @@ def main() -> None:
         # later save, as soon as the save starts (its tmp dir appears: mid-save) or a random 0-50 ms after it
         # completed (mid-steps); the last child runs to the end.
         workdir = root / f"chain{chain}"
+        chain_config = on_disk(config, workdir / "tables") if args.disk else config
         n = min(args.kills_per_chain, args.trials - len(kills))
         for i, target in enumerate(sorted(rng.sample(steps, n))):
             mid_save = (len(kills) + i) % 2 == 0
             log = root / f"chain{chain}.{i}.log"
             ckpt = workdir / "checkpoints"
             before = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.exists() else []
-            pid = run_child(config, workdir, log)
+            pid = run_child(chain_config, workdir, log)
             seen = wait_for(ckpt, target, mid_save, pid)
             if not mid_save:
                 time.sleep(rng.uniform(0.0, 0.05))
@@ -143,11 +157,13 @@ def main() -> None:
                           # the child started from the newest complete checkpoint the previous one left
                           "resumed_from": resumed, "resumed_from_latest": resumed == (before[-1] if before else 0)})
         final_log = root / f"chain{chain}.final.log"
-        chains.append({"chain": chain, "finished": wait(run_child(config, workdir, final_log)) == 0})
+        chains.append({"chain": chain, "finished": wait(run_child(chain_config, workdir, final_log)) == 0})
     # The parent initialises JAX only now, after the last fork.
     reference = checkpoint.read_arrays(checkpoint.open_checkpoint(root / "reference" / "checkpoints"))
     summary_ref = json.loads((root / "reference" / "summary.json").read_text())
     timing = {"examples_per_sec", "compile_time_s", "train_time_s", "wall_time_s", "peak_rss_bytes"}
+    if args.disk:  # the tier's own: its summary section, XLA's FLOPs of its step (which maps rows to cache slots)
+        timing |= {"tiering", "flops_per_example", "train_flops_per_example"}
     for c in chains:
         workdir = root / f"chain{c['chain']}"
         same = c["finished"]

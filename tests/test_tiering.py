@@ -401,14 +401,12 @@ def test_train_and_evaluate_on_disk_equals_memory(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("fields,key,message", [
-    ({"tables": "C1=disk"}, "checkpoint.enabled", "not supported yet"),
     ({"tables": "C1=tape"}, "tiering.tables", "cannot read 'C1=tape'"),
     ({"policy": "fifo"}, "tiering.policy", "unknown value 'fifo'"),
     ({"cache_fraction": 1.5}, "tiering.cache_fraction", "must be < 1.0"),
 ])
 def test_bad_tiering_config_is_a_clear_error(tmp_path, fields, key, message):
     config = tiny_run_config(tmp_path, **fields)
-    config.checkpoint.enabled = key == "checkpoint.enabled"
     with pytest.raises(ConfigError, match=message) as error:
         train_and_evaluate(config, tmp_path)
     assert error.value.key == key

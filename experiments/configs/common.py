@@ -83,8 +83,8 @@ def sharding_config() -> ml_collections.ConfigDict:
 
 def tiering_config() -> ml_collections.ConfigDict:
     """Where each physical table's rows live (recjax/tiering): memory (a device array), host (GPU / TPU: host RAM
-    behind a device cache; on a CPU the same as memory) or disk (a file behind an in-RAM cache). One device only, and
-    a run with a table off memory cannot checkpoint yet (checkpoint.enabled=False)."""
+    behind a device cache; on a CPU the same as memory) or disk (a file behind an in-RAM cache). One device only; its
+    checkpoints are the in-memory run's, but a baseline reads the tables whole into RAM."""
     tiering = ml_collections.ConfigDict()
     tiering.default = "memory"  # the tier of every table not matched below: "memory", "host" or "disk"
     tiering.tables = ""  # per-table tiers, e.g. "C3=disk,C4/q=disk" (logical or physical names); these win

@@ -40,6 +40,11 @@ plan's layout (None on one device): a restore under another layout -- another me
 converts the tables and optimizer rows through the single-device layout (`restore_state`'s `relayout`, given by
 the trainer from recjax/sharding) and the next save starts a new baseline.
 
+Disk-tier runs (recjax/tiering): a save writes what `backend.checkpoint_state` gives -- the cache's dirty rows written
+back to the table files first, then the tables in the single-device layout read from the files (`CheckpointRows`) and
+the dirty rows by table row -- so the checkpoint is the in-memory run's; a restore builds the single-device state and
+the backend writes it to fresh table files (`restores_single_device`, `place_state`).
+
 Multi-process runs: a baseline's tables are global arrays (device copies) that Orbax writes by blocks, each process
 its own; a delta's ids / rows / optimizer rows are global arrays too, every row block's marked rows padded to the
 largest count of any block (ids -1). meta marks them "blocks" and the `digests` item holds each block's sha256

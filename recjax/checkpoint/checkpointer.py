@@ -83,6 +83,7 @@ class Checkpointer:
         self.layout: dict | None = None  # the tables' layout on a mesh (the trainer sets it; None on one device)
         self.task = None  # the run's Task: what its tables hold (`table_record`); the trainer sets it
         self.relayout = None  # (by_key, saved layout) -> by_key in this run's layout (the trainer sets it)
+        self.backend = None  # where the tables live: `checkpoint_state` gives what a save writes (None: the state)
 
     # ---------------------------------------------------------------------------------------- resume
     def resume_point(self) -> ResumePoint | None:
@@ -164,6 +165,9 @@ class Checkpointer:
             return state
         t0 = time.perf_counter()
         self._settle()
+        # The tables as the checkpoint records them (a disk tier: its cache's dirty rows written back, the rows read
+        # from the files); only until the next step, so everything below reads them before returning.
+        view = state if self.backend is None else self.backend.checkpoint_state(state)
         paths, leaves, _ = dense_leaves(state)
         distributed = jax.process_count() > 1
         item_state = {
@@ -172,7 +176,7 @@ class Checkpointer:
             # Orbax cannot store empty arrays (e.g. a layer over zero dense features): their shapes are in meta.
             "dense": {f"{i:05d}": local_value(leaf) for i, leaf in enumerate(leaves) if np.size(leaf)},
         }
-        kind, rows_item, delta_bytes = self.policy.plan(state, self.task.sparse_optimizer)
+        kind, rows_item, delta_bytes = self.policy.plan(view, self.task.sparse_optimizer)
         if state.aux:  # routing arrays of dynamic tables (FIITED's indirection, utility): small, saved whole
             item_state["aux"] = {f: {k: np.array(v) for k, v in a.items()} for f, a in state.aux.items()}
         if kind == "full":
@@ -180,19 +184,22 @@ class Checkpointer:
             # tables while Orbax writes these in the background, and reusing the buffers halves the copy (a fresh
             # allocation page-faults; benchmarks/RESULTS.md#checkpoints).
             # A synchronous save is finished before the next step: it writes the arrays themselves.
-            arrays = {("tables", g): t for g, t in state.tables.items()}
-            arrays.update({("sparse_opt", g, k): v for g, o in state.sparse_opt_state.items() for k, v in o.items()})
+            arrays = {("tables", g): t for g, t in view.tables.items()}
+            arrays.update({("sparse_opt", g, k): v for g, o in view.sparse_opt_state.items() for k, v in o.items()})
             if not distributed:  # several processes: the global arrays themselves (saved synchronously, __init__)
-                arrays = (self._host_copies(arrays) if self.async_save
-                          else {key: np.asarray(a) for key, a in arrays.items()})
+                # Arrays not on a device (a disk tier's rows, read from its files) are read into fresh host arrays,
+                # which no step changes.
+                on_device = {key: a for key, a in arrays.items() if isinstance(a, jax.Array) and self.async_save}
+                arrays = {**{key: np.asarray(a) for key, a in arrays.items() if key not in on_device},
+                          **self._host_copies(on_device)}
             item_state["tables"] = {encode(key[1]): a for key, a in arrays.items() if key[0] == "tables"}
             item_state["sparse_opt"] = {encode(g): {key[2]: a for key, a in arrays.items()
                                                      if key[:2] == ("sparse_opt", g)}
-                                        for g, o in state.sparse_opt_state.items() if o}
+                                        for g, o in view.sparse_opt_state.items() if o}
             table_bytes = nbytes({"t": item_state["tables"], "o": item_state["sparse_opt"]})
         else:
             table_bytes = delta_bytes
-        self.policy.extend(step, kind, table_bytes, state)
+        self.policy.extend(step, kind, table_bytes, view)
         # Arrays spread over processes (multi-process runs) are checked by blocks: their digests, by item and path.
         global_arrays = {p: a for p, a in flat({"state": item_state, "rows": rows_item}).items()
                          if blocks.is_global(a)}
@@ -205,7 +212,7 @@ class Checkpointer:
             "table_bytes": table_bytes, "bytes": nbytes(item_state) + nbytes(rows_item),
             "dense_paths": paths, "dense_shapes": [[str(leaf.dtype), list(leaf.shape)] for leaf in leaves],
             "rng_impl": str(jax.random.key_impl(state.dropout_rng)), "layout": self.layout,
-            "tables": self._record(state),
+            "tables": self._record(view),
             "processes": jax.process_count(),
             "arrays": arrays, "loop": loop, "config": self.config_dict, "finished": finished,
         }
@@ -228,6 +235,8 @@ class Checkpointer:
         self._pending_retain = True
         self.last_saved_step, self.last_save_time = step, time.monotonic()
         state = self.policy.clear(state, kind)
+        if self.backend is not None:
+            self.backend.checkpoint_saved(bool(state.dirty_rows) and self.policy.clears(kind))
         self.save_stall_s.append(time.perf_counter() - t0)
         return state
 

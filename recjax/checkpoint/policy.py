@@ -42,7 +42,10 @@ def zero_rows(rows: int, sharding) -> jax.Array:
 
 def gather_rows(array: jax.Array, ids: np.ndarray) -> np.ndarray:
     """array[ids] on the host, gathered on the device(s) holding the rows (a sharded array: each block gathers its
-    own rows, on its device); ids padded to a power of two so few shapes compile."""
+    own rows, on its device); ids padded to a power of two so few shapes compile. An array not on a device (a disk
+    tier's `CheckpointRows`) reads its rows itself."""
+    if not isinstance(array, jax.Array):
+        return array.rows(ids)
     if len(array.sharding.device_set) == 1:
         return gather_block(array, ids)
     out = np.zeros((len(ids), *array.shape[1:]), array.dtype)
@@ -138,10 +141,14 @@ class Policy:
         else:
             self.chain, self.chain_bytes = [*self.chain, step], self.chain_bytes + table_bytes
 
+    def clears(self, kind: str) -> bool:
+        """Whether a save of `kind` clears the bitmaps: all but one-shot deltas (cumulative since the baseline:
+        cleared at a baseline only)."""
+        return kind == "full" or self.name != "one_shot"
+
     def clear(self, state, kind: str):
-        """`state` after a save of `kind`: its bitmaps cleared, except one-shot deltas' (cumulative since the
-        baseline: cleared at a baseline only)."""
-        if state.dirty_rows and (kind == "full" or self.name != "one_shot"):
+        """`state` after a save of `kind`: its bitmaps cleared as `clears` says."""
+        if state.dirty_rows and self.clears(kind):
             return self.track(state)
         return state
 

@@ -24,7 +24,7 @@ from recjax.sharding.mesh import make_mesh
 from recjax.tiering.backend import GroupLayout, SlottedBatch, TieredBatch, TieredEmbedding
 from recjax.tiering.cache import POLICIES, RowCache
 from recjax.tiering.store import RowStore
-from recjax.tiering.tiers import TIERS, TableBytes, may_leave_memory, resolve_tiers
+from recjax.tiering.tiers import TIERS, TableBytes, resolve_tiers
 from recjax.validation import boolean, check_text, choice, get, integer, known_keys, number
 
 __all__ = ["GroupLayout", "RowCache", "RowStore", "SlottedBatch", "TieredBatch", "TieredEmbedding",
@@ -57,12 +57,6 @@ def check_tiering(config: Mapping) -> None:
     integer(config, "tiering.profile_batches", 1)
     boolean(config, "tiering.prefetch")
     integer(config, "tiering.io_threads", 1)
-    platform = jax.default_backend()
-    if may_leave_memory(tiering, platform) and config.get("checkpoint", {}).get("enabled", False):
-        raise ConfigError("checkpoint.enabled", "checkpoints of a run with tables on disk or in host RAM are not "
-                                                "supported yet; set --config.checkpoint.enabled=False (or keep every "
-                                                "table in memory: tiering.default=memory, no tiering.tables / "
-                                                "*_over_bytes)")
 
 
 def table_bytes(collection, optimizer) -> list[TableBytes]:

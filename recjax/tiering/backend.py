@@ -113,6 +113,10 @@ class GroupLayout:
         return starts, cached, device
 
 
+def _power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _bucket(n: int, step_rows: int) -> int:
     return next(size for size in (-(-step_rows // k) for k in _BUCKETS) if size >= n)
 
@@ -141,6 +145,68 @@ class _Eviction:
         return found, self.order[pos[found]]
 
 
+class CheckpointRows:
+    """One array of a cached group as a checkpoint records it: the table (`field` None) or one sparse-optimizer field,
+    f32[group rows, ...] in the single-device layout, read where its rows live -- the memory tables' rows from the
+    device array `device`, the cached tables' from the store -- and only when asked: `rows(ids)` for a delta's rows,
+    `block(start, stop)` for a range, `np.asarray` for all of it (a baseline: Orbax writes host arrays whole). Valid
+    until the next step (the backend writes the cache's dirty rows back first: `TieredEmbedding.checkpoint_state`)."""
+
+    def __init__(self, backend: "TieredEmbedding", group: str, field: str | None, device: jax.Array):
+        layout = backend.layouts[group]
+        self.backend, self.group, self.device = backend, group, device
+        self.shape = (layout.rows, *device.shape[1:])
+        self.dtype = np.dtype(np.float32)
+        self.ndim = len(self.shape)
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+        start = 0 if field is None else layout.dim + sum(math.prod(s) for k, s in backend.fields[group].items()
+                                                         if k < field)
+        self.columns = slice(start, start + math.prod(self.shape[1:]))
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def _from_records(self, records: np.ndarray) -> np.ndarray:
+        return records[:, self.columns].reshape((len(records), *self.shape[1:]))
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """The stacked rows `ids` i64[n] (each < group rows)."""
+        ids = np.asarray(ids, np.int64)
+        starts, cached, device = self.backend._where[self.group]
+        table = np.searchsorted(starts, ids, side="right") - 1
+        on_store = cached[table]
+        out = np.empty((len(ids), *self.shape[1:]), np.float32)
+        if on_store.any():
+            out[on_store] = self._from_records(self.backend.stores[self.group].read(ids[on_store], count=False))
+        resident = np.flatnonzero(~on_store)
+        if len(resident):
+            t = table[resident]
+            at = np.zeros(_power_of_two(len(resident)), np.int64)  # few shapes to compile (padding reads row 0)
+            at[: len(resident)] = device[t] + ids[resident] - starts[t]
+            out[resident] = np.asarray(self.device[jnp.asarray(at)])[: len(resident)]
+        return out
+
+    def block(self, start: int, stop: int) -> np.ndarray:
+        """The stacked rows [start, stop), in order."""
+        starts, cached, device = self.backend._where[self.group]
+        out = np.empty((stop - start, *self.shape[1:]), np.float32)
+        for t in range(len(starts)):
+            first, end = int(starts[t]), int(starts[t + 1]) if t + 1 < len(starts) else self.shape[0]
+            lo, hi = max(start, first), min(stop, end)
+            if lo >= hi:
+                continue
+            if cached[t]:
+                out[lo - start: hi - start] = self._from_records(self.backend.stores[self.group].read_range(lo, hi))
+            else:
+                at = int(device[t]) + lo - first
+                out[lo - start: hi - start] = np.asarray(self.device[at: at + hi - lo])
+        return out
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self.block(0, self.shape[0])
+        return out if dtype is None else out.astype(dtype)
+
+
 class TieredEmbedding(EmbeddingBackend):
     """The collection's cached tables in `RowStore`s behind per-group `RowCache`s; everything else as on one device.
 
@@ -152,6 +218,9 @@ class TieredEmbedding(EmbeddingBackend):
     # The trainer keeps at most this many steps queued: the misses of step i + 1 are read while step i runs, and the
     # host never plans far ahead of the device (evictions waiting for the writer stay few).
     steps_in_flight = 2
+    # A checkpoint records the single-device layout (so an in-memory run restores it, and the reverse): a restore
+    # builds that state and `place_state` writes its rows to fresh table files and empties the cache.
+    restores_single_device = True
 
     def __init__(self, collection: EmbeddingCollection, optimizer: SparseOptimizer, layouts: Sequence[GroupLayout],
                  directory: pathlib.Path | None, *, temporary: bool = False, policy: str = "lru",
@@ -177,6 +246,10 @@ class TieredEmbedding(EmbeddingBackend):
         self._writer = threading.Thread(target=self._write_loop, daemon=True, name="recjax-writeback")
         self._writer.start()
         self._latest = None  # the newest train state's (tables, opt state), for the final write-back
+        # Check-N-Run's dirty rows of the cached groups, by stacked row (bool[group rows]), kept here while the
+        # checkpoint policy tracks dirty rows: the state's bitmap of such a group is over its device rows, whose
+        # cache slots change rows with every eviction.
+        self.dirty: dict[str, np.ndarray] = {}
         self._closed = False
         self._unique_fn = jax.jit(self._unique)
         self._fill_fn = jax.jit(self._fill, donate_argnums=(0, 1))
@@ -337,12 +410,17 @@ class TieredEmbedding(EmbeddingBackend):
         """A state whose cached groups are in the single-device layout ({group: f32[group_rows, d]}) -> this layout:
         the cached tables' rows and state go to fresh stores, the cache starts empty. Groups already in this layout
         (made by `init_tables`; a cache never holds every row, so the shapes differ) pass through."""
-        tables, opt_state = dict(state.tables), dict(state.sparse_opt_state)
+        tables, opt_state, dirty = dict(state.tables), dict(state.sparse_opt_state), dict(state.dirty_rows)
         for g, layout in self.layouts.items():
             rows = tables[g].shape[0]
             if rows == layout.device_rows:
                 continue
             assert rows == layout.rows, (g, rows, layout.rows, layout.device_rows)
+            if g in dirty:  # a restored one-shot delta's rows stay dirty (by stacked row, here); the state's bitmap
+                self.dirty[g] = np.array(dirty[g], bool)  # is over the device rows, unused
+                dirty[g] = jnp.zeros(layout.device_rows, jnp.bool_)
+            else:
+                self.dirty.pop(g, None)
             table, group_state = np.asarray(tables[g]), {k: np.asarray(v) for k, v in opt_state[g].items()}
             store = self._new_store(g)
             starts, cached, device = self._where[g]
@@ -356,51 +434,63 @@ class TieredEmbedding(EmbeddingBackend):
                 else:
                     keep[starts[t]: stop] = True
             tables[g], opt_state[g] = self._device_arrays(g, table[keep], {k: v[keep] for k, v in group_state.items()})
-        return state.replace(tables=tables, sparse_opt_state=opt_state)
+        return state.replace(tables=tables, sparse_opt_state=opt_state, dirty_rows=dirty)
 
     def local_state(self, state):
         """The single-device layout of `state` (every row: the stores' after writing the cache's dirty rows back).
         Holds every table whole: for tests and small tables."""
-        self.flush(state)
-        tables, opt_state = dict(state.tables), dict(state.sparse_opt_state)
-        for g, layout in self.layouts.items():
-            table = np.asarray(tables[g])
-            group_state = {k: np.asarray(v) for k, v in opt_state[g].items()}
-            full = np.zeros((layout.rows, layout.dim), np.float32)
-            full_state = {k: np.zeros((layout.rows, *v.shape[1:]), np.float32) for k, v in group_state.items()}
-            starts, cached, device = self._where[g]
-            for t in range(len(starts)):
-                start, stop = int(starts[t]), int(starts[t + 1]) if t + 1 < len(starts) else layout.rows
-                if cached[t]:
-                    records = self.stores[g].read_range(start, stop)
-                    full[start:stop], at = records[:, : layout.dim], layout.dim
-                    for k in sorted(full_state):
-                        width = math.prod(full_state[k].shape[1:])
-                        full_state[k][start:stop] = records[:, at: at + width].reshape(
-                            (stop - start, *full_state[k].shape[1:]))
-                        at += width
-                else:
-                    rows = slice(int(device[t]), int(device[t]) + stop - start)
-                    full[start:stop] = table[rows]
-                    for k in full_state:
-                        full_state[k][start:stop] = group_state[k][rows]
-            tables[g] = jnp.asarray(full)
-            opt_state[g] = {k: jnp.asarray(v) for k, v in full_state.items()}
-        return state.replace(tables=tables, sparse_opt_state=opt_state)
+        view = self.checkpoint_state(state)
+        return state.replace(tables={g: jnp.asarray(t) for g, t in view.tables.items()},
+                             sparse_opt_state={g: {k: jnp.asarray(v) for k, v in o.items()}
+                                               for g, o in view.sparse_opt_state.items()})
+
+    def checkpoint_state(self, state):
+        """`state` in the single-device layout a checkpoint records, its cached groups' arrays `CheckpointRows`
+        (read on demand: a delta reads its rows only, a baseline every row) after the cache's dirty rows are written
+        back to the stores -- the files then hold the tables as of this step -- and its cached groups' dirty-row
+        bitmaps by stacked row."""
+        self.write_back(state)
+        tables, opt_state, dirty = dict(state.tables), dict(state.sparse_opt_state), dict(state.dirty_rows)
+        for g in self.layouts:
+            tables[g] = CheckpointRows(self, g, None, state.tables[g])
+            opt_state[g] = {k: CheckpointRows(self, g, k, v) for k, v in state.sparse_opt_state[g].items()}
+            if g in dirty:
+                dirty[g] = self._dirty(g)
+        return state.replace(tables=tables, sparse_opt_state=opt_state, dirty_rows=dirty)
+
+    def checkpoint_saved(self, dirty_rows_cleared: bool) -> None:
+        if dirty_rows_cleared:
+            for bitmap in self.dirty.values():
+                bitmap[:] = False
+
+    def _dirty(self, group: str) -> np.ndarray:
+        if group not in self.dirty:
+            self.dirty[group] = np.zeros(self.layouts[group].rows, bool)
+        return self.dirty[group]
 
     def flush(self, state=None) -> None:
+        """`write_back`, then the files synced to the disk (at the end of a run: they hold the final tables)."""
+        self.write_back(state)
+        for store in self.stores.values():
+            store.flush()
+
+    def write_back(self, state=None) -> None:
         """Write every pending eviction and every dirty cached row (of `state`'s cache; default the newest train
-        state's) to the stores: then the stores hold the tables."""
+        state's) to the stores: then the stores hold the tables (in the page cache: a checkpoint reads them back
+        through the same mapping, and a restore rewrites the files, so nothing waits for the disk here)."""
         self._drain()
         tables, opt_state = (state.tables, state.sparse_opt_state) if state is not None else (self._latest or (None,
                                                                                                                  None))
         for g, cache in self.caches.items():
             rows, slots = cache.dirty_slots()
             if len(rows) and tables is not None:
-                device = jnp.asarray(self.layouts[g].resident_rows + slots)
-                self.stores[g].write(rows, np.asarray(self._records_fn(tables[g], opt_state[g], device)))
+                # Padded to a power of two with an out-of-range slot (read as zeros, dropped): a flush before each
+                # checkpoint compiles a few shapes, not one per count of dirty rows.
+                device = np.full(_power_of_two(len(slots)), self.layouts[g].device_rows, np.int32)
+                device[: len(slots)] = self.layouts[g].resident_rows + slots
+                records = np.asarray(self._records_fn(tables[g], opt_state[g], jnp.asarray(device)))
+                self.stores[g].write(rows, records[: len(rows)])
                 cache.mark_clean()
-            self.stores[g].flush()
 
     def put_batch(self, batch) -> TieredBatch:
         device = jax.device_put(batch)
@@ -465,6 +555,8 @@ class TieredEmbedding(EmbeddingBackend):
         slots, evict, fill, records, evicting = {}, {}, {}, {}, {}
         read_s = 0.0
         for g, layout in self.layouts.items():
+            if state.dirty_rows:  # the in-memory step marks exactly the batch's distinct rows (`touched_rows`)
+                self._dirty(g)[tb.unique[g][tb.unique[g] < layout.rows]] = True
             slots[g], _, plan = self._slots_and_misses(g, tb.unique[g], train=True)
             if not len(plan.miss_rows) and not len(plan.evict_rows):
                 continue
@@ -577,6 +669,13 @@ class TieredEmbedding(EmbeddingBackend):
             on_disk = sum(rows for _, _, rows, tier in layout.cached if tier == "disk")
             total += (layout.slots - on_disk) * self.widths[g] * 4
         return max(int(total), 0)
+
+    def checkpoint_bytes(self, optimizer: SparseOptimizer) -> int:
+        """A baseline reads every table whole into host arrays (`CheckpointRows`, then Orbax's writes): all the rows
+        and optimizer state, the disk tier's too -- writing a table's rows block by block from its file is not done
+        yet, so the memory check refuses a checkpointed run whose tables do not fit in RAM."""
+        accounting = self.collection.accounting(optimizer)
+        return int(accounting["bytes"] + accounting["optimizer_bytes"])
 
     def describe(self) -> str:
         lines = ["embedding tiers (tables on disk / in host RAM behind a row cache):"]

@@ -208,15 +208,17 @@ class RowStore:
         for b in self.backings:
             b.check()
 
-    def read(self, rows: np.ndarray) -> np.ndarray:
-        """Records f32[n, width] of the stacked rows i64[n] (each must belong to a cached table)."""
+    def read(self, rows: np.ndarray, *, count: bool = True) -> np.ndarray:
+        """Records f32[n, width] of the stacked rows i64[n] (each must belong to a cached table); `count` False
+        leaves the training statistics (`rows_read`) alone (a checkpoint's reads)."""
         out = np.empty((len(rows), self.width), np.float32)
 
         def gather(array, local, positions):
             out[positions] = array[local]
 
         self._each(rows, gather)
-        self.rows_read += len(rows)
+        if count:
+            self.rows_read += len(rows)
         return out
 
     def write(self, rows: np.ndarray, records: np.ndarray) -> None:

@@ -66,12 +66,3 @@ def resolve_tiers(tables: Sequence[TableBytes], tiering: Mapping, platform: str)
         tiers[t.name] = "memory" if tier == "host" and platform == "cpu" else tier
     return tiers
 
-
-def may_leave_memory(tiering: Mapping, platform: str) -> bool:
-    """Whether the section can put some table outside memory on `platform` (before the tables are known: for the
-    checks that need no data, e.g. that such a run cannot checkpoint yet)."""
-    leaving = ("disk",) if platform == "cpu" else CACHED_TIERS  # host is memory on a CPU
-    text = tiering.get("tables", "")
-    named = isinstance(text, str) and any(part.partition("=")[2].strip() in leaving for part in text.split(","))
-    return (tiering.get("default", "memory") in leaving or named or bool(tiering.get("disk_over_bytes", 0))
-            or (platform != "cpu" and bool(tiering.get("host_over_bytes", 0))))
