@@ -66,12 +66,14 @@ def _machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "load1": round(os.getloadavg()[0], 2)}
 
 
-def train_run(root: pathlib.Path, dataset: str, method: str, ratio: float, steps: int, ml100k: str) -> pathlib.Path:
-    """The run's workdir under `root`, trained unless it has finished before."""
+def train_run(root: pathlib.Path, dataset: str, method: str, ratio: float, steps: int, ml100k: str,
+              dim: int = 0) -> pathlib.Path:
+    """The run's workdir under `root`, trained unless it has finished before; `dim`: the embedding dim (0: the
+    config's)."""
     from experiments import sweep_compression as sc
     from recjax.train import train_and_evaluate
 
-    workdir = root / "runs" / f"{dataset}_{method}"
+    workdir = root / "runs" / (f"{dataset}_{method}" + (f"_d{dim}" if dim else ""))
     if (workdir / "summary.json").is_file():
         return workdir
     if dataset == "synthetic":
@@ -84,6 +86,11 @@ def train_run(root: pathlib.Path, dataset: str, method: str, ratio: float, steps
         base.train.progress_bar = False
     else:
         base = sc.base_config("movielens", ml100k, prepared_dir=str(root / "prepared"))
+    if dim:
+        base.embedding.dim = dim
+        bottom = tuple(base.model.dlrm.bottom_mlp)
+        if base.model.name == "dlrm" and bottom:  # the dot interaction needs the bottom MLP to end at the dim
+            base.model.dlrm.bottom_mlp = (*bottom[:-1], dim)
     config = sc.run_config(base, sc.dataset_spec(base), method, ratio if method != "full" else 1.0, seed=0)
     _log(f"training {dataset} {method} -> {workdir}")
     train_and_evaluate(config, workdir)
@@ -96,9 +103,10 @@ def measure_tables(args, root: pathlib.Path) -> None:
 
     for dataset in args.datasets:
         for method in args.methods:
-            workdir = train_run(root, dataset, method, args.ratio, args.synthetic_steps, args.ml100k)
+            workdir = train_run(root, dataset, method, args.ratio, args.synthetic_steps, args.ml100k, args.dim)
             for row in format_quality(load_run(workdir), args.formats):
-                _emit({"measurement": "tables", "dataset": dataset, "method": method, "ratio": args.ratio, **row})
+                _emit({"measurement": "tables", "dataset": dataset, "method": method, "ratio": args.ratio,
+                       "dim": args.dim or None, **row})
 
 
 def exports(args, root: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -268,6 +276,9 @@ def main() -> None:
     parser.add_argument("--formats", default="f32,fp16,bf16,int8,int4")
     parser.add_argument("--ratio", type=float, default=4.0)
     parser.add_argument("--synthetic_steps", type=int, default=2000)
+    parser.add_argument("--dim", type=int, default=0, help="tables: the embedding dim of the runs (0: each config's; "
+                                                           "row-wise int8 / int4 pay 8 bytes a row for scale and bias, "
+                                                           "so their byte ratios grow with the dim)")
     parser.add_argument("--ml100k", default=str(pathlib.Path(SHARED) / "movielens_100k"))
     parser.add_argument("--forward_sizes", default="1,2,4,8,16,32,64,128,256")
     parser.add_argument("--overhead_requests", type=int, default=1000)
