@@ -12,9 +12,11 @@ table* at K = D, the 1-column chunks that came closest to the full model on ML-1
 (benchmarks/RESULTS.md#compression-fiited). The offsets cost 4 bytes per row for any K, and a free
 stack (4 bytes per slot: as much again as 1-column chunks) is not needed, because a packed pool has no holes.
 
-FIITED keeps the offsets packed (`pack_offsets`: an i32 base per block of B rows and a byte per row for its
-offset from the base, B = 255 // K + 1), 1.25 bytes per row at K = 16 -- 2 % of a 16-dim f32 row, which matters
-at the budgets FIITED is for: at 10 % of ML-100K's bytes, 4-byte offsets alone would take 6 % of the 10 %.
+FIITED keeps the offsets packed (`pack_offsets`: each row's live count in ceil(log2(K + 1)) bits, packed into u32
+words, and an i32 base -- the offset of a block's first row -- per block of about 64 rows; a row's offset is its
+base plus the counts of the block's earlier rows), 0.73 bytes per row at K = 16 -- 1.1 % of a 16-dim f32 row. It
+matters at the budgets FIITED is for: at 20x on ML-100K the earlier byte-per-row packing (1.25 bytes per row) took
+57 % of the compressed tables' bytes (benchmarks/RESULTS.md, "FIITED against hashing on MovieLens").
 
 The price is that changing a row's chunk count moves every later row, so chunks are re-assigned for all rows at
 once: `resize` lays the whole pool out again from the new per-row counts -- one gather of the pool and its state,
@@ -66,26 +68,62 @@ def offsets_of(counts) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(np.asarray(counts, np.int64))]).astype(np.int32)
 
 
+def count_bits(chunks: int) -> int:
+    """Bits of one row's live chunk count (0..K): 5 at K = 16, 3 at K = 4, 1 at K = 1."""
+    return int(chunks).bit_length()
+
+
+def counts_per_word(chunks: int) -> int:
+    """Row counts packed into one u32 word of `pack_offsets` (6 at K = 16, 10 at K = 4)."""
+    return 32 // count_bits(chunks)
+
+
 def block_rows(chunks: int) -> int:
-    """Rows per block of `pack_offsets`: the most B with (B - 1) K <= 255, so a row's offset from its block's first
-    row fits a byte (16 for K = 16, 64 for K = 4, 256 for K = 1)."""
-    return 255 // chunks + 1
+    """Rows per i32 base of `pack_offsets`: whole words, about 64 rows (60 at K = 16), so a base costs under 0.07
+    bytes per row and finding a row's offset sums at most that many counts."""
+    per = counts_per_word(chunks)
+    return per * max(1, 64 // per)
+
+
+def packed_bytes(rows: int, chunks: int) -> int:
+    """Bytes of `pack_offsets`' arrays for `rows` rows: the i32 bases and the u32 count words."""
+    return 4 * (rows // block_rows(chunks) + 1) + 4 * -(-rows // counts_per_word(chunks))
 
 
 def pack_offsets(offsets: jax.Array, chunks: int) -> tuple[jax.Array, jax.Array]:
-    """Offsets i32[V + 1] -> (base i32[ceil((V + 1) / B)]: the offset of each block's first row, rel u8[V + 1]: each
-    row's offset minus its block's base), B = block_rows(K): 1 + 4 / B bytes per row instead of 4."""
-    b, n = block_rows(chunks), offsets.shape[0]
-    base = offsets[::b]
-    return base, (offsets - jnp.repeat(base, b)[:n]).astype(jnp.uint8)
+    """Offsets i32[V + 1] -> (base i32[V // B + 1]: offsets[b B], the offset of each block's first row; counts
+    u32[ceil(V / W)]: each row's live chunk count in count_bits(K) bits, W = counts_per_word(K) rows per word),
+    B = block_rows(K). About count_bits(K) / 8 + 4 / B bytes per row (0.73 at K = 16) instead of 4."""
+    bits, per = count_bits(chunks), counts_per_word(chunks)
+    counts = (offsets[1:] - offsets[:-1]).astype(jnp.uint32)
+    v = counts.shape[0]
+    words = jnp.zeros(-(-v // per) * per, jnp.uint32).at[:v].set(counts).reshape(-1, per)
+    # The fields do not overlap, so the sum of the shifted counts is their bitwise or.
+    words = jnp.sum(words << (jnp.arange(per, dtype=jnp.uint32) * bits), axis=1, dtype=jnp.uint32)
+    return offsets[::block_rows(chunks)], words
 
 
-def unpack_offsets(base: jax.Array, rel: jax.Array, chunks: int, rows: jax.Array | None = None) -> jax.Array:
-    """The offsets i32 of `rows` (i32[...]; default all V + 1) from `pack_offsets`' (base, rel)."""
-    b = block_rows(chunks)
+def unpack_counts(counts: jax.Array, chunks: int, rows: jax.Array) -> jax.Array:
+    """i32[...]: the live chunk counts of `rows` (i32[...]) from `pack_offsets`' count words; 0 past the last row."""
+    bits, per = count_bits(chunks), counts_per_word(chunks)
+    word = counts.at[rows // per].get(mode="fill", fill_value=0)
+    shift = ((rows % per) * bits).astype(jnp.uint32)
+    return ((word >> shift) & jnp.uint32((1 << bits) - 1)).astype(jnp.int32)
+
+
+def unpack_offsets(base: jax.Array, counts: jax.Array, chunks: int, vocab: int,
+                   rows: jax.Array | None = None) -> jax.Array:
+    """The offsets i32 of `rows` (i32[...] in [0, V]; default all V + 1) from `pack_offsets`' (base, counts) of a
+    V-row table: the row's block base plus the counts of the block's earlier rows -- fewer than B of them, so a
+    lookup costs O(B) per id, never O(V)."""
     if rows is None:
-        return jnp.repeat(base, b)[:rel.shape[0]] + rel.astype(jnp.int32)
-    return base[rows // b] + rel[rows].astype(jnp.int32)
+        every = unpack_counts(counts, chunks, jnp.arange(vocab, dtype=jnp.int32))
+        return jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(every, dtype=jnp.int32)])
+    b = block_rows(chunks)
+    block = rows // b
+    earlier = block[..., None] * b + jnp.arange(b, dtype=jnp.int32)
+    within = jnp.where(earlier < rows[..., None], unpack_counts(counts, chunks, earlier), 0)
+    return base[block] + jnp.sum(within, axis=-1, dtype=jnp.int32)
 
 
 def create(values: jax.Array, chunks: int, capacity: int | None = None, live_chunks: jax.Array | int | None = None,

@@ -3,8 +3,9 @@
 
 Each logical row of a V x D table is K chunks of C = D / K columns (`chunks`). The chunks live in one physical
 table, the pool f32[capacity, C], packed: row r's live chunks sit at slots offsets[r] .. offsets[r+1] - 1 (the
-offsets i32[V + 1] are kept packed in aux["offsets_base"] / aux["offsets_rel"]: 1 + 4 / B bytes per row, B = 255 //
-K + 1 rows; a chunk past a row's count is pruned: it reads zeros and gets no update) -- see
+offsets i32[V + 1] are kept packed in aux["offsets_base"] / aux["counts"]: each row's count in ceil(log2(K + 1))
+bits plus an i32 base per ~64 rows, 0.73 bytes per row at K = 16; a chunk past a row's count is pruned: it reads
+zeros and gets no update) -- see
 compression/chunk_pool.py, whose pure `resize` / `compact` functions this method uses, and why it packs instead of
 keeping FIITED's per-(row, chunk) slot table. Rows keep a prefix of their chunks, so the model always sees one
 D-wide vector with a zero tail. `route` reads the pool once per chunk position (`read_tables`: (0,) * K) and the
@@ -49,6 +50,17 @@ Departures from the paper, each measured (benchmarks/RESULTS.md, "FIITED against
   - the geometric ramp (was linear): linear, the last of ten adjustments to keep 0.05 pruned 2/3 of the live chunks
     at once and validation AUC fell sharply at the ramp's end.
 
+Shared fallback (`fallback`, a share f of the table's kept values; default 0, off): rows whose chunks are
+pruned still read something. A hashed table f32[H, D] of H = round(f keep V) rows (its bytes are part of the
+budget: the pool's final budget is keep V K - H K chunks) is read by every id through a universal hash
+(compression/hashing.py), and a row's embedding is the hashed row plus its own live chunks (a zero tail past them).
+Rare ids, the rows the budget leaves at zero dims, then share hashed rows and frequent ids add their own dims on
+top -- the frequency-aware split of Zhang et al. 2020 ("Model Size Reduction Using Frequency Based Double Hashing
+for Recommender Systems": frequent ids own rows, the rest share hashed rows), with FIITED deciding the owned widths
+from utility instead of a frequency cut. Not in FIITED's paper, and off by default: at 20x on ML-100K half the kept
+values in the fallback scored 0.018 test AUC below the pool alone (the hashed rows are few, and the pool's
+utility-chosen widths are worth more per byte; benchmarks/RESULTS.md, "FIITED against hashing on MovieLens").
+
 Why K = gcd(16, D): finer chunks raised test AUC on ML-100K (benchmarks/RESULTS.md, "Compression: FIITED").
 
 Baselines FIITED compares with:
@@ -56,8 +68,9 @@ Baselines FIITED compares with:
                  L2 norm at the adjustment; a pruned row reads zeros and does not come back);
   `uniform_dim`  every row D' = round(keep D) wide with a zero tail (a plain V x D' table, no indirection).
 
-Bytes: the pool rows (and their optimizer state) are the physical table; the packed offsets count as model bytes
-(`aux_bytes`: 1.25 bytes per row at K = 16, i.e. 2 % of a full 16-dim table), the utility f32[V, K] and t_last
+Bytes: the pool rows and the fallback rows (and their optimizer state) are the physical tables; the packed offsets
+count as model bytes (`aux_bytes`: 0.73 bytes per row at K = 16, 1.1 % of a full 16-dim table), the utility f32[V, K]
+and t_last
 i32[V] as training-only bytes (like optimizer state: at K = D the utility is as large as the full table while
 training).
 """
@@ -72,6 +85,7 @@ import numpy as np
 
 from compression import chunk_pool
 from compression.base import EmbeddingMethod, PhysicalTable, TableSpec, dlrm_init_scale, method_options
+from compression.hashing import universal_hash, universal_hash_params
 from pallas_kernels import unique_rows
 
 UTILITIES = ("gradient", "magnitude")
@@ -81,15 +95,19 @@ GROW_INITS = ("zeros", "uniform")
 
 
 class ConcatChunks(nn.Module):
-    """Combine: the K pooled chunks f32[..., C] side by side -> f32[..., K C]."""
+    """Combine: the K pooled chunks f32[..., C] side by side -> f32[..., K C], plus the pooled fallback row f32[...,
+    K C] when the table has one (`fallback`: one read more than the K chunks). Linear, so bags pool first."""
+
+    chunks: int
 
     @nn.compact
     def __call__(self, rows: tuple[jax.Array, ...]) -> jax.Array:
-        return jnp.concatenate(rows, axis=-1)
+        own = jnp.concatenate(rows[:self.chunks], axis=-1)
+        return own if len(rows) == self.chunks else own + rows[self.chunks]
 
 
 class FiitedEmbedding(EmbeddingMethod):
-    """A packed chunk pool f32[capacity, D / K] read through the row offsets (aux: offsets_base, offsets_rel)."""
+    """A packed chunk pool f32[capacity, D / K] read through the packed row offsets (aux: offsets_base, counts)."""
 
     DEFAULTS: ClassVar[dict] = {
         "chunks": None,  # K: chunks per row (D must be divisible by K); None: gcd(16, D), 1-column chunks up to D 16
@@ -104,6 +122,8 @@ class FiitedEmbedding(EmbeddingMethod):
         "position_discount": 3.0,  # p: chunk k's score is divided by (k + 1)^p (0: FIITED's plain utility)
         "score": "row",  # "row": chunk k of a row scores the row's utility / (k + 1)^p; "chunk": min(u[0..k])
         "ramp_shape": "geometric",  # "geometric": keep^(t / ramp), the same share pruned each adjustment; "linear"
+        "fallback": 0.0,  # share of the kept values in a hashed table every id reads too (0: none, the paper's)
+        "seed": 0,  # the fallback's hash function
     }
 
     def __init__(self, spec: TableSpec):
@@ -137,31 +157,50 @@ class FiitedEmbedding(EmbeddingMethod):
         self.capacity = int(o["capacity"]) if o["capacity"] is not None else total
         if not 1 <= self.capacity <= total:
             raise ValueError(f"table '{spec.name}': fiited capacity {self.capacity} must be in [1, V K = {total}]")
+        fallback = float(o["fallback"])
+        if not 0 <= fallback < 1:
+            raise ValueError(f"table '{spec.name}': fiited fallback must be in [0, 1) (a share of the kept values), "
+                             f"got {o['fallback']}")
+        # H hashed rows of D values: the share `fallback` of the keep V D values the table may hold, leaving the
+        # pool at least one chunk.
+        kept_chunks = math.ceil(self.budget * total - 1e-9)
+        self.fallback_rows = min(round(fallback * self.budget * spec.vocab_size), (kept_chunks - 1) // k)
+        self.pool_chunks = kept_chunks - self.fallback_rows * k  # the pool's final budget
+        self.hash_params = universal_hash_params(int(o["seed"]), spec.name, 0)
 
     # ------------------------------------------------------------------------------------ the interface
     def physical_tables(self) -> tuple[PhysicalTable, ...]:
-        # Every chunk starts as the full table's DLRM init would draw it.
-        return (PhysicalTable(f"{self.spec.name}/pool", self.capacity, self.chunk_dim,
-                              dlrm_init_scale(self.spec.vocab_size)),)
+        # Every chunk starts as the full table's DLRM init would draw it; the fallback as a hashed table's rows do
+        # (compression/hashing.py: the DLRM init of an H-row table).
+        pool = PhysicalTable(f"{self.spec.name}/pool", self.capacity, self.chunk_dim,
+                             dlrm_init_scale(self.spec.vocab_size))
+        if not self.fallback_rows:
+            return (pool,)
+        return pool, PhysicalTable(f"{self.spec.name}/fallback", self.fallback_rows, self.spec.dim,
+                                   dlrm_init_scale(self.fallback_rows))
 
     def read_tables(self) -> tuple[int, ...]:
-        return (0,) * self.chunks
+        return (0,) * self.chunks + ((1,) if self.fallback_rows else ())
 
-    def route(self, ids: jax.Array, offsets_base: jax.Array, offsets_rel: jax.Array, **_) -> tuple[jax.Array, ...]:
-        start, end = (chunk_pool.unpack_offsets(offsets_base, offsets_rel, self.chunks, r) for r in (ids, ids + 1))
+    def route(self, ids: jax.Array, offsets_base: jax.Array, counts: jax.Array, **_) -> tuple[jax.Array, ...]:
+        start = chunk_pool.unpack_offsets(offsets_base, counts, self.chunks, self.spec.vocab_size, ids)
+        end = start + chunk_pool.unpack_counts(counts, self.chunks, ids)
         slots = chunk_pool.slots(start, end, self.chunks)  # [..., K], -1 = pruned
-        return tuple(slots[..., k] for k in range(self.chunks))
+        reads = tuple(slots[..., k] for k in range(self.chunks))
+        if not self.fallback_rows:
+            return reads
+        return (*reads, universal_hash(ids, *self.hash_params, self.fallback_rows))
 
     def offsets(self, aux: dict[str, jax.Array]) -> jax.Array:
         """i32[V + 1]: the pool's row offsets, unpacked from aux."""
-        return chunk_pool.unpack_offsets(aux["offsets_base"], aux["offsets_rel"], self.chunks)
+        return chunk_pool.unpack_offsets(aux["offsets_base"], aux["counts"], self.chunks, self.spec.vocab_size)
 
     def with_offsets(self, aux: dict[str, jax.Array], offsets: jax.Array) -> dict[str, jax.Array]:
-        base, rel = chunk_pool.pack_offsets(jnp.asarray(offsets), self.chunks)
-        return {**aux, "offsets_base": base, "offsets_rel": rel}
+        base, counts = chunk_pool.pack_offsets(jnp.asarray(offsets), self.chunks)
+        return {**aux, "offsets_base": base, "counts": counts}
 
     def combine_module(self, name: str) -> nn.Module:
-        return ConcatChunks(name=name)
+        return ConcatChunks(self.chunks, name=name)
 
     def init_aux(self) -> dict[str, jax.Array]:
         """The packed offsets with the pool's slots dealt chunk-major (chunk 0 of every row, then chunk 1, ...)
@@ -174,17 +213,19 @@ class FiitedEmbedding(EmbeddingMethod):
     def aux_bytes(self) -> tuple[int, int]:
         """(model bytes: the packed offsets, training-only bytes: utility and t_last)."""
         v, k = self.spec.vocab_size, self.chunks
-        return 4 * -(-(v + 1) // chunk_pool.block_rows(k)) + (v + 1), 4 * (v * k + v)
+        return chunk_pool.packed_bytes(v, k), 4 * (v * k + v)
 
     # -------------------------------------------------------------------------------------- the budget
     def budget_at(self, step: int, total_steps: int) -> float:
-        """The kept share of chunks after `step` of `total_steps`: 1 -> `keep` linearly over the ramp."""
+        """The pool's kept share of chunks after `step` of `total_steps`: 1 -> its final share (`keep`, less the
+        fallback's) over the ramp."""
+        final = self.pool_chunks / (self.spec.vocab_size * self.chunks)
         ramp_steps = self.ramp * total_steps
         if ramp_steps <= 0 or step >= ramp_steps:
-            return self.budget
+            return final
         if self.ramp_shape == "geometric":
-            return self.budget ** (step / ramp_steps)
-        return 1.0 - (1.0 - self.budget) * step / ramp_steps
+            return final ** (step / ramp_steps)
+        return 1.0 - (1.0 - final) * step / ramp_steps
 
     def ramp_end(self, total_steps: int) -> int:
         """The step at which the budget reaches `keep` (the last adjustment)."""

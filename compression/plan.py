@@ -32,7 +32,9 @@ Methods and their options (each method rejects keys it does not take):
     tt           cores (3), rank (8) | ranks, vocab_factors, dim_factors (TT-Rec, compression/tt.py)
     fiited       keep (0.25), chunks (gcd(16, D)), utility ("gradient" | "magnitude"), decay (1.0), interval (0:
                  auto), ramp (0.3), ramp_shape ("geometric" | "linear"), compact_slack (1.0), grow_init ("zeros" |
-                 "uniform"), position_discount (3), score ("row" | "chunk"), capacity (compression/fiited.py)
+                 "uniform"), position_discount (3), score ("row" | "chunk"), fallback (0: the share of the kept
+                 values in a hashed table every id also reads), seed (0: its hash), capacity
+                 (compression/fiited.py)
     row_prune    as fiited, with chunks 1 and utility "magnitude"
     uniform_dim  keep (0.25): every row round(keep D) wide, zero tail
 Every method also takes `threshold` (default 0: compress every table).

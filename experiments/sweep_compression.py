@@ -22,7 +22,7 @@ where one per-table ratio r' for all compressed tables is found by bisection on 
   md       the plan's budget mode (compression/plan.py) with budget = full params / ratio;
   fiited, row_prune, uniform_dim   `keep` = the share of each compressed table's values kept, so that the kept
            values plus the full tables come to full params / ratio: the budget FIITED (Luo et al. 2024) states,
-           after the methods' own model bytes (FIITED's packed row offsets, about 2 % of a 16-dim table) are
+           after the methods' own model bytes (FIITED's packed row offsets, about 1.1 % of a 16-dim table) are
            taken from the budget.
 "full" is the baseline and runs once per seed, at ratio 1. A ratio a method cannot reach (QR needs at least
 2 sqrt(n) rows, MD at least dim 1 per table, tables kept full cost what they cost) is run at the method's
@@ -264,8 +264,8 @@ def embedding_section(method: str, spec: DatasetSpec, dim: int, target_ratio: fl
         return section
     if method in KEEP_METHODS:
         # Every compressed table keeps the same share of its values (FIITED's "prune 90 % of the embeddings"), so
-        # that they, the full tables and the methods' own model bytes (FIITED's packed row offsets, about 1 + 4 / B
-        # bytes per row: compression/chunk_pool.py) come to the target.
+        # that they, the full tables and the methods' own model bytes (FIITED's packed row offsets, 0.73 bytes per
+        # row at K = 16: compression/chunk_pool.py) come to the target.
         options = {k: v for k, v in section.options.items() if k != "threshold"}
         aux = sum(build_method(TableSpec(name, n, dim, method, options)).aux_bytes()[0] / 4 for name, n in compressed)
         values = sum(n for _, n in compressed) * dim

@@ -129,8 +129,9 @@ class DynamicTables:
         return task, backend, backend.place_state(local), compacted
 
     def _pool_at(self, collection: EmbeddingCollection, feature: str):
-        """(group, offset, capacity) of a dynamic table's pool in its stacked group."""
-        (p,) = [q for q in collection.physical_tables() if q.feature == feature]
+        """(group, offset, capacity) of a dynamic table's pool (its physical table 0; a fallback is table 1) in its
+        stacked group."""
+        (p,) = [q for q in collection.physical_tables() if q.feature == feature and q.table_index == 0]
         return p.group, p.offset, p.table.rows
 
     def _adjust_tables(self, collection: EmbeddingCollection, optimizer, state, step: int, keep: dict[str, int]):
@@ -196,7 +197,7 @@ class DynamicTables:
             parts = []
             for p in new.physical_tables():
                 if p.group == group:
-                    if p.feature in moved:
+                    if p.feature in moved and p.table_index == 0:  # the pool (a fallback keeps its rows)
                         parts.append(moved_of(moved[p.feature]))
                     else:
                         q = old_at[(p.feature, p.table_index)]

@@ -106,16 +106,28 @@ def test_the_offsets_cost_four_bytes_per_row_whatever_the_chunk_count():
         assert p.offsets.nbytes == 4 * 101 and p.pool.nbytes == 4 * 10 * (16 // k)
 
 
-@pytest.mark.parametrize("chunks", [1, 4, 16, 255, 256])
-def test_packed_offsets_round_trip(chunks):
+@pytest.mark.parametrize("chunks", [1, 4, 15, 16, 255, 256])
+def test_packed_offsets_are_the_cumulative_counts(chunks):
+    """pack_offsets keeps each row's count in bit_length(K) bits and an i32 base per block; unpacking any rows gives
+    np.cumsum of the counts (the oracle), for random counts, all-full rows and all-empty rows."""
     rng = np.random.default_rng(chunks)
-    for v in (1, 15, 16, 17, 1000):
-        offsets = jnp.asarray(cp.offsets_of(rng.integers(0, chunks + 1, v)))
-        base, rel = cp.pack_offsets(offsets, chunks)
-        assert rel.dtype == jnp.uint8 and base.shape == (-(-(v + 1) // cp.block_rows(chunks)),)
-        np.testing.assert_array_equal(cp.unpack_offsets(base, rel, chunks), offsets)
-        rows = jnp.asarray(rng.integers(0, v + 1, 50))
-        np.testing.assert_array_equal(cp.unpack_offsets(base, rel, chunks, rows), offsets[rows])
-    # Every row at the full K: the largest offsets from a block's base.
-    offsets = jnp.asarray(cp.offsets_of(np.full(600, chunks)))
-    np.testing.assert_array_equal(cp.unpack_offsets(*cp.pack_offsets(offsets, chunks), chunks), offsets)
+    b = cp.block_rows(chunks)
+    for v in (1, 5, b - 1, b, b + 1, 1000):
+        for counts in (rng.integers(0, chunks + 1, v), np.full(v, chunks), np.zeros(v, int)):
+            want = np.concatenate([[0], np.cumsum(counts)])
+            base, packed = cp.pack_offsets(jnp.asarray(cp.offsets_of(counts)), chunks)
+            assert packed.dtype == jnp.uint32 and base.dtype == jnp.int32
+            assert base.nbytes + packed.nbytes == cp.packed_bytes(v, chunks)
+            np.testing.assert_array_equal(cp.unpack_offsets(base, packed, chunks, v), want)
+            rows = jnp.asarray(rng.integers(0, v + 1, (5, 7)))
+            np.testing.assert_array_equal(cp.unpack_offsets(base, packed, chunks, v, rows), want[np.asarray(rows)])
+            ids = rows.clip(0, v - 1)
+            np.testing.assert_array_equal(cp.unpack_counts(packed, chunks, ids), counts[np.asarray(ids)])
+
+
+def test_packed_offsets_cost_under_six_bits_per_row_at_sixteen_chunks():
+    """The bookkeeping FIITED pays per row out of its budget: 5 bits of count + an i32 per 60 rows at K = 16 (the
+    byte-per-row packing before it cost 10 bits), i.e. 0.73 bytes per row; 3 bits + an i32 per 60 rows at K = 4."""
+    assert cp.packed_bytes(6000, 16) == 4 * (6000 // 60 + 1) + 4 * 1000  # 6 counts per word
+    assert cp.packed_bytes(6000, 16) / 6000 < 0.74
+    assert cp.packed_bytes(6000, 4) == 4 * (6000 // 60 + 1) + 4 * 600  # 10 counts per word

@@ -26,9 +26,12 @@ SPEC = DatasetSpec(num_dense=3, features=(FeatureSpec("a", 13), FeatureSpec("b",
 
 
 def fiited_task(optimizer: str = "adagrad", total_steps: int = 8, **options):
+    """The tiny model with FIITED on "a" and "b"; without the hashed fallback unless `fallback` is given (these tests
+    check the pool: the paper's method)."""
     config = tiny_config(steps=total_steps)
     config.embedding.method = "fiited"
     config.embedding.options.chunks = 4
+    config.embedding.options.fallback = 0.0
     for key, value in options.items():
         config.embedding.options[key] = value
     config.embedding.tables.c = {"method": "full"}  # a static table sharing nothing with the pools
@@ -39,7 +42,7 @@ def fiited_task(optimizer: str = "adagrad", total_steps: int = 8, **options):
 
 def logical_rows(task, state, feature: str) -> np.ndarray:
     """f32[V, D] of a fiited feature, read from the pool through the indirection (numpy oracle of `route`)."""
-    (p,) = [q for q in task.collection.physical_tables() if q.feature == feature]
+    (p,) = [q for q in task.collection.physical_tables() if q.feature == feature and q.table_index == 0]
     pool = np.asarray(state.tables[p.group])[p.offset:p.offset + p.table.rows]
     method = task.collection.methods[feature]
     offsets, k = np.asarray(method.offsets(state.aux[feature])), method.chunks
@@ -51,7 +54,7 @@ def logical_rows(task, state, feature: str) -> np.ndarray:
 
 def with_counts(task, state, feature: str, counts: np.ndarray):
     """`state` with the pool of `feature` laid out for per-row chunk `counts` (chunk_pool.resize, state moved)."""
-    (p,) = [q for q in task.collection.physical_tables() if q.feature == feature]
+    (p,) = [q for q in task.collection.physical_tables() if q.feature == feature and q.table_index == 0]
     rows = slice(p.offset, p.offset + p.table.rows)
     method = task.collection.methods[feature]
     pool = chunk_pool.ChunkPool(pool=state.tables[p.group][rows], offsets=method.offsets(state.aux[feature]),
@@ -165,7 +168,7 @@ def test_adjust_keeps_the_best_chunks_and_compaction_preserves_the_model():
     accounting = task2.collection.accounting(task2.sparse_optimizer)["tables"]["a"]
     (p,) = [q for q in task2.collection.physical_tables() if q.feature == "a"]
     aux = state2.aux["a"]
-    model_bytes = p.table.rows * p.table.dim * 4 + aux["offsets_base"].nbytes + aux["offsets_rel"].nbytes
+    model_bytes = p.table.rows * p.table.dim * 4 + aux["offsets_base"].nbytes + aux["counts"].nbytes
     opt_bytes = task2.sparse_optimizer.state_bytes(p.table.rows, p.table.dim) + aux["utility"].nbytes \
         + aux["last"].nbytes
     assert accounting["bytes"] == model_bytes and accounting["optimizer_bytes"] == opt_bytes
@@ -411,3 +414,62 @@ def test_by_default_a_rows_utility_does_not_depend_on_when_it_was_last_seen():
     row_utility = np.linalg.norm(np.asarray(g).reshape(4, 2), axis=1).sum()  # chunks of 2 columns: L2 norms, summed
     np.testing.assert_allclose(scores[1], row_utility / np.arange(1, 5) ** m.position_discount, rtol=1e-5)
     assert np.all(scores[[0, 3]] == 0)
+
+
+def universal_hash_oracle(ids: np.ndarray, a: int, b: int, buckets: int) -> np.ndarray:
+    """((a x + b) mod p) mod m in Python integers (compression/hashing.py's family, p = 2^31 - 1)."""
+    p = (1 << 31) - 1
+    return np.array([((a * (int(x) % p) + b) % p) % buckets for x in ids.reshape(-1)]).reshape(ids.shape)
+
+
+def test_with_a_fallback_every_row_reads_its_hashed_row_plus_its_own_live_chunks():
+    """`fallback`: a row's embedding is the shared hashed row plus its live chunk prefix, so a row pruned to zero
+    dims reads the hashed row instead of zeros; the predictions equal the model's with those rows as plain tables
+    (numpy oracle: the hash in Python integers, the pool read through the unpacked offsets)."""
+    task = fiited_task(optimizer="sgd", fallback=0.5, keep=0.5)
+    batch = jax.device_put(random_batch(SPEC, 16, seed=0, full_bags=True))
+    state = init_state(task, jax.random.key(0), batch)
+    state = with_counts(task, state, "a", np.arange(13) % 5)  # counts 0..4: three rows at zero dims
+    state = with_counts(task, state, "b", np.zeros(9, int))  # every row of "b" at zero dims
+    rows = {}
+    for f, v in (("a", 13), ("b", 9)):
+        method = task.collection.methods[f]
+        assert method.fallback_rows == round(0.5 * 0.5 * v)
+        (fb,) = [q for q in task.collection.physical_tables() if q.feature == f and q.table_index == 1]
+        table = np.asarray(state.tables[fb.group])[fb.offset:fb.offset + fb.table.rows]
+        assert fb.table.rows == method.fallback_rows and np.any(table != 0)
+        rows[f] = logical_rows(task, state, f) + table[universal_hash_oracle(np.arange(v), *method.hash_params,
+                                                                             method.fallback_rows)]
+    assert np.all(logical_rows(task, state, "b") == 0) and np.all(np.any(rows["b"] != 0, axis=1))
+    probs = np.asarray(make_predict_step(task)(state, batch))
+    np.testing.assert_allclose(probs, reference_probs(task, state, rows, batch), rtol=1e-5, atol=1e-7)
+
+
+def test_the_fallback_takes_its_share_of_the_budget_and_survives_compaction(tmp_path):
+    """The pool's final budget is the table's kept chunks less the fallback's (so the bytes the sweep plans hold),
+    the accounting is the arrays' real bytes (pool, fallback, packed offsets), and compacting the pool leaves the
+    fallback's rows and optimizer state where they were."""
+    task = fiited_task(optimizer="rowwise_adagrad", keep=0.5, fallback=0.5, interval=2, ramp=0.5, compact_slack=0.25,
+                       total_steps=8)
+    m = task.collection.methods["a"]
+    assert m.fallback_rows == 3 and m.pool_chunks == 26 - 3 * 4  # ceil(0.5 x 13 x 4) = 26 chunks in all
+    assert m.budget_chunks(m.budget_at(4, 8)) == m.pool_chunks
+    batches = [jax.device_put(random_batch(SPEC, 16, seed=i)) for i in range(3)]
+    state = init_state(task, jax.random.key(0), batches[0])
+    for batch in batches[:2]:
+        state, _ = make_train_step(task)(state, batch)
+    (fb,) = [q for q in task.collection.physical_tables() if q.feature == "a" and q.table_index == 1]
+    fallback = np.asarray(state.tables[fb.group])[fb.offset:fb.offset + fb.table.rows]
+    fallback_opt = {k: np.asarray(s)[fb.offset:fb.offset + fb.table.rows]
+                    for k, s in state.sparse_opt_state[fb.group].items()}
+    dynamic = DynamicTables.create(task.collection, 8, seed=0)
+    task, state, _ = dynamic.adjust(task, state, 2)
+    task, state, compacted = dynamic.adjust(task, state, 4)  # the ramp's end: compacted to the final budget
+    assert compacted and task.collection.methods["a"].capacity == 14
+    (fb,) = [q for q in task.collection.physical_tables() if q.feature == "a" and q.table_index == 1]
+    np.testing.assert_array_equal(np.asarray(state.tables[fb.group])[fb.offset:fb.offset + fb.table.rows], fallback)
+    for k, s in state.sparse_opt_state[fb.group].items():
+        np.testing.assert_array_equal(np.asarray(s)[fb.offset:fb.offset + fb.table.rows], fallback_opt[k])
+    accounting = task.collection.accounting(task.sparse_optimizer)["tables"]["a"]
+    aux = state.aux["a"]
+    assert accounting["bytes"] == (14 * 2 + 3 * 8) * 4 + aux["offsets_base"].nbytes + aux["counts"].nbytes

@@ -261,9 +261,13 @@ def test_keep_methods_keep_the_share_of_values_that_meets_the_budget(method):
     section = sc.embedding_section(method, spec, DIM, 10.0)
     values = (50_000 + 20_000 + 3_000) * DIM
     fixed = (150 + 40) * DIM  # under the threshold: full
-    # FIITED's packed row offsets (an i32 base per block of 255 // K + 1 rows, a byte per row) come off the budget.
-    block = {"fiited": 255 // math.gcd(16, DIM) + 1, "row_prune": 256}.get(method)  # K = gcd(16, D) and K = 1
-    aux = sum(4 * -(-(n + 1) // block) + n + 1 for n in (50_000, 20_000, 3_000)) / 4 if block else 0
+    # FIITED's packed row offsets (bit_length(K) bits of count per row in u32 words, an i32 base per block of whole
+    # words near 64 rows) come off the budget: K = gcd(16, D) for fiited, 1 for row_prune.
+    k = {"fiited": math.gcd(16, DIM), "row_prune": 1}.get(method)
+    if k:
+        per_word = 32 // k.bit_length()
+        block = per_word * (64 // per_word)
+    aux = sum(4 * (n // block + 1) + 4 * -(-n // per_word) for n in (50_000, 20_000, 3_000)) / 4 if k else 0
     assert section.options.keep == pytest.approx(((values + fixed) / 10 - fixed - aux) / values)
     # At ratio 1 the offsets still need their bytes: FIITED keeps a little under every value.
     want = min(1.0, (values - aux) / values)
