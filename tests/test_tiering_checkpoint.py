@@ -145,23 +145,27 @@ def test_disk_tier_run_checkpoints_and_resumes_like_the_memory_run(memory_refere
     np.testing.assert_array_equal(records[:, 16:], final["sparse_opt/dim8/v"][:3000])
 
 
-def resumed_alike(tmp_path, monkeypatch, optimizer: str, quantized: bool, **ckpt) -> None:
-    """A disk-tier run killed after the save of step 6 and resumed writes the checkpoints and ends with the state of
-    the in-memory run -- uninterrupted, or killed at step 6 too when the deltas are quantized (a resume then reads
-    the quantized rows)."""
+def memory_and_resumed_disk(tmp_path, monkeypatch, optimizer: str, quantized: bool,
+                            **ckpt) -> tuple[pathlib.Path, pathlib.Path]:
+    """(the in-memory run's workdir, the disk-tier run's): the disk-tier run killed after the save of step 6 and
+    resumed; the in-memory one uninterrupted, or killed at step 6 too when the deltas are quantized (a resume then
+    reads the quantized rows), so the two should write the same checkpoints and end alike."""
     memory, disk = tmp_path / "memory", tmp_path / "disk"
     if quantized:
         interrupted(tiny(optimizer, **ckpt), memory, monkeypatch, at_step=6)
     train_and_evaluate(tiny(optimizer, **ckpt), memory)
     interrupted(tiny(optimizer, tmp_path / "tables", **ckpt), disk, monkeypatch, at_step=6)
     train_and_evaluate(tiny(optimizer, tmp_path / "tables", **ckpt), disk)
-    assert_same_checkpoints(memory, disk)
-    assert_same_summary(memory, disk)
+    return memory, disk
 
 
 def test_rowwise_adagrad_one_shot_deltas_resume_like_the_memory_run(tmp_path, monkeypatch):
     """One-shot deltas are cumulative: after the resume the restored delta's rows must stay dirty, by table row."""
-    resumed_alike(tmp_path, monkeypatch, "rowwise_adagrad", False, policy="one_shot")
+    memory, disk = memory_and_resumed_disk(tmp_path, monkeypatch, "rowwise_adagrad", False, policy="one_shot")
+    assert_same_checkpoints(memory, disk)
+    assert_same_summary(memory, disk)
+    kinds = [checkpoint.open_checkpoint(disk / "checkpoints", s).meta["kind"] for s in SAVES]
+    assert kinds == ["full", "delta", "delta", "delta"]
 
 
 @pytest.mark.slow  # four runs each
@@ -170,7 +174,9 @@ def test_rowwise_adagrad_one_shot_deltas_resume_like_the_memory_run(tmp_path, mo
     ("lazy_adam", {"policy": "intermittent", "baseline_fraction": 0.6, "quantize_optimizer_bits": 8}),
 ])
 def test_quantized_deltas_resume_like_the_memory_run(tmp_path, monkeypatch, optimizer, ckpt):
-    resumed_alike(tmp_path, monkeypatch, optimizer, True, **ckpt)
+    memory, disk = memory_and_resumed_disk(tmp_path, monkeypatch, optimizer, True, **ckpt)
+    assert_same_checkpoints(memory, disk)
+    assert_same_summary(memory, disk)
 
 
 def test_checkpoint_moves_between_memory_and_disk(memory_reference, disk_resumed, tmp_path):

@@ -674,8 +674,7 @@ class TieredEmbedding(EmbeddingBackend):
         """A baseline reads every table whole into host arrays (`CheckpointRows`, then Orbax's writes): all the rows
         and optimizer state, the disk tier's too -- writing a table's rows block by block from its file is not done
         yet, so the memory check refuses a checkpointed run whose tables do not fit in RAM."""
-        accounting = self.collection.accounting(optimizer)
-        return int(accounting["bytes"] + accounting["optimizer_bytes"])
+        return int(EmbeddingBackend.process_state_bytes(self, optimizer))  # the whole state, not the cache's
 
     def describe(self) -> str:
         lines = ["embedding tiers (tables on disk / in host RAM behind a row cache):"]
