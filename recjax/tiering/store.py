@@ -174,7 +174,7 @@ class RowStore:
         self._mapped = any(isinstance(b, TableFile) for b in self.backings)
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="recjax-rows")
         self._threads = max(1, threads)
-        self._touched = 0  # rows touched through the mappings since they were last dropped
+        self._touched = 0  # pages touched through the mappings since they were last dropped
         self._lock = threading.Lock()
         self.rows_read = self.rows_written = 0
 
@@ -231,10 +231,14 @@ class RowStore:
         self.rows_written += len(rows)
 
     def read_range(self, start: int, stop: int) -> np.ndarray:
-        """Records of the stacked rows [start, stop) (all of one or more cached tables), in order."""
+        """Records of the stacked rows [start, stop) (all of one or more cached tables), in order (a checkpoint
+        reads a table's blocks so: their pages count towards the mappings' drop like any row's)."""
         self.check()
-        return np.concatenate([self.arrays[t][lo - self.starts[t]: hi - self.starts[t]]
-                               for t, lo, hi in self._spans(start, stop)])
+        out = np.concatenate([self.arrays[t][lo - self.starts[t]: hi - self.starts[t]]
+                              for t, lo, hi in self._spans(start, stop)])
+        if self._mapped:
+            self._note_touched(-(-out.nbytes // mmap.PAGESIZE))
+        return out
 
     def _each(self, rows: np.ndarray, op) -> None:
         """op(array, local rows, positions in `rows`) over each table's share of `rows`, split over the pool so the
@@ -262,10 +266,11 @@ class RowStore:
         if self._mapped:
             self._note_touched(len(rows))
 
-    def _note_touched(self, rows: int) -> None:
-        # A record can straddle two pages; count one per row (the bound is loose by design, the drop is cheap).
+    def _note_touched(self, pages: int) -> None:
+        # A record can straddle two pages; scattered rows count one page each (the bound is loose by design, the drop
+        # is cheap), a range its pages.
         with self._lock:
-            self._touched += rows
+            self._touched += pages
             if self._touched * mmap.PAGESIZE < _MAPPED_BYTES:
                 return
             self._touched = 0
