@@ -114,7 +114,8 @@ def overwrite_records(tables: pathlib.Path) -> None:
         del records
 
 
-BLOCK_ROWS = 256  # rows of a dim-8 f32 array in the blocks of the disk-tier run below (its group has 5,540 rows)
+BLOCK_ROWS = 256  # rows of the blocks of the disk-tier runs below (their group has 5,540 rows)
+BLOCK_BYTES = BLOCK_ROWS * 24 * 4  # a block: 256 records of lazy Adam's 8 + 8 + 8 f32 (row, m, v)
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +141,7 @@ def disk_resumed(tmp_path_factory) -> pathlib.Path:
         return restored_block(self, start, stop)
 
     with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(streamed, "BLOCK_BYTES", BLOCK_ROWS * 8 * 4)
+        monkeypatch.setattr(streamed, "BLOCK_BYTES", BLOCK_BYTES)
         monkeypatch.setattr(CheckpointRows, "block", recorded_save)
         monkeypatch.setattr(streamed.StoredRows, "block", recorded_restore)
         interrupted(tiny(disk=root / "tables"), root / "disk", monkeypatch, at_step=6)
@@ -248,8 +249,9 @@ def test_memory_check_counts_blocks_of_the_disk_tables(monkeypatch, tmp_path):
     its blocks, not of its tables (on main: every table whole, 2.5 x 531,840 bytes for async saves, refused here). By
     hand: lazy Adam's rows, m and v are 5,540 x 8 x 4 x 3 = 531,840 bytes, all in the one group that holds the disk
     tables; the state in RAM is that less the 4,900 disk rows the 100 cache slots do not hold (x 96 bytes a record):
-    61,440; with blocks of 256 rows a save holds per array a block read and the chunk encoded from it, plus the block
-    the digest reads: (2 x 3 + 1) x 256 x 8 x 4 = 57,344 bytes."""
+    61,440; with blocks of 256 records (24,576 bytes; 8,192 of each array) a save holds per array the records read,
+    its block cut from them and the chunk encoded from that, plus the records and block the digest reads:
+    (3 + 1) x 24,576 + (2 x 3 + 1) x 8,192 = 155,648 bytes."""
     import math
 
     from recjax import guards, tiering
@@ -258,12 +260,12 @@ def test_memory_check_counts_blocks_of_the_disk_tables(monkeypatch, tmp_path):
     from recjax.specs import DatasetSpec, FeatureSpec
     from recjax.task import build_task
 
-    monkeypatch.setattr(streamed, "BLOCK_BYTES", BLOCK_ROWS * 8 * 4)
+    monkeypatch.setattr(streamed, "BLOCK_BYTES", BLOCK_BYTES)
     config = tiny(disk=tmp_path)
     spec = DatasetSpec(13, tuple(FeatureSpec(f"C{i + 1}", v) for i, v in enumerate(config.data.vocab_sizes)))
     task = build_task(config, spec)
     backend = tiering.setup(config, task)
-    state, saved = 61_440, 57_344
+    state, saved = 61_440, 155_648
     assert backend.process_state_bytes(task.sparse_optimizer) == state
     assert backend.checkpoint_bytes(task.sparse_optimizer) == saved
     need = math.ceil(state * (1 + guards.MEMORY_MARGIN) + 2.5 * saved + guards.MEMORY_MARGIN_BYTES)  # async saves

@@ -168,8 +168,15 @@ class CheckpointRows(RowBlocks):
                                                          if k < field)
         self.columns = slice(start, start + math.prod(self.shape[1:]))
 
+    @property
+    def block_rows(self) -> int:
+        """Rows per block: as many whole records (the row and all its optimizer state, what the files hold) as fit in
+        BLOCK_BYTES, so a block's read of the files is bounded too."""
+        return max(1, streamed.BLOCK_BYTES // (self.backend.widths[self.group] * 4))
+
     def _from_records(self, records: np.ndarray) -> np.ndarray:
-        return records[:, self.columns].reshape((len(records), *self.shape[1:]))
+        # A copy: a view would keep the whole records (every field) alive while the block is written.
+        return np.ascontiguousarray(records[:, self.columns]).reshape((len(records), *self.shape[1:]))
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """The stacked rows `ids` i64[n] (each < group rows)."""
@@ -679,18 +686,19 @@ class TieredEmbedding(EmbeddingBackend):
 
     def checkpoint_bytes(self, optimizer: SparseOptimizer) -> int:
         """What a baseline copies: the whole state (as on one device) less the cached groups' arrays, which are
-        read and written block by block (`CheckpointRows`, recjax/checkpoint/streamed.py): per array (the rows and
-        each optimizer field) the block read from the files and the chunk Orbax encodes from it, plus the block the
-        digest reads."""
+        read and written block by block (`CheckpointRows`, recjax/checkpoint/streamed.py). A block is `block_rows`
+        records; per array (the rows and each optimizer field) the records read from the files, the array's block
+        cut from them and the chunk Orbax encodes from it; and the records and block the digest reads."""
         total = EmbeddingBackend.process_state_bytes(self, optimizer)
-        for layout in self.layouts.values():
+        for g, layout in self.layouts.items():
+            rows = min(layout.rows, max(1, streamed.BLOCK_BYTES // (self.widths[g] * 4)))
             shapes = {"rows": (layout.rows, layout.dim), **optimizer.state_shapes(layout.rows, layout.dim)}
             blocks = []
             for shape in shapes.values():
                 row_bytes = math.prod(shape[1:]) * 4  # f32
                 total -= layout.rows * row_bytes
-                blocks.append(min(layout.rows, max(1, streamed.BLOCK_BYTES // max(row_bytes, 1))) * row_bytes)
-            total += 2 * sum(blocks) + max(blocks)
+                blocks.append(rows * row_bytes)
+            total += (len(blocks) + 1) * rows * self.widths[g] * 4 + 2 * sum(blocks) + max(blocks)
         return max(int(total), 0)
 
     def describe(self) -> str:
