@@ -34,8 +34,10 @@ Measurements
              against in memory, alternating, per repeat a fresh chain: the baseline's and the next delta's loop stall
              (the disk tier: its cache's dirty rows written back, then the rows read from the files) and time until
              written (save + wait), and the peak host memory the save allocates until written (`HostPeak`:
-             tracemalloc, numpy arrays included), medians, and their disk / memory ratios; --block_mb sets the blocks
-             a baseline writes the disk tier's tables in.
+             tracemalloc, numpy arrays included); then the time and host peak of restoring that chain (baseline +
+             delta) as a resume does (`Checkpointer.restore`, then `place_state`: the disk tier writes the rows to
+             fresh table files); medians, and their disk / memory ratios. --block_mb sets the blocks a baseline
+             writes the disk tier's tables in.
   crash      tests/crash_driver.py with `--crash_trials` SIGKILLs (mid-save and mid-steps): how many resumed from the
              newest complete checkpoint and ended bit-identical to an uninterrupted run.
 """
@@ -360,11 +362,13 @@ def tiering_measurement(rows: int, batch: int, repeats: int, steps: int, info: d
         task = build_task(config, dataset.spec, dataset, 100_000)
         backend = tiering.setup(config, task) or LocalEmbedding(task.collection)
         stream = dataset.train_batches(batch)
-        state = backend.place_state(init_state(task, jax.random.key(0), next(stream), backend))
+        first = next(stream)
+        state = backend.place_state(init_state(task, jax.random.key(0), first, backend))
+        like = jax.eval_shape(lambda b, task=task: init_state(task, jax.random.key(0), b), first)  # one device's
         arms[arm] = {"config": config, "task": task, "backend": backend, "stream": stream, "state": state,
-                     "step": None, "at": 0, "times": {k: [] for k in ("full_stall", "full_written", "delta_stall",
-                                                                       "delta_written", "full_host_peak",
-                                                                       "delta_host_peak")}}
+                     "like": like, "step": None, "at": 0,
+                     "times": {k: [] for k in ("full_stall", "full_written", "delta_stall", "delta_written",
+                                               "full_host_peak", "delta_host_peak", "restore", "restore_host_peak")}}
     for repeat in range(repeats):
         for arm, a in arms.items():
             checkpointer = Checkpointer(a["config"], workdir / arm / str(repeat))
@@ -385,6 +389,14 @@ def tiering_measurement(rows: int, batch: int, repeats: int, steps: int, info: d
                 a["times"][f"{kind}_host_peak"].append(host.growth)
                 a["times"][f"{kind}_stall"].append(checkpointer.save_stall_s[-1])
                 assert checkpointer.store.meta(a["at"])["kind"] == kind
+            # Restore the chain just written (baseline + delta) as a resume does, and train on from it.
+            t0 = time.perf_counter()
+            with HostPeak() as host:
+                restored, _ = checkpointer.restore(checkpointer.resume_point(), a["like"])
+                a["state"] = jax.block_until_ready(a["backend"].place_state(restored))
+                del restored
+            a["times"]["restore"].append(time.perf_counter() - t0)
+            a["times"]["restore_host_peak"].append(host.growth)
             checkpointer.close()
             shutil.rmtree(workdir / arm / str(repeat), ignore_errors=True)
     medians = {arm: {k: statistics.median(v) for k, v in a["times"].items()} for arm, a in arms.items()}

@@ -140,8 +140,9 @@ def restore_state(point: ResumePoint, like, relayout=None, *, record: Mapping, b
     go; `record` is this run's `table_record`, which the checkpoint's must equal before any array is read.
     `relayout(by_key, saved_layout)` maps tables (or one optimizer field) {key: array} saved under
     `point.meta["layout"]` to this run's layout (None: the same layout). The table groups `by_rows` (a disk tier's:
-    `backend.restores_by_rows`) come back as `RowBlocks` -- their arrays read from the checkpoint block by block
-    when asked, with the deltas' rows over them -- for the backend's `place_state` to write where they go."""
+    `backend.restores_by_rows`) of a checkpoint in the single-device layout come back as `RowBlocks` -- their arrays
+    read from the checkpoint block by block when asked, with the deltas' rows over them -- for the backend's
+    `place_state` to write where they go."""
     store, meta, step = point.store, point.meta, point.step
     differences = table_differences(meta["tables"], record)
     if differences:
@@ -164,6 +165,8 @@ def restore_state(point: ResumePoint, like, relayout=None, *, record: Mapping, b
         placed = {f"tables/{encode(g)}": t.sharding for g, t in like.tables.items()}
         placed.update({f"sparse_opt/{encode(g)}/{k}": v.sharding for g, o in like.sparse_opt_state.items()
                        for k, v in o.items()})
+    # By row blocks only from the single-device layout: a mesh run's storages are re-laid out whole, on the host.
+    by_rows = by_rows if meta.get("layout") is None else ()
     row_paths = {f"tables/{encode(g)}" for g in by_rows} | {f"sparse_opt/{encode(g)}/{k}" for g in by_rows
                                                               for k in like.sparse_opt_state.get(g, {})}
     top = store.item(step, "state", meta, placed, row_paths)
