@@ -6,7 +6,8 @@ Async saves: the loop waits only for host copies of the tables (the next step do
 buffers kept from save to save (a table's size of host memory, held between saves); Orbax's save call runs on a
 worker thread and writes in the background, the sha256s are computed on another worker and awaited by the meta
 handler before Orbax finalises the step. The next save (or `close`) first waits for this one. Only one thread talks
-to Orbax at a time: callers use `wait`, never the manager directly.
+to Orbax at a time: callers use `wait`, never the manager directly. A baseline holding arrays read by row blocks (a
+disk tier's tables, `streamed.RowBlocks`: valid until the next step) is written before the loop goes on.
 
 Resuming: the latest complete step of the run's own checkpoints wins, if its saved config equals this one but for
 `config.RESUMABLE_CHANGES` (else an error listing the keys); a step marked finished with a summary.json beside it
