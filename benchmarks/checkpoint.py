@@ -33,7 +33,11 @@ Measurements
   tiering    the same model with every table on the disk tier (a 10 % LRU cache, files in a temporary directory)
              against in memory, alternating, per repeat a fresh chain: the baseline's and the next delta's loop stall
              (the disk tier: its cache's dirty rows written back, then the rows read from the files) and time until
-             written (save + wait), medians, and their disk / memory ratios.
+             written (save + wait), and the peak host memory the save allocates until written (`HostPeak`:
+             tracemalloc, numpy arrays included); then the time and host peak of restoring that chain (baseline +
+             delta) as a resume does (`Checkpointer.restore`, then `place_state`: the disk tier writes the rows to
+             fresh table files); medians, and their disk / memory ratios. --block_mb sets the blocks a baseline
+             writes the disk tier's tables in.
   crash      tests/crash_driver.py with `--crash_trials` SIGKILLs (mid-save and mid-steps): how many resumed from the
              newest complete checkpoint and ended bit-identical to an uninterrupted run.
 """
@@ -303,7 +307,40 @@ def stall_measurement(rows: int, batch: int, repeats: int, info: dict) -> None:
            "machine": info})
 
 
-def tiering_measurement(rows: int, batch: int, repeats: int, steps: int, info: dict) -> None:
+class HostPeak:
+    """The peak of host memory allocated while the block runs, over what was allocated on entry: Python objects and
+    numpy arrays, on every thread (tracemalloc, which numpy reports its array buffers to; TensorStore's own C++
+    buffers are not seen). Not RSS: the allocator keeps freed memory mapped, so RSS growth measures what earlier
+    saves left behind rather than what this one holds."""
+
+    def __enter__(self) -> HostPeak:
+        import tracemalloc
+
+        if not tracemalloc.is_tracing():
+            tracemalloc.start()
+        tracemalloc.reset_peak()
+        self.start = tracemalloc.get_traced_memory()[0]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import tracemalloc
+
+        self.growth = tracemalloc.get_traced_memory()[1] - self.start
+
+
+def block_bytes(block_mb: float) -> int | None:
+    """The disk tier's checkpoint block bytes, set to `block_mb` MiB if given (None: a recjax that writes the disk
+    tier's tables whole, before recjax/checkpoint/streamed.py)."""
+    try:
+        from recjax.checkpoint import streamed
+    except ImportError:
+        return None
+    if block_mb:
+        streamed.BLOCK_BYTES = int(block_mb * 2**20)
+    return streamed.BLOCK_BYTES
+
+
+def tiering_measurement(rows: int, batch: int, repeats: int, steps: int, info: dict, block_mb: float = 0.0) -> None:
     import jax
 
     from recjax import tiering
@@ -313,6 +350,7 @@ def tiering_measurement(rows: int, batch: int, repeats: int, steps: int, info: d
     from recjax.step import init_state, make_train_step
     from recjax.task import build_task
 
+    blocks = block_bytes(block_mb)
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="ckpt_bench_tiering_"))
     arms = {}
     for arm in ("memory", "disk"):
@@ -324,10 +362,13 @@ def tiering_measurement(rows: int, batch: int, repeats: int, steps: int, info: d
         task = build_task(config, dataset.spec, dataset, 100_000)
         backend = tiering.setup(config, task) or LocalEmbedding(task.collection)
         stream = dataset.train_batches(batch)
-        state = backend.place_state(init_state(task, jax.random.key(0), next(stream), backend))
+        first = next(stream)
+        state = backend.place_state(init_state(task, jax.random.key(0), first, backend))
+        like = jax.eval_shape(lambda b, task=task: init_state(task, jax.random.key(0), b), first)  # one device's
         arms[arm] = {"config": config, "task": task, "backend": backend, "stream": stream, "state": state,
-                     "step": None, "at": 0, "times": {k: [] for k in ("full_stall", "full_written", "delta_stall",
-                                                                       "delta_written")}}
+                     "like": like, "step": None, "at": 0,
+                     "times": {k: [] for k in ("full_stall", "full_written", "delta_stall", "delta_written",
+                                               "full_host_peak", "delta_host_peak", "restore", "restore_host_peak")}}
     for repeat in range(repeats):
         for arm, a in arms.items():
             checkpointer = Checkpointer(a["config"], workdir / arm / str(repeat))
@@ -341,22 +382,35 @@ def tiering_measurement(rows: int, batch: int, repeats: int, steps: int, info: d
                     a["at"] += 1
                 jax.block_until_ready(a["state"])
                 t0 = time.perf_counter()
-                a["state"] = checkpointer.save(a["at"], a["state"], {})
-                checkpointer.wait()
+                with HostPeak() as host:
+                    a["state"] = checkpointer.save(a["at"], a["state"], {})
+                    checkpointer.wait()
                 a["times"][f"{kind}_written"].append(time.perf_counter() - t0)
+                a["times"][f"{kind}_host_peak"].append(host.growth)
                 a["times"][f"{kind}_stall"].append(checkpointer.save_stall_s[-1])
                 assert checkpointer.store.meta(a["at"])["kind"] == kind
+            # Restore the chain just written (baseline + delta) as a resume does, and train on from it.
+            t0 = time.perf_counter()
+            with HostPeak() as host:
+                restored, _ = checkpointer.restore(checkpointer.resume_point(), a["like"])
+                a["state"] = jax.block_until_ready(a["backend"].place_state(restored))
+                del restored
+            a["times"]["restore"].append(time.perf_counter() - t0)
+            a["times"]["restore_host_peak"].append(host.growth)
             checkpointer.close()
             shutil.rmtree(workdir / arm / str(repeat), ignore_errors=True)
     medians = {arm: {k: statistics.median(v) for k, v in a["times"].items()} for arm, a in arms.items()}
     for a in arms.values():
         a["backend"].close()
     shutil.rmtree(workdir, ignore_errors=True)
-    _emit({"measurement": "tiering", **{f"{arm}_{k}_s": v for arm, m in medians.items() for k, v in m.items()},
+    state_bytes = arms["memory"]["backend"].process_state_bytes(arms["memory"]["task"].sparse_optimizer)
+    _emit({"measurement": "tiering", **{f"{arm}_{k}" + ("_bytes" if k.endswith("host_peak") else "_s"): v
+                                        for arm, m in medians.items() for k, v in m.items()},
+           "table_state_bytes": state_bytes,
            **{f"disk_vs_memory_{k}": medians["disk"][k] / medians["memory"][k] for k in medians["disk"]},
            "repeats": repeats, "steps_between_saves": steps,
            "config": {"rows": rows, "dim": 16, "sparse": "lazy_adam", "policy": "consecutive", "async_save": True,
-                      "disk": "every table, cache_fraction 0.1 (lru)"},
+                      "disk": "every table, cache_fraction 0.1 (lru)", "block_bytes": blocks},
            "machine": info})
 
 
@@ -444,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--crash_trials", type=int, default=30)
     parser.add_argument("--mesh", default="", help="bytes / bitmap / stall on this mesh, e.g. data=4,model=2")
     parser.add_argument("--cpu_devices", type=int, default=0, help="give JAX this many CPU devices (before it starts)")
+    parser.add_argument("--block_mb", type=float, default=0.0,
+                        help="tiering: the disk tier's checkpoint blocks in MiB (0: the library's BLOCK_BYTES)")
     args = parser.parse_args(argv)
     if args.cpu_devices:
         import jax
@@ -465,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         stall_measurement(args.rows, args.batch, args.repeats, info)
     if "tiering" in only:
         _log("tiering")
-        tiering_measurement(args.rows, args.batch, args.repeats, 10, info)
+        tiering_measurement(args.rows, args.batch, args.repeats, 10, info, args.block_mb)
     if "quality" in only:
         quality_measurement(args.quality_steps, info)
     if "crash" in only:

@@ -49,6 +49,9 @@ class EmbeddingBackend(abc.ABC):
     # A checkpoint restores into the single-device layout, which `place_state` then lays out (a placement whose state
     # does not hold its tables whole: a disk tier writes the restored rows to its files); False: into this layout.
     restores_single_device: bool = False
+    # Table groups a restore hands `place_state` as arrays read from the checkpoint by row blocks (`RowBlocks`,
+    # recjax/checkpoint/streamed.py) instead of whole: a disk tier's, which need not fit in memory.
+    restores_by_rows: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------------------------------------- device side
     @abc.abstractmethod

@@ -111,7 +111,7 @@ def check_memory(config: ml_collections.ConfigDict, task: Task, backend: Embeddi
     state_bytes = backend.process_state_bytes(task.sparse_optimizer)
     saves = "none" if not config.checkpoint.enabled else (
         "async" if config.checkpoint.async_save and jax.process_count() == 1 else "sync")
-    saved_bytes = backend.checkpoint_bytes(task.sparse_optimizer)  # a disk tier's baselines read its tables whole
+    saved_bytes = backend.checkpoint_bytes(task.sparse_optimizer)  # a disk tier's: blocks of its tables
     saving = saved_bytes * CHECKPOINT_MEMORY.get(saves, 0.0)
     device = jax.local_devices()[0]
     needs = []  # (bytes needed, bytes available, where, what checkpoint saves count in it)
@@ -143,9 +143,7 @@ def check_memory(config: ml_collections.ConfigDict, task: Task, backend: Embeddi
         if saves_in_it:
             sync = _gib(saved_bytes * CHECKPOINT_MEMORY["sync"])
             parts.append(f"{_gib(saves_in_it)} for {saves} checkpoint saves"
-                         + (f" (checkpoint.async_save=False: {sync})" if saves == "async" else "")
-                         + (" (a baseline reads the disk tier's tables whole: checkpoint.enabled=False trains "
-                            "without checkpoints)" if saved_bytes > state_bytes else ""))
+                         + (f" (checkpoint.async_save=False: {sync})" if saves == "async" else ""))
         raise ConfigError("embedding", (
             f"the model does not fit: {' + '.join(parts)} + margin = {_gib(need)}, but {_gib(max(available, 0))} of "
             f"{where} is available. Largest tables: {largest}. Shrink them: embedding.dim ({config.embedding.dim}), a "

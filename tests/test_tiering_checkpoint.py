@@ -114,14 +114,40 @@ def overwrite_records(tables: pathlib.Path) -> None:
         del records
 
 
+BLOCK_ROWS = 256  # rows of the blocks of the disk-tier runs below (their group has 5,540 rows)
+BLOCK_BYTES = BLOCK_ROWS * 24 * 4  # a block: 256 records of lazy Adam's 8 + 8 + 8 f32 (row, m, v)
+
+
 @pytest.fixture(scope="module")
 def disk_resumed(tmp_path_factory) -> pathlib.Path:
-    """The same run with C1 and C4 on disk, killed after the save of step 6, its table files overwritten, resumed."""
+    """The same run with C1 and C4 on disk, killed after the save of step 6, its table files overwritten, resumed;
+    its checkpoints written and read by blocks of BLOCK_ROWS rows. Records (in `blocks.json` beside the workdir) the
+    rows of every block a save read from where the rows live (`CheckpointRows.block`) and of every chunk the restore
+    read from the checkpoint (`StoredRows`)."""
+    from recjax.checkpoint import streamed
+    from recjax.tiering.backend import CheckpointRows
+
     root = tmp_path_factory.mktemp("tiering_ckpt_disk")
+    saved, chunks = [], []
+    save_block, restored_block = CheckpointRows.block, streamed.StoredRows.block
+
+    def recorded_save(self, start, stop):
+        saved.append(stop - start)
+        return save_block(self, start, stop)
+
+    def recorded_restore(self, start, stop):
+        chunks.append(self.chunk_rows)
+        assert stop - start <= self.chunk_rows  # a block within one chunk: the chunk is what is read
+        return restored_block(self, start, stop)
+
     with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(streamed, "BLOCK_BYTES", BLOCK_BYTES)
+        monkeypatch.setattr(CheckpointRows, "block", recorded_save)
+        monkeypatch.setattr(streamed.StoredRows, "block", recorded_restore)
         interrupted(tiny(disk=root / "tables"), root / "disk", monkeypatch, at_step=6)
-    overwrite_records(root / "tables")
-    train_and_evaluate(tiny(disk=root / "tables"), root / "disk")
+        overwrite_records(root / "tables")
+        train_and_evaluate(tiny(disk=root / "tables"), root / "disk")
+    (root / "blocks.json").write_text(json.dumps({"saved": saved, "restored_chunks": chunks}))
     return root
 
 
@@ -143,6 +169,21 @@ def test_disk_tier_run_checkpoints_and_resumes_like_the_memory_run(memory_refere
     np.testing.assert_array_equal(records[:, :8], final["tables/dim8"][:3000])
     np.testing.assert_array_equal(records[:, 8:16], final["sparse_opt/dim8/m"][:3000])
     np.testing.assert_array_equal(records[:, 16:], final["sparse_opt/dim8/v"][:3000])
+
+
+def test_disk_tier_checkpoints_are_written_and_read_by_row_blocks(memory_reference, disk_resumed):
+    """A baseline of the disk tier reads its 5,540-row arrays BLOCK_ROWS rows at a time (on main: whole, through
+    np.asarray), writes them as chunks of BLOCK_ROWS rows, and records the digests the in-memory run records for
+    the same arrays written whole (a streamed sha256); the resume reads them back a chunk at a time."""
+    blocks = json.loads((disk_resumed / "blocks.json").read_text())
+    assert blocks["saved"] and max(blocks["saved"]) <= BLOCK_ROWS < 5540
+    assert blocks["restored_chunks"] and set(blocks["restored_chunks"]) == {BLOCK_ROWS}
+    disk, memory = (checkpoint.open_checkpoint(d / "checkpoints", 3).meta for d in (disk_resumed / "disk",
+                                                                                  memory_reference))
+    assert disk["kind"] == memory["kind"] == "full"
+    tables = {k: v for k, v in disk["arrays"].items() if "/dim8" in k}
+    assert sorted(tables) == ["state/sparse_opt/dim8/m", "state/sparse_opt/dim8/v", "state/tables/dim8"]
+    assert tables == {k: memory["arrays"][k] for k in tables}  # dtype, shape, sha256
 
 
 def memory_and_resumed_disk(tmp_path, monkeypatch, optimizer: str, quantized: bool,
@@ -203,27 +244,33 @@ def test_a_run_may_change_its_tiers_when_it_resumes():
     assert checkpoint.config_differences(memory, config_dict(other)) == ["embedding.dim"]
 
 
-def test_memory_check_counts_a_baseline_of_the_disk_tables(monkeypatch, tmp_path):
-    """A baseline reads the disk tier's tables whole into RAM (block-by-block writes from the files are not done), so
-    the memory check counts the saves in multiples of every table's bytes, not of the cache's: by hand, lazy Adam's
-    rows, m and v are 5,540 x 8 x 4 x 3 = 531,840 bytes; the state in RAM is that less the 4,900 disk rows the 100
-    cache slots do not hold (x 96 bytes a record): 61,440."""
+def test_memory_check_counts_blocks_of_the_disk_tables(monkeypatch, tmp_path):
+    """A baseline writes the disk tier's group block by block, so the memory check counts the saves in multiples of
+    its blocks, not of its tables (on main: every table whole, 2.5 x 531,840 bytes for async saves, refused here). By
+    hand: lazy Adam's rows, m and v are 5,540 x 8 x 4 x 3 = 531,840 bytes, all in the one group that holds the disk
+    tables; the state in RAM is that less the 4,900 disk rows the 100 cache slots do not hold (x 96 bytes a record):
+    61,440; with blocks of 256 records (24,576 bytes; 8,192 of each array) a save holds per array the records read,
+    its block cut from them and the chunk encoded from that, plus the records and block the digest reads:
+    (3 + 1) x 24,576 + (2 x 3 + 1) x 8,192 = 155,648 bytes."""
     import math
 
     from recjax import guards, tiering
+    from recjax.checkpoint import streamed
     from recjax.errors import ConfigError
     from recjax.specs import DatasetSpec, FeatureSpec
     from recjax.task import build_task
 
+    monkeypatch.setattr(streamed, "BLOCK_BYTES", BLOCK_BYTES)
     config = tiny(disk=tmp_path)
     spec = DatasetSpec(13, tuple(FeatureSpec(f"C{i + 1}", v) for i, v in enumerate(config.data.vocab_sizes)))
     task = build_task(config, spec)
     backend = tiering.setup(config, task)
-    state, full = 61_440, 531_840
+    state, saved = 61_440, 155_648
     assert backend.process_state_bytes(task.sparse_optimizer) == state
-    need = math.ceil(state * (1 + guards.MEMORY_MARGIN) + 2.5 * full + guards.MEMORY_MARGIN_BYTES)  # async saves
+    assert backend.checkpoint_bytes(task.sparse_optimizer) == saved
+    need = math.ceil(state * (1 + guards.MEMORY_MARGIN) + 2.5 * saved + guards.MEMORY_MARGIN_BYTES)  # async saves
     monkeypatch.setattr(guards, "host_available_bytes", lambda: need - 1)
-    with pytest.raises(ConfigError, match="a baseline reads the disk tier's tables whole: checkpoint.enabled=False"):
+    with pytest.raises(ConfigError, match="for async checkpoint saves"):
         guards.check_memory(config, task, backend)
     monkeypatch.setattr(guards, "host_available_bytes", lambda: need)
     guards.check_memory(config, task, backend)

@@ -4,11 +4,11 @@ A checkpoint is one Orbax `CheckpointManager` step directory, `<checkpoint dir>/
 Orbax (written as `<step>.orbax-checkpoint-tmp*` and renamed when complete, so a save cut short is never loaded).
 Its items, written by Orbax's handlers (arrays through tensorstore, JSON through json; nothing is pickled):
 
-    state/  StandardSave {"step": i32[], "rng": u32[k] (the dropout key's data), "dense": {"00000": leaf, ...}
+    state/  PyTreeSave {"step": i32[], "rng": u32[k] (the dropout key's data), "dense": {"00000": leaf, ...}
             (the leaves of (dense_params, dense_opt_state) in tree order), and in a *baseline* (kind "full") also
             "tables": {group: f32[rows, dim]} and "sparse_opt": {group: {name: f32[rows, ...]}}; with dynamic tables
             (FIITED) "aux": {feature: {name: array}} in every checkpoint, and a baseline after each compaction}
-    rows/   StandardSave, only in a *delta*: {group: {"ids": i32[n] (stacked row ids, ascending), "rows": f32[n, dim]
+    rows/   PyTreeSave, only in a *delta*: {group: {"ids": i32[n] (stacked row ids, ascending), "rows": f32[n, dim]
             or, quantized, "codes": u8[n, dim * bits / 8], "offset": f32[n], "scale": f32[n], "opt": {name:
             f32[n, ...] or, quantized (`quantize_optimizer_bits`), {"codes": u8[n, dim], "absmax": f32[n]}}}} -- the
             rows touched since the previous checkpoint (consecutive) or since the baseline (one-shot), with their
@@ -42,8 +42,12 @@ the trainer from recjax/sharding) and the next save starts a new baseline.
 
 Disk-tier runs (recjax/tiering): a save writes what `backend.checkpoint_state` gives -- the cache's dirty rows written
 back to the table files first, then the tables in the single-device layout read from the files (`CheckpointRows`) and
-the dirty rows by table row -- so the checkpoint is the in-memory run's; a restore builds the single-device state and
-the backend writes it to fresh table files (`restores_single_device`, `place_state`).
+the dirty rows by table row -- so the checkpoint is the in-memory run's. A baseline never holds a disk table whole
+(`streamed`): each of its arrays is written block by block from the files as a zarr array chunked by row blocks,
+hashed by the same blocks (the sha256 of the whole array), and the save is complete before the next step (the files
+change then). A restore reads those arrays back a chunk at a time (`StoredRows`, the deltas' rows over them) and the
+backend writes them to fresh table files (`restores_single_device`, `restores_by_rows`, `place_state`). The arrays
+are numpy arrays to any reader: an in-memory run restores a disk-tier checkpoint, and the reverse.
 
 Multi-process runs: a baseline's tables are global arrays (device copies) that Orbax writes by blocks, each process
 its own; a delta's ids / rows / optimizer rows are global arrays too, every row block's marked rows padded to the
@@ -55,6 +59,7 @@ background thread they crossed them and both processes waited forever).
 The package, one concern per module (imports point down the list):
 
     config        the `checkpoint` config section, and which keys a resumed run may change
+    streamed      arrays written and read by row blocks, never whole (a disk tier's tables): the Orbax handler
     blocks        arrays spread over processes: per-block digests, delta blocks
     integrity     the sha256 of every array and of meta itself
     records       what the arrays hold: the embedding tables' record, the dense leaves

@@ -6,7 +6,8 @@ Async saves: the loop waits only for host copies of the tables (the next step do
 buffers kept from save to save (a table's size of host memory, held between saves); Orbax's save call runs on a
 worker thread and writes in the background, the sha256s are computed on another worker and awaited by the meta
 handler before Orbax finalises the step. The next save (or `close`) first waits for this one. Only one thread talks
-to Orbax at a time: callers use `wait`, never the manager directly.
+to Orbax at a time: callers use `wait`, never the manager directly. A baseline holding arrays read by row blocks (a
+disk tier's tables, `streamed.RowBlocks`: valid until the next step) is written before the loop goes on.
 
 Resuming: the latest complete step of the run's own checkpoints wins, if its saved config equals this one but for
 `config.RESUMABLE_CHANGES` (else an error listing the keys); a step marked finished with a summary.json beside it
@@ -28,7 +29,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from recjax.checkpoint import blocks
+from recjax.checkpoint import blocks, streamed
 from recjax.checkpoint.config import config_dict, config_differences, flatten_config
 from recjax.checkpoint.integrity import DIGESTS, Checksums, flat, local_value, nbytes, unflat
 from recjax.checkpoint.policy import Policy
@@ -44,6 +45,7 @@ from recjax.checkpoint.store import (
     meta_handler_types,
     open_checkpoint,
 )
+from recjax.checkpoint.streamed import RowBlocks
 from recjax.errors import CheckpointError
 
 # Multi-process runs decide time-based saves together (process 0's clock) every this many steps.
@@ -116,7 +118,8 @@ class Checkpointer:
                                   "multi-process run on another mesh or plan; restore it on the same mesh.shape and "
                                   "sharding.*, or in one process (which re-lays its tables out)")
         try:
-            state = self.track(restore_state(point, like, self.relayout, record=self._record(like)))
+            by_rows = () if self.backend is None else self.backend.restores_by_rows
+            state = self.track(restore_state(point, like, self.relayout, record=self._record(like), by_rows=by_rows))
         except CheckpointError as error:
             if point.own:
                 raise
@@ -187,10 +190,11 @@ class Checkpointer:
             arrays = {("tables", g): t for g, t in view.tables.items()}
             arrays.update({("sparse_opt", g, k): v for g, o in view.sparse_opt_state.items() for k, v in o.items()})
             if not distributed:  # several processes: the global arrays themselves (saved synchronously, __init__)
-                # Arrays not on a device (a disk tier's rows, read from its files) are read into fresh host arrays,
-                # which no step changes.
+                # Arrays read by row blocks (a disk tier's tables: `RowBlocks`) are written block by block from where
+                # they live; other arrays not on a device are read into fresh host arrays, which no step changes.
                 on_device = {key: a for key, a in arrays.items() if isinstance(a, jax.Array) and self.async_save}
-                arrays = {**{key: np.asarray(a) for key, a in arrays.items() if key not in on_device},
+                arrays = {**{key: a if isinstance(a, RowBlocks) else np.asarray(a) for key, a in arrays.items()
+                             if key not in on_device},
                           **self._host_copies(on_device)}
             item_state["tables"] = {encode(key[1]): a for key, a in arrays.items() if key[0] == "tables"}
             item_state["sparse_opt"] = {encode(g): {key[2]: a for key, a in arrays.items()
@@ -216,18 +220,22 @@ class Checkpointer:
             "processes": jax.process_count(),
             "arrays": arrays, "loop": loop, "config": self.config_dict, "finished": finished,
         }
-        args = {"state": ocp.args.StandardSave(item_state), "meta": meta_handler_types()[0](meta)}
+        streamed.register_handler()  # RowBlocks values: written by row blocks
+        args = {"state": ocp.args.PyTreeSave(item_state), "meta": meta_handler_types()[0](meta)}
         if rows_item:
-            args["rows"] = ocp.args.StandardSave(rows_item)
+            args["rows"] = ocp.args.PyTreeSave(rows_item)
 
         def issue():
             if global_arrays:  # each process hashes the blocks it holds
                 digests = {p: blocks.block_digests(a) for p, a in global_arrays.items()}
-                args["digests"] = ocp.args.StandardSave(unflat(digests))
+                args["digests"] = ocp.args.PyTreeSave(unflat(digests))
             self.store.manager.save(step, args=ocp.args.Composite(**args), force=True)
 
-        if self.async_save:  # Orbax's own save call (threads, an event loop) is a measurable stall: off the loop too
-            self._saving = self._saver.submit(issue)
+        # Arrays read by row blocks hold their rows only until the next step (`checkpoint_state`): a save writing
+        # them (and hashing them) is complete before the loop goes on.
+        by_rows = any(isinstance(a, RowBlocks) for a in flat(item_state).values())
+        if self.async_save and not by_rows:  # Orbax's save call (threads, an event loop) is a measurable stall: off
+            self._saving = self._saver.submit(issue)  # the loop too
         else:  # and always with several processes (above)
             issue()
             self.store.manager.wait_until_finished()

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from recjax.checkpoint import blocks
+from recjax.checkpoint.streamed import RowBlocks
 
 BLOCKS = "blocks"  # meta["arrays"] marker: an array saved by blocks (each process its own), checked by digests
 
@@ -21,7 +22,11 @@ DIGESTS = "digests"  # meta["arrays"] marker: the sha256s of those blocks (the `
 META_DIGEST = "sha256"  # meta's own key: the sha256 of everything else in it (`meta_digest`)
 
 
-def sha256(array: np.ndarray) -> str:
+def sha256(array) -> str:
+    """The sha256 of an array's C-ordered bytes; an array read by row blocks (`RowBlocks`) is hashed block by block
+    (the same digest)."""
+    if isinstance(array, RowBlocks):
+        return array.sha256()
     return blocks.digest(array).hex()
 
 
@@ -49,13 +54,15 @@ def unflat(flat: Mapping[str, Any]) -> dict:
 
 
 def nbytes(tree: Mapping) -> int:
-    return int(sum(a.nbytes if isinstance(a, jax.Array) else np.asarray(a).nbytes for a in flat(tree).values()))
+    return int(sum(a.nbytes if isinstance(a, jax.Array | RowBlocks) else np.asarray(a).nbytes
+                   for a in flat(tree).values()))
 
 
 def describe_arrays(item: str, tree: Mapping) -> dict[str, list]:
     """{item/path: [dtype, shape, sha256]} for every array of an item; an array spread over processes has
     "blocks" instead of a sha256: its blocks' sha256s are the `digests` item (`blocks.block_digests`)."""
     return {f"{item}/{p}": [str(a.dtype), list(a.shape), BLOCKS] if blocks.is_global(a) else
+            [str(np.dtype(a.dtype)), list(a.shape), sha256(a)] if isinstance(a, RowBlocks) else
             [str(np.asarray(a).dtype), list(np.shape(a)), sha256(np.asarray(a))] for p, a in flat(tree).items()}
 
 

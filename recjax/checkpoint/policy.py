@@ -28,6 +28,8 @@ def table_shapes(state) -> dict[str, tuple[int, ...]]:
 def row_sharding(table: jax.Array):
     """Where a per-row array of `table` lives: split like its rows on a mesh (replicated when the rows are not split,
     e.g. a column-wise table), else the table's device."""
+    if not isinstance(table, jax.Array):  # an array read by row blocks (a disk tier's restore): the default device
+        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     sharding = table.sharding
     if isinstance(sharding, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[:1]))

@@ -3,7 +3,7 @@ rows dequantized), then that step's dense state, step and RNG; checked against t
 re-laid out when the checkpoint was saved under another mesh layout. Multi-process checkpoints saved by blocks are
 read by blocks, each process the blocks its devices hold."""
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +13,7 @@ from recjax import quantize
 from recjax.checkpoint import blocks
 from recjax.checkpoint.records import dense_leaves, dense_values, table_differences
 from recjax.checkpoint.store import ResumePoint, by_blocks, decode, encode
+from recjax.checkpoint.streamed import RowBlocks
 from recjax.errors import CheckpointError
 
 
@@ -27,19 +28,21 @@ def check_chain(point: ResumePoint) -> None:
                                   "workdir")
 
 
-def chain_tables(point: ResumePoint, top: dict, placed: Mapping | None = None) -> tuple[dict, dict]:
+def chain_tables(point: ResumePoint, top: dict, placed: Mapping | None = None,
+                 by_rows: Collection[str] = ()) -> tuple[dict, dict]:
     """Tables and sparse-optimizer state of `point`: its baseline's, then each delta of its chain in order (rows
     replaced by id; quantized rows dequantized; ids -1 pad a multi-process run's blocks). With `placed` (a
     multi-process restore: {"tables/<g>": sharding, ...} of this run's state) every process reads the blocks its
-    devices hold and applies each delta there; else everything is read whole, as numpy."""
+    devices hold and applies each delta there; the item paths `by_rows` (`top` read them so) are `StoredRows` with
+    the deltas' rows over them (`Patched`: read by row blocks when asked); else everything is read whole, as numpy."""
     store, chain = point.store, point.meta["chain"]
-    base = top if chain[0] == point.step else store.item(chain[0], "state", store.meta(chain[0]), placed)
+    base = top if chain[0] == point.step else store.item(chain[0], "state", store.meta(chain[0]), placed, by_rows)
     if placed:
         tables = decode(base["tables"])
         sparse_opt = {g: dict(o) for g, o in decode(base.get("sparse_opt", {})).items()}
     else:
-        tables = {g: np.array(t) for g, t in decode(base["tables"]).items()}
-        sparse_opt = {g: {k: np.array(v) for k, v in o.items()} for g, o in decode(base.get("sparse_opt", {})).items()}
+        tables = {g: _writable(t) for g, t in decode(base["tables"]).items()}
+        sparse_opt = {g: {k: _writable(v) for k, v in o.items()} for g, o in decode(base.get("sparse_opt", {})).items()}
     for s in chain[1:]:
         delta_meta = store.meta(s)
         bits = delta_meta["quantize_bits"]
@@ -57,11 +60,24 @@ def chain_tables(point: ResumePoint, top: dict, placed: Mapping | None = None) -
             ids = np.asarray(part["ids"])
             valid = ids >= 0
             values = dequantize(part, bits, tables[g].shape[1]) if "codes" in part else np.asarray(part["rows"])
-            tables[g][ids[valid]] = values[valid]
+            tables[g] = _replace_rows(tables[g], ids[valid], values[valid])
             for k, v in part.get("opt", {}).items():
                 values = dequantize_state(v, codes[k] == "signed") if k in codes else np.asarray(v)
-                sparse_opt[g][k][ids[valid]] = values[valid]
+                sparse_opt[g][k] = _replace_rows(sparse_opt[g][k], ids[valid], values[valid])
     return tables, sparse_opt
+
+
+def _writable(array):
+    """A numpy copy the deltas can write into; an array read by row blocks stays so."""
+    return array if isinstance(array, RowBlocks) else np.array(array)
+
+
+def _replace_rows(array, ids: np.ndarray, values: np.ndarray):
+    """`array` with rows `ids` set to `values`: in place for numpy, over the blocks for RowBlocks."""
+    if isinstance(array, RowBlocks):
+        return array.patched(ids, values)
+    array[ids] = values
+    return array
 
 
 def dequantize(part: Mapping, bits: int, dim: int) -> np.ndarray:
@@ -118,12 +134,15 @@ def read_arrays(point: ResumePoint) -> dict[str, np.ndarray]:
             **{f"aux/{f}/{k}": np.asarray(v) for f, a in top.get("aux", {}).items() for k, v in a.items()}}
 
 
-def restore_state(point: ResumePoint, like, relayout=None, *, record: Mapping):
+def restore_state(point: ResumePoint, like, relayout=None, *, record: Mapping, by_rows: Collection[str] = ()):
     """The TrainState of `point` (without dirty-row bitmaps); `like` is a TrainState of this config (arrays or
     shapes) that gives the tree structure, the shape every array must have and, for arrays on a mesh, where they
     go; `record` is this run's `table_record`, which the checkpoint's must equal before any array is read.
     `relayout(by_key, saved_layout)` maps tables (or one optimizer field) {key: array} saved under
-    `point.meta["layout"]` to this run's layout (None: the same layout)."""
+    `point.meta["layout"]` to this run's layout (None: the same layout). The table groups `by_rows` (a disk tier's:
+    `backend.restores_by_rows`) of a checkpoint in the single-device layout come back as `RowBlocks` -- their arrays
+    read from the checkpoint block by block when asked, with the deltas' rows over them -- for the backend's
+    `place_state` to write where they go."""
     store, meta, step = point.store, point.meta, point.step
     differences = table_differences(meta["tables"], record)
     if differences:
@@ -146,12 +165,16 @@ def restore_state(point: ResumePoint, like, relayout=None, *, record: Mapping):
         placed = {f"tables/{encode(g)}": t.sharding for g, t in like.tables.items()}
         placed.update({f"sparse_opt/{encode(g)}/{k}": v.sharding for g, o in like.sparse_opt_state.items()
                        for k, v in o.items()})
-    top = store.item(step, "state", meta, placed)
+    # By row blocks only from the single-device layout: a mesh run's storages are re-laid out whole, on the host.
+    by_rows = by_rows if meta.get("layout") is None else ()
+    row_paths = {f"tables/{encode(g)}" for g in by_rows} | {f"sparse_opt/{encode(g)}/{k}" for g in by_rows
+                                                              for k in like.sparse_opt_state.get(g, {})}
+    top = store.item(step, "state", meta, placed, row_paths)
     for i, (path, leaf) in enumerate(zip(paths, like_leaves, strict=True)):
         saved = dense_values(top, meta)[i]
         if tuple(np.shape(saved)) != tuple(leaf.shape):
             raise CheckpointError(other_model.format(f"{path} has shape {np.shape(saved)}, not {tuple(leaf.shape)}"))
-    tables, sparse_opt = chain_tables(point, top, placed)
+    tables, sparse_opt = chain_tables(point, top, placed, row_paths)
     if relayout is not None and not distributed:
         tables = relayout(tables, meta.get("layout"))
         fields = sorted({k for opt in sparse_opt.values() for k in opt})
@@ -185,7 +208,9 @@ def restore_state(point: ResumePoint, like, relayout=None, *, record: Mapping):
 
 def put_like(value, like):
     """`value` as a device array placed like `like` (a mesh array: the same sharding, each device receiving its
-    block of the host value every process holds; else the default device)."""
+    block of the host value every process holds; else the default device); an array read by row blocks as it is."""
+    if isinstance(value, RowBlocks):
+        return value
     sharding = getattr(like, "sharding", None)
     if isinstance(value, jax.Array) and value.sharding == sharding:
         return value

@@ -3,12 +3,11 @@ item's handler (which awaits the checksums), checked reads of items, and the res
 
 import dataclasses
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import jax
-import numpy as np
 
-from recjax.checkpoint import blocks
+from recjax.checkpoint import blocks, streamed
 from recjax.checkpoint.integrity import (
     BLOCKS,
     DIGESTS,
@@ -123,10 +122,13 @@ class Store:
         return (f"Delete {self.directory / str(step)} (and the later steps built on it) to resume from an earlier "
                 "checkpoint, or use a new workdir")
 
-    def item(self, step: int, item: str, meta: dict | None = None, placed: Mapping | None = None):
+    def item(self, step: int, item: str, meta: dict | None = None, placed: Mapping | None = None,
+             by_rows: Collection[str] = ()):
         """One item of a step, its arrays checked against the sha256, dtype and shape recorded in `meta`. Arrays a
         multi-process run saved by blocks are read where `placed` ({path: sharding}) puts them -- each process its
-        blocks --, else whole, as numpy, and each block is checked against the step's `digests` item."""
+        blocks --, and each block is checked against the step's `digests` item; the paths `by_rows` are opened as
+        `StoredRows` (read block by block when asked: a disk tier's tables; their digests streamed); the rest is read
+        whole, as numpy."""
         import orbax.checkpoint as ocp
 
         where = self.directory / str(step) / item
@@ -137,9 +139,13 @@ class Store:
         expected = {k: v for k, v in (meta or {}).get("arrays", {}).items() if k.startswith(f"{item}/")}
         blocked = sorted(k[len(item) + 1:] for k, v in expected.items() if v[2] == BLOCKS)
         marked = {k: v[2] for k, v in expected.items() if v[2] in (BLOCKS, DIGESTS)}
-        restore = (meta_handler_types()[1]() if item == "meta" else
-                   ocp.args.StandardRestore(restore_target(expected, item, placed or {})) if marked else
-                   ocp.args.StandardRestore())
+        if item == "meta":
+            restore = meta_handler_types()[1]()
+        elif marked or by_rows:
+            target = restore_target(expected, item, placed or {})
+            restore = ocp.args.PyTreeRestore(target, restore_args=restore_args(target, by_rows))
+        else:
+            restore = ocp.args.PyTreeRestore()
         try:
             value = getattr(self.manager.restore(step, args=ocp.args.Composite(**{item: restore})), item)
         except Exception as error:
@@ -173,13 +179,21 @@ class Store:
 
 def restore_target(expected: Mapping[str, list], item: str, placed: Mapping) -> dict:
     """The restore target of an item from its arrays in meta ({item/path: [dtype, shape, ...]}): an abstract array
-    with the sharding `placed[path]` where given (each process reads its blocks), else numpy (the whole array)."""
-    targets = {}
-    for key, (dtype, shape, _) in expected.items():
-        path = key[len(item) + 1:]
-        targets[path] = (jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=placed[path]) if path in placed
-                         else np.empty(shape, dtype))
-    return unflat(targets)
+    with the sharding `placed[path]` where given (each process reads its blocks), else without one (numpy)."""
+    return unflat({key[len(item) + 1:]: jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=placed.get(
+        key[len(item) + 1:])) for key, (dtype, shape, _) in expected.items()})
+
+
+def restore_args(target: Mapping, by_rows: Collection[str]) -> dict:
+    """Orbax's restore args of a `restore_target`: the paths `by_rows` as `StoredRows` (read by row blocks when
+    asked), arrays with a sharding placed by it, the rest numpy."""
+    import orbax.checkpoint as ocp
+
+    streamed.register_handler()
+    args = flat(ocp.checkpoint_utils.construct_restore_args(target))
+    for path in set(by_rows) & set(args):
+        args[path] = ocp.type_handlers.RestoreArgs(restore_type=streamed.StoredRows)
+    return unflat(args)
 
 
 @dataclasses.dataclass

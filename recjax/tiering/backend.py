@@ -43,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from recjax.batch import Batch
+from recjax.checkpoint import streamed
+from recjax.checkpoint.streamed import RowBlocks
 from recjax.embedding import EmbeddingCollection, Routes
 from recjax.embedding_backend import EmbeddingBackend
 from recjax.sparse_optim import SparseOptimizer
@@ -113,6 +115,11 @@ class GroupLayout:
         return starts, cached, device
 
 
+def _rows(array, start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) of a table array: a device or numpy array, or one read by row blocks."""
+    return array.block(start, stop) if isinstance(array, RowBlocks) else np.asarray(array[start:stop])
+
+
 def _power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -145,11 +152,11 @@ class _Eviction:
         return found, self.order[pos[found]]
 
 
-class CheckpointRows:
+class CheckpointRows(RowBlocks):
     """One array of a cached group as a checkpoint records it: the table (`field` None) or one sparse-optimizer field,
     f32[group rows, ...] in the single-device layout, read where its rows live -- the memory tables' rows from the
     device array `device`, the cached tables' from the store -- and only when asked: `rows(ids)` for a delta's rows,
-    `block(start, stop)` for a range, `np.asarray` for all of it (a baseline: Orbax writes host arrays whole). Valid
+    `block(start, stop)` for a baseline, which writes it block by block (recjax/checkpoint/streamed.py). Valid
     until the next step (the backend writes the cache's dirty rows back first: `TieredEmbedding.checkpoint_state`)."""
 
     def __init__(self, backend: "TieredEmbedding", group: str, field: str | None, device: jax.Array):
@@ -157,17 +164,19 @@ class CheckpointRows:
         self.backend, self.group, self.device = backend, group, device
         self.shape = (layout.rows, *device.shape[1:])
         self.dtype = np.dtype(np.float32)
-        self.ndim = len(self.shape)
-        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         start = 0 if field is None else layout.dim + sum(math.prod(s) for k, s in backend.fields[group].items()
                                                          if k < field)
         self.columns = slice(start, start + math.prod(self.shape[1:]))
 
-    def __len__(self) -> int:
-        return self.shape[0]
+    @property
+    def block_rows(self) -> int:
+        """Rows per block: as many whole records (the row and all its optimizer state, what the files hold) as fit in
+        BLOCK_BYTES, so a block's read of the files is bounded too."""
+        return max(1, streamed.BLOCK_BYTES // (self.backend.widths[self.group] * 4))
 
     def _from_records(self, records: np.ndarray) -> np.ndarray:
-        return records[:, self.columns].reshape((len(records), *self.shape[1:]))
+        # A copy: a view would keep the whole records (every field) alive while the block is written.
+        return np.ascontiguousarray(records[:, self.columns]).reshape((len(records), *self.shape[1:]))
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """The stacked rows `ids` i64[n] (each < group rows)."""
@@ -202,10 +211,6 @@ class CheckpointRows:
                 out[lo - start: hi - start] = np.asarray(self.device[at: at + hi - lo])
         return out
 
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        out = self.block(0, self.shape[0])
-        return out if dtype is None else out.astype(dtype)
-
 
 class TieredEmbedding(EmbeddingBackend):
     """The collection's cached tables in `RowStore`s behind per-group `RowCache`s; everything else as on one device.
@@ -237,6 +242,7 @@ class TieredEmbedding(EmbeddingBackend):
             self.fields[g] = {k: shapes[k][1:] for k in sorted(shapes)}
         self.widths = {g: self.layouts[g].dim + sum(math.prod(s) for s in f.values()) for g, f in self.fields.items()}
         self._where = {g: layout.locate() for g, layout in self.layouts.items()}
+        self.restores_by_rows = frozenset(self.layouts)  # `place_state` writes them to the files block by block
         self.stores: dict[str, RowStore] = {}
         self.caches: dict[str, RowCache] = {}
         self._pending: dict[str, list[_Eviction]] = {g: [] for g in self.layouts}
@@ -421,19 +427,27 @@ class TieredEmbedding(EmbeddingBackend):
                 dirty[g] = jnp.zeros(layout.device_rows, jnp.bool_)
             else:
                 self.dirty.pop(g, None)
-            table, group_state = np.asarray(tables[g]), {k: np.asarray(v) for k, v in opt_state[g].items()}
+            arrays = [tables[g]] + [opt_state[g][k] for k in sorted(opt_state[g])]
             store = self._new_store(g)
-            starts, cached, device = self._where[g]
-            keep = np.zeros(layout.rows, bool)
+            starts, cached, _ = self._where[g]
+            resident = []  # blocks of the memory tables' rows, of each array
+            # A block of records at a time, never a whole array (a restore's arrays are read from the checkpoint by
+            # row blocks: `restores_by_rows`).
+            step = max(1, min([streamed.BLOCK_BYTES // (self.widths[g] * 4)]
+                              + [a.block_rows for a in arrays if isinstance(a, RowBlocks)]))
             for t in range(len(starts)):
-                stop = starts[t + 1] if t + 1 < len(starts) else layout.rows
-                if cached[t]:
-                    store.write_initial(int(starts[t]), np.concatenate(
-                        [table[starts[t]: stop]] + [group_state[k][starts[t]: stop].reshape(stop - starts[t], -1)
-                                                    for k in sorted(group_state)], axis=1))
-                else:
-                    keep[starts[t]: stop] = True
-            tables[g], opt_state[g] = self._device_arrays(g, table[keep], {k: v[keep] for k, v in group_state.items()})
+                start, stop = int(starts[t]), int(starts[t + 1]) if t + 1 < len(starts) else layout.rows
+                for lo in range(start - start % step, stop, step):  # blocks aligned to the arrays' blocks
+                    lo, hi = max(lo, start), min(lo + step, stop)
+                    rows = [_rows(a, lo, hi) for a in arrays]
+                    if cached[t]:
+                        store.write_initial(lo, np.concatenate([r.reshape(hi - lo, -1) for r in rows], axis=1))
+                    else:
+                        resident.append(rows)
+            kept = [np.concatenate([rows[i] for rows in resident]) if resident else
+                    np.zeros((0, *a.shape[1:]), np.float32) for i, a in enumerate(arrays)]
+            tables[g], opt_state[g] = self._device_arrays(g, kept[0], dict(zip(sorted(opt_state[g]), kept[1:],
+                                                                               strict=True)))
         return state.replace(tables=tables, sparse_opt_state=opt_state, dirty_rows=dirty)
 
     def local_state(self, state):
@@ -671,10 +685,21 @@ class TieredEmbedding(EmbeddingBackend):
         return max(int(total), 0)
 
     def checkpoint_bytes(self, optimizer: SparseOptimizer) -> int:
-        """A baseline reads every table whole into host arrays (`CheckpointRows`, then Orbax's writes): all the rows
-        and optimizer state, the disk tier's too -- writing a table's rows block by block from its file is not done
-        yet, so the memory check refuses a checkpointed run whose tables do not fit in RAM."""
-        return int(EmbeddingBackend.process_state_bytes(self, optimizer))  # the whole state, not the cache's
+        """What a baseline copies: the whole state (as on one device) less the cached groups' arrays, which are
+        read and written block by block (`CheckpointRows`, recjax/checkpoint/streamed.py). A block is `block_rows`
+        records; per array (the rows and each optimizer field) the records read from the files, the array's block
+        cut from them and the chunk Orbax encodes from it; and the records and block the digest reads."""
+        total = EmbeddingBackend.process_state_bytes(self, optimizer)
+        for g, layout in self.layouts.items():
+            rows = min(layout.rows, max(1, streamed.BLOCK_BYTES // (self.widths[g] * 4)))
+            shapes = {"rows": (layout.rows, layout.dim), **optimizer.state_shapes(layout.rows, layout.dim)}
+            blocks = []
+            for shape in shapes.values():
+                row_bytes = math.prod(shape[1:]) * 4  # f32
+                total -= layout.rows * row_bytes
+                blocks.append(rows * row_bytes)
+            total += (len(blocks) + 1) * rows * self.widths[g] * 4 + 2 * sum(blocks) + max(blocks)
+        return max(int(total), 0)
 
     def describe(self) -> str:
         lines = ["embedding tiers (tables on disk / in host RAM behind a row cache):"]

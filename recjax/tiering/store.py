@@ -69,6 +69,24 @@ class TableFile:
             except OSError as error:
                 raise _write_error(error, self.path, self.name, self.size) from error
 
+    def read_block(self, row: int, n: int) -> np.ndarray:
+        """Records f32[n, width] of rows [row, row + n) with plain reads (the page cache shares them with the mapping,
+        so they are the rows the mapping last wrote)."""
+        self.check()
+        out = np.empty((n, self.width), np.float32)
+        data = memoryview(out.reshape(-1).view(np.uint8))
+        offset, done = row * self.width * 4, 0
+        while done < len(data):
+            try:
+                got = os.preadv(self.fd, [data[done:]], offset + done)
+            except OSError as error:
+                raise StorageError(f"table file {self.path} (table {self.name}): {error.strerror}") from error
+            if not got:
+                raise StorageError(f"table file {self.path} (table {self.name}) ends before row {row + n:,}; "
+                                   "something outside the run truncated it, so its rows are lost: start the run again")
+            done += got
+        return out
+
     def open_mapping(self) -> np.ndarray:
         """The records as a mapped array f32[rows, width] (after the initial rows are written)."""
         self.check()
@@ -135,6 +153,9 @@ class TableArray:
 
     def write_block(self, row: int, records: np.ndarray) -> None:
         self.array[row: row + len(records)] = records
+
+    def read_block(self, row: int, n: int) -> np.ndarray:
+        return np.array(self.array[row: row + n])
 
     def open_mapping(self) -> np.ndarray:
         return self.array
@@ -231,9 +252,11 @@ class RowStore:
         self.rows_written += len(rows)
 
     def read_range(self, start: int, stop: int) -> np.ndarray:
-        """Records of the stacked rows [start, stop) (all of one or more cached tables), in order."""
+        """Records of the stacked rows [start, stop) (all of one or more cached tables), in order: a checkpoint reads
+        the tables so, block by block, with plain reads (`TableFile.read_block`), so that its pages never count in
+        this process's RSS as the mapping's would."""
         self.check()
-        return np.concatenate([self.arrays[t][lo - self.starts[t]: hi - self.starts[t]]
+        return np.concatenate([self.backings[t].read_block(lo - int(self.starts[t]), hi - lo)
                                for t, lo, hi in self._spans(start, stop)])
 
     def _each(self, rows: np.ndarray, op) -> None:
