@@ -274,9 +274,12 @@ class Batcher:
     def _score(self, parts: list[EncodedRows]) -> tuple[np.ndarray, float]:
         """One batch (several requests' rows) through the model, in calls of at most the largest batch shape; (the
         scores, the calls' seconds)."""
-        dense = np.concatenate([p.dense for p in parts])
-        ids = {k: np.concatenate([p.ids[k] for p in parts]) for k in parts[0].ids}
-        lengths = {k: np.concatenate([p.lengths[k] for p in parts]) for k in parts[0].lengths}
+        if len(parts) == 1:  # one request: its arrays as they are (most calls at low load)
+            dense, ids, lengths = parts[0].dense, parts[0].ids, parts[0].lengths
+        else:
+            dense = np.concatenate([p.dense for p in parts])
+            ids = {k: np.concatenate([p.ids[k] for p in parts]) for k in parts[0].ids}
+            lengths = {k: np.concatenate([p.lengths[k] for p in parts]) for k in parts[0].lengths}
         cap, out, total = self.options.max_batch, [], 0.0
         for a in range(0, dense.shape[0], cap):
             n = min(cap, dense.shape[0] - a)
