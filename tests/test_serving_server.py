@@ -231,42 +231,44 @@ def test_sigterm_drains_the_queued_request(tiny):
 
 
 def test_adaptive_batching_decisions():
-    """DeepRecSys-style hill climbing, by hand: start at the cap without waiting, wait longer while the worker is busy
-    and p99 has slack, stop waiting past the target and then shrink a batch whose one call is too long, stop waiting
-    when idle; a window closes after `window` requests or after `period_s` with `min_requests`."""
-    adaptive = AdaptiveBatching(cap=64, target_ms=20.0, window=4, period_s=0.5, min_requests=2)
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 0.0)
-    adaptive.decide(p99_ms=5.0, utilisation=0.9)
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 0.25)
-    for _ in range(6):
-        adaptive.decide(p99_ms=5.0, utilisation=0.9)
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 5.0)  # capped: 64 rows, target / 4
-    adaptive.decide(p99_ms=25.0, utilisation=0.9, longest_call_ms=8.0)
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 2.5)  # waiting goes first
-    adaptive.decide(p99_ms=15.0, utilisation=0.9)  # busy but no slack (15 > 0.6 * 20): hold
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 2.5)
-    adaptive.decide(p99_ms=1.0, utilisation=0.1)
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 1.25)
-    for _ in range(4):  # 1.25 -> 0.625 -> 0.3125 -> 0.15625 -> 0 (under 0.25 ms: no wait at all)
-        adaptive.decide(p99_ms=25.0, utilisation=0.9, longest_call_ms=8.0)
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 0.0)
-    adaptive.decide(p99_ms=25.0, utilisation=0.9, longest_call_ms=4.0)  # a call is 4 <= 20 / 4 ms: overload, hold
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 0.0)
-    adaptive.decide(p99_ms=25.0, utilisation=0.9, longest_call_ms=6.0)  # one call spends > target / 4: shrink
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (32, 0.0)
+    """The scheduler's choices, computed by hand: the smallest batch b whose worker share rate x s(b) / b is within
+    1 / headroom, waiting (b - 1) / rate for it (at most target / 4); calls capped at the largest batch whose call
+    fits target / 4; headroom doubled by a p99 over the target, divided by 1.25 under 0.35 x target; call times a
+    moving average; a window closes after `window` requests or after `period_s` with `min_requests`."""
+    shapes = {n: n for n in (1, 2, 4, 8, 16, 32, 64)}
+    call_s = {1: 0.001, 2: 0.0011, 4: 0.0012, 8: 0.0014, 16: 0.002, 32: 0.003, 64: 0.006}
+    adaptive = AdaptiveBatching(shapes, target_ms=20.0, call_s=call_s, window=4, period_s=0.5, min_requests=2)
+    assert (adaptive.fill_rows, adaptive.max_batch, adaptive.max_wait_ms) == (1, 32, 0.0)  # 64's 6 ms > 20 / 4
+    adaptive.decide(p99_ms=5.0, rows_per_s=100.0)  # slack: headroom 4 -> 3.2; 100 x 1 ms = 0.1 <= 1 / 3.2
+    assert (adaptive.headroom, adaptive.fill_rows, adaptive.max_wait_ms) == (pytest.approx(3.2), 1, 0.0)
+    adaptive.decide(p99_ms=10.0, rows_per_s=1000.0)  # hold 3.2; b = 1: 1.0, 2: 0.55, 4: 0.3 <= 0.3125
+    assert (adaptive.headroom, adaptive.fill_rows) == (pytest.approx(3.2), 4)
+    assert adaptive.max_wait_ms == pytest.approx(3.0)  # 3 more rows at 1000 rows/s
+    adaptive.decide(p99_ms=25.0, rows_per_s=1000.0)  # over: 6.4; 4: 0.3, 8: 0.175, 16: 0.125 <= 0.156
+    assert (adaptive.headroom, adaptive.fill_rows, adaptive.max_wait_ms) == (pytest.approx(6.4), 16, 5.0)  # 15 ms > 5
+    adaptive.decide(p99_ms=25.0, rows_per_s=1e5)  # 12.8: no batch up to 32 keeps up -> the cap, 31 rows' wait
+    assert (adaptive.fill_rows, adaptive.max_batch) == (32, 32)
+    assert adaptive.max_wait_ms == pytest.approx(0.31)
+    for _ in range(5):
+        adaptive.decide(p99_ms=25.0, rows_per_s=1e5)
+    assert adaptive.headroom == 64.0  # bounded
+    adaptive.decide(p99_ms=1.0, rows_per_s=0.0)  # idle: a request runs alone
+    assert (adaptive.headroom, adaptive.fill_rows, adaptive.max_wait_ms) == (pytest.approx(51.2), 1, 0.0)
+    adaptive.record_forward(0.004, 32)
+    assert adaptive.call_s[32] == pytest.approx(0.8 * 0.003 + 0.2 * 0.004)
+    adaptive.record_forward(0.030, 32)  # 8.6 ms: a call of 32 no longer fits 20 / 4 ms
     start = adaptive.window_start
-    adaptive.record_forward(0.004)
-    adaptive.record_forward(0.007)
-    for seconds in (0.001, 0.002, 0.003, 0.1):  # 4 requests in 0.1 s -> one decision on their p99: over
-        # the target, no wait, the longest call 7 > 20 / 4 ms -> shrink
-        adaptive.record_request(seconds, now=start + 0.1)
-    assert adaptive.decisions[-1] == (pytest.approx(1e3 * np.percentile([0.001, 0.002, 0.003, 0.1], 99)), 16, 0.0)
-    assert adaptive.latencies == [] and adaptive.longest_call_s == 0.0
-    adaptive.record_request(0.001, now=start + 0.3)  # 0.2 s into the window, 1 request: open
-    adaptive.record_request(0.001, now=start + 0.5)  # 0.4 s: open
+    for seconds in (0.001, 0.002, 0.003, 0.1):  # 4 one-row requests in 0.1 s: one decision, over the target:
+        adaptive.record_request(seconds, 1, now=start + 0.1)  # headroom 64; 40 rows/s: 1: 0.04, 2: 0.022, 4: 0.012
+    p99 = 1e3 * np.percentile([0.001, 0.002, 0.003, 0.1], 99)
+    assert adaptive.decisions[-1] == (pytest.approx(p99), pytest.approx(40.0), 4, 16, 5.0)  # 16: 32 no longer fits
+    assert adaptive.latencies == [] and adaptive.rows == 0
+    adaptive.record_request(0.001, 3, now=start + 0.3)  # 0.2 s into the window, 1 request: open
+    adaptive.record_request(0.001, 3, now=start + 0.5)  # 0.4 s: open
     assert len(adaptive.latencies) == 2
-    adaptive.record_request(0.001, now=start + 0.7)  # 0.6 s >= period, 3 >= min_requests: closes (idle, no wait)
-    assert adaptive.decisions[-1] == (pytest.approx(1.0), 16, 0.0) and adaptive.latencies == []
+    adaptive.record_request(0.001, 3, now=start + 0.7)  # 0.6 s >= period, 3 >= min_requests: closes; 51.2: b = 1
+    assert adaptive.decisions[-1][:3] == (pytest.approx(1.0), pytest.approx(9 / 0.6), 1)
+    assert adaptive.latencies == []
 
 
 def test_server_options_are_checked():
