@@ -269,6 +269,10 @@ def test_adaptive_batching_decisions():
     adaptive.record_request(0.001, 3, now=start + 0.7)  # 0.6 s >= period, 3 >= min_requests: closes; 51.2: b = 1
     assert adaptive.decisions[-1][:3] == (pytest.approx(1.0), pytest.approx(9 / 0.6), 1)
     assert adaptive.latencies == []
+    for shape in adaptive.call_s:  # overloaded: even one row's call is over 20 / 4 ms -> calls take up to the cap
+        adaptive.call_s[shape] = 0.008
+    adaptive.decide(p99_ms=300.0, rows_per_s=2000.0)
+    assert (adaptive.max_batch, adaptive.fill_rows) == (64, 64)
 
 
 def test_server_options_are_checked():

@@ -123,9 +123,11 @@ class AdaptiveBatching:
         return self.call_s[self.shape_of[rows]]
 
     def _longest_allowed(self) -> int:
-        """The largest batch whose call takes at most target / 4 (the smallest if none does)."""
+        """The largest batch whose call takes at most target / 4; the cap if none does (the machine is so loaded that
+        even one row's call spends the budget: then the target is out of reach and the cheapest rows are the most
+        that a call takes)."""
         fits = [b for b in self.sizes if 1e3 * self.seconds(b) <= self.target_ms / 4]
-        return max(fits) if fits else self.sizes[0]
+        return max(fits) if fits else self.sizes[-1]
 
     def record_forward(self, seconds: float, shape: int) -> None:
         old = self.call_s.get(shape, 0.0)
