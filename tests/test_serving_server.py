@@ -231,48 +231,50 @@ def test_sigterm_drains_the_queued_request(tiny):
 
 
 def test_adaptive_batching_decisions():
-    """The scheduler's choices, computed by hand: the smallest batch b whose worker share rate x s(b) / b is within
-    1 / headroom, waiting (b - 1) / rate for it (at most target / 4); calls capped at the largest batch whose call
-    fits target / 4; headroom doubled by a p99 over the target, divided by 1.25 under 0.35 x target; call times a
-    moving average; a window closes after `window` requests or after `period_s` with `min_requests`."""
+    """The scheduler's choices, computed by hand: calls take up to the largest batch whose call fits target / 4 (the
+    cap when none does); it waits only with the worker busy over 60 % of the time, for the smallest batch b with
+    rate x s(b) / b <= 0.3, at most (b - 1) / rate and the wait bound; the bound (target / 4 at first) halves on a
+    window over the target while waiting and doubles back under half the target; call times are moving averages; a
+    window closes after `window` requests or after `period_s` with `min_requests`."""
     shapes = {n: n for n in (1, 2, 4, 8, 16, 32, 64)}
     call_s = {1: 0.001, 2: 0.0011, 4: 0.0012, 8: 0.0014, 16: 0.002, 32: 0.003, 64: 0.006}
     adaptive = AdaptiveBatching(shapes, target_ms=20.0, call_s=call_s, window=4, period_s=0.5, min_requests=2)
-    assert (adaptive.fill_rows, adaptive.max_batch, adaptive.max_wait_ms) == (1, 32, 0.0)  # 64's 6 ms > 20 / 4
-    adaptive.decide(p99_ms=5.0, rows_per_s=100.0)  # slack: headroom 4 -> 3.2; 100 x 1 ms = 0.1 <= 1 / 3.2
-    assert (adaptive.headroom, adaptive.fill_rows, adaptive.max_wait_ms) == (pytest.approx(3.2), 1, 0.0)
-    adaptive.decide(p99_ms=10.0, rows_per_s=1000.0)  # hold 3.2; b = 1: 1.0, 2: 0.55, 4: 0.3 <= 0.3125
-    assert (adaptive.headroom, adaptive.fill_rows) == (pytest.approx(3.2), 4)
-    assert adaptive.max_wait_ms == pytest.approx(3.0)  # 3 more rows at 1000 rows/s
-    adaptive.decide(p99_ms=25.0, rows_per_s=1000.0)  # over: 6.4; 4: 0.3, 8: 0.175, 16: 0.125 <= 0.156
-    assert (adaptive.headroom, adaptive.fill_rows, adaptive.max_wait_ms) == (pytest.approx(6.4), 16, 5.0)  # 15 ms > 5
-    adaptive.decide(p99_ms=25.0, rows_per_s=1e5)  # 12.8: no batch up to 32 keeps up -> the cap, 31 rows' wait
-    assert (adaptive.fill_rows, adaptive.max_batch) == (32, 32)
-    assert adaptive.max_wait_ms == pytest.approx(0.31)
-    for _ in range(5):
-        adaptive.decide(p99_ms=25.0, rows_per_s=1e5)
-    assert adaptive.headroom == 64.0  # bounded
-    adaptive.decide(p99_ms=1.0, rows_per_s=0.0)  # idle: a request runs alone
-    assert (adaptive.headroom, adaptive.fill_rows, adaptive.max_wait_ms) == (pytest.approx(51.2), 1, 0.0)
+    state = lambda: (adaptive.fill_rows, adaptive.max_batch, adaptive.max_wait_ms)  # noqa: E731
+    assert state() == (1, 32, 0.0)  # 64's call, 6 ms, is over 20 / 4
+    adaptive.decide(p99_ms=8.0, rows_per_s=300.0, busy_share=0.3)  # the worker keeps up: no wait
+    assert state() == (1, 32, 0.0)
+    adaptive.decide(p99_ms=15.0, rows_per_s=900.0, busy_share=0.8)  # busy: b = 1: 0.9, 2: 0.495, 4: 0.27 <= 0.3
+    assert state() == (4, 32, pytest.approx(1e3 * 3 / 900))  # 3 more rows at 900 rows/s (under the 5 ms bound)
+    adaptive.decide(p99_ms=25.0, rows_per_s=900.0, busy_share=0.8)  # over while waiting: bound 2.5
+    assert state() == (4, 32, 2.5)
+    adaptive.decide(p99_ms=25.0, rows_per_s=900.0, busy_share=0.8)  # 1.25
+    assert state() == (4, 32, 1.25)
+    adaptive.decide(p99_ms=25.0, rows_per_s=900.0, busy_share=0.5)  # bound 0.625; no longer busy: no wait
+    assert state() == (1, 32, 0.0) and adaptive.wait_bound_ms == 0.625
+    adaptive.decide(p99_ms=25.0, rows_per_s=900.0, busy_share=0.5)  # over without waiting: the bound holds
+    assert adaptive.wait_bound_ms == 0.625
+    adaptive.decide(p99_ms=4.0, rows_per_s=900.0, busy_share=0.8)  # under half the target: bound 1.25
+    assert state() == (4, 32, 1.25)
+    adaptive.decide(p99_ms=15.0, rows_per_s=20000.0, busy_share=0.9)  # no batch up to 32 gets to 0.3: the cap
+    assert state() == (32, 32, 1.25)  # 31 rows take 1.55 ms to arrive: the bound
     adaptive.record_forward(0.004, 32)
     assert adaptive.call_s[32] == pytest.approx(0.8 * 0.003 + 0.2 * 0.004)
     adaptive.record_forward(0.030, 32)  # 8.6 ms: a call of 32 no longer fits 20 / 4 ms
     start = adaptive.window_start
-    for seconds in (0.001, 0.002, 0.003, 0.1):  # 4 one-row requests in 0.1 s: one decision, over the target:
-        adaptive.record_request(seconds, 1, now=start + 0.1)  # headroom 64; 40 rows/s: 1: 0.04, 2: 0.022, 4: 0.012
+    for seconds in (0.001, 0.002, 0.003, 0.1):  # 4 one-row requests in 0.1 s close a window: over while waiting
+        adaptive.record_request(seconds, 1, now=start + 0.1)  # (bound 0.625); busy 34 ms of 100: no wait
     p99 = 1e3 * np.percentile([0.001, 0.002, 0.003, 0.1], 99)
-    assert adaptive.decisions[-1] == (pytest.approx(p99), pytest.approx(40.0), 4, 16, 5.0)  # 16: 32 no longer fits
-    assert adaptive.latencies == [] and adaptive.rows == 0
+    assert adaptive.decisions[-1] == (pytest.approx(p99), pytest.approx(40.0), pytest.approx(0.34), 1, 16, 0.0)
+    assert adaptive.latencies == [] and adaptive.rows == 0 and adaptive.busy_s == 0.0
     adaptive.record_request(0.001, 3, now=start + 0.3)  # 0.2 s into the window, 1 request: open
     adaptive.record_request(0.001, 3, now=start + 0.5)  # 0.4 s: open
     assert len(adaptive.latencies) == 2
-    adaptive.record_request(0.001, 3, now=start + 0.7)  # 0.6 s >= period, 3 >= min_requests: closes; 51.2: b = 1
-    assert adaptive.decisions[-1][:3] == (pytest.approx(1.0), pytest.approx(9 / 0.6), 1)
-    assert adaptive.latencies == []
+    adaptive.record_request(0.001, 3, now=start + 0.7)  # 0.6 s >= period, 3 >= min_requests: closes
+    assert adaptive.decisions[-1] == (pytest.approx(1.0), pytest.approx(9 / 0.6), 0.0, 1, 16, 0.0)
     for shape in adaptive.call_s:  # overloaded: even one row's call is over 20 / 4 ms -> calls take up to the cap
         adaptive.call_s[shape] = 0.008
-    adaptive.decide(p99_ms=300.0, rows_per_s=2000.0)
-    assert (adaptive.max_batch, adaptive.fill_rows) == (64, 64)
+    adaptive.decide(p99_ms=300.0, rows_per_s=2000.0, busy_share=0.95)  # 2000 x 8 ms / b <= 0.3 from b = 64
+    assert state() == (64, 64, pytest.approx(1.25))  # 1.0 ms p99 above doubled the bound back
 
 
 def test_server_options_are_checked():

@@ -24,9 +24,9 @@ a row's score is a function of the row alone, never of what it was batched with 
 bit of a row's score with the batch shape); "pow2" pads to the next power of two instead (less work per small
 batch, scores then agree across batchings to ~1 ulp).
 
-Scheduling (`scheduler="adaptive"`): `AdaptiveBatching` chooses, every quarter second, how many rows to wait for and
-how long, from the measured arrival rate and call times, against a p99 target (DeepRecSys's per-load batch size,
-Gupta et al., ISCA 2020; `--max_batch` is then the cap).
+Scheduling (`scheduler="adaptive"`): `AdaptiveBatching` chooses, every quarter second, how many rows a call may take
+and whether to wait for more, from the measured arrival rate, call times and worker load, against a p99 target
+(DeepRecSys's per-load batch size, Gupta et al., ISCA 2020; `--max_batch` is then the cap).
 
 On SIGTERM (or SIGINT) the server stops accepting connections, scores what is queued at once, answers every request
 in flight, and exits (`drain_seconds` bounds the wait).
@@ -88,48 +88,48 @@ class AdaptiveBatching:
 
     DeepRecSys (Gupta et al., ISCA 2020, Sec. 5) tunes the batch size per load: a bigger batch amortises the cost of
     a call and raises the throughput the tail target allows, until the wait for it or the call itself spends the
-    target. Here the choice follows the measured load each window instead of a search. With lambda rows/s arriving
-    and s(b) the measured time of a call at batch shape b, the worker is busy a share rho(b) = lambda s(b) / b of
-    the time at batches of b rows. The scheduler waits for the smallest batch `fill_rows` = b with
-    rho(b) <= 1 / headroom -- up to (b - 1) / lambda, the time b rows take to arrive, never more than target / 4,
-    and not at all for b = 1 (at low load a request runs alone) -- and a call takes every queued row up to
-    `max_batch`, the largest shape whose call fits in target / 4 (bursts clear in big, cheap calls).
-
-    The headroom follows the tail, additive-increase / multiplicative-decrease in the manner of Clipper's batch size
-    (Crankshaw et al., NSDI 2017) turned around: a window whose p99 is over the target doubles it (more rows per
-    call: less of the CPU, which the server shares with its own event loop and everything else on the host, goes to
-    calling the model), a window well under it (p99 < `slack` x target) lowers it by `decay`. A window closes after
-    `window` requests, or after `period_s` seconds with at least `min_requests`.
+    target. The batcher already batches for free what queues while a call runs; what is left to choose is how many
+    rows one call may take and whether to *wait* for more. Per window (`window` requests, or `period_s` seconds with
+    at least `min_requests`) the scheduler measures the arrival rate lambda (rows/s), the worker's busy share u
+    (seconds in model calls / window seconds) and the p99 latency, and keeps each batch shape's call time s(b)
+    (moving averages, seeded by the warm-up's calls). Then:
+      * a call takes every queued row up to `max_batch`: the largest batch whose call fits target / 4 (the cap when
+        none does: so loaded that the target is out of reach, the cheapest rows are the most a call takes);
+      * it waits only when it must batch to keep up: with the worker busy more than `busy` of the time, queues
+        build, so it waits for `fill_rows` = the smallest batch b with lambda s(b) / b <= busy / 2 (at most
+        (b - 1) / lambda, the time b rows take to arrive, and the wait bound); otherwise no wait (at low load a
+        request runs alone, and waiting would only add its wait to the tail);
+      * the wait bound starts at target / 4; a window over the target while waiting halves it (the wait is the
+        first suspect), a window under `slack` x target doubles it back.
     """
 
     def __init__(self, shape_of: dict[int, int], target_ms: float, call_s: dict[int, float] | None = None,
-                 headroom: float = 4.0, window: int = 200, period_s: float = 0.25, min_requests: int = 20,
-                 slack: float = 0.35, decay: float = 1.25, headroom_range: tuple[float, float] = (2.0, 64.0)):
+                 window: int = 200, period_s: float = 0.25, min_requests: int = 20, busy: float = 0.6,
+                 slack: float = 0.5):
         # shape_of: the batch sizes to choose from (powers of two up to the cap) -> the shape a call of that many
         # rows runs at (the batcher's `shape_for`).
         self.shape_of, self.sizes, self.target_ms = dict(shape_of), sorted(shape_of), target_ms
         self.window, self.period_s, self.min_requests = window, period_s, min_requests
-        self.headroom, self.slack, self.decay, self.headroom_range = headroom, slack, decay, headroom_range
-        # s(b): seconds of a call at each shape, a moving average of the calls made (seeded by the warm-up's).
+        self.busy, self.slack = busy, slack
         self.call_s = {shape: (call_s or {}).get(shape, 0.0) for shape in set(self.shape_of.values())}
+        self.wait_bound_ms = target_ms / 4
         self.fill_rows, self.max_wait_ms = 1, 0.0
         self.max_batch = self._longest_allowed()
         self.latencies: list[float] = []
-        self.rows = 0
+        self.rows, self.busy_s = 0, 0.0
         self.window_start = time.perf_counter()
-        self.decisions: list[tuple[float, float, int, int, float]] = []  # (p99 ms, rows/s, fill, max_batch, wait ms)
+        # (p99 ms, rows/s, busy share, fill_rows, max_batch, max_wait_ms) after each window
+        self.decisions: list[tuple[float, float, float, int, int, float]] = []
 
     def seconds(self, rows: int) -> float:
         return self.call_s[self.shape_of[rows]]
 
     def _longest_allowed(self) -> int:
-        """The largest batch whose call takes at most target / 4; the cap if none does (the machine is so loaded that
-        even one row's call spends the budget: then the target is out of reach and the cheapest rows are the most
-        that a call takes)."""
         fits = [b for b in self.sizes if 1e3 * self.seconds(b) <= self.target_ms / 4]
         return max(fits) if fits else self.sizes[-1]
 
     def record_forward(self, seconds: float, shape: int) -> None:
+        self.busy_s += seconds
         old = self.call_s.get(shape, 0.0)
         self.call_s[shape] = seconds if old == 0.0 else 0.8 * old + 0.2 * seconds
 
@@ -140,27 +140,23 @@ class AdaptiveBatching:
         elapsed = now - self.window_start
         count = len(self.latencies)
         if count >= self.window or (elapsed >= self.period_s and count >= self.min_requests):
-            self.decide(float(np.percentile(self.latencies, 99)) * 1e3, self.rows / max(elapsed, 1e-9))
-            self.latencies, self.rows, self.window_start = [], 0, now
+            elapsed = max(elapsed, 1e-9)
+            self.decide(float(np.percentile(self.latencies, 99)) * 1e3, self.rows / elapsed, self.busy_s / elapsed)
+            self.latencies, self.rows, self.busy_s, self.window_start = [], 0, 0.0, now
 
-    def decide(self, p99_ms: float, rows_per_s: float) -> None:
-        low, high = self.headroom_range
-        if p99_ms > self.target_ms:
-            self.headroom = min(high, 2 * self.headroom)
+    def decide(self, p99_ms: float, rows_per_s: float, busy_share: float) -> None:
+        if p99_ms > self.target_ms and self.max_wait_ms > 0:
+            self.wait_bound_ms = max(0.25, self.wait_bound_ms / 2)
         elif p99_ms < self.slack * self.target_ms:
-            self.headroom = max(low, self.headroom / self.decay)
+            self.wait_bound_ms = min(self.target_ms / 4, 2 * self.wait_bound_ms)
         self.max_batch = self._longest_allowed()
-        fill = self.max_batch
-        for b in self.sizes:
-            if b > self.max_batch:
-                break
-            if rows_per_s * self.seconds(b) / b <= 1 / self.headroom:
-                fill = b
-                break
+        fill = 1
+        if busy_share > self.busy and rows_per_s > 0:
+            fill = next((b for b in self.sizes if b <= self.max_batch
+                         and rows_per_s * self.seconds(b) / b <= self.busy / 2), self.max_batch)
         self.fill_rows = fill
-        self.max_wait_ms = 0.0 if fill == 1 or rows_per_s <= 0 else min(self.target_ms / 4,
-                                                                          1e3 * (fill - 1) / rows_per_s)
-        self.decisions.append((p99_ms, rows_per_s, self.fill_rows, self.max_batch, self.max_wait_ms))
+        self.max_wait_ms = 0.0 if fill == 1 else min(self.wait_bound_ms, 1e3 * (fill - 1) / rows_per_s)
+        self.decisions.append((p99_ms, rows_per_s, busy_share, self.fill_rows, self.max_batch, self.max_wait_ms))
 
 
 class Metrics:
