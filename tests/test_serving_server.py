@@ -231,8 +231,8 @@ def test_sigterm_drains_the_queued_request(tiny):
 
 
 def test_adaptive_batching_decisions():
-    """The scheduler's choices, computed by hand: calls take up to the largest batch whose call fits target / 4 (the
-    cap when none does); it waits only with the worker busy over 60 % of the time, for the smallest batch b with
+    """The scheduler's choices, computed by hand: calls take up to the largest batch whose warm-up call fit target / 4
+    (the cap when none did); it waits only with the worker busy over 60 % of the time, for the smallest batch b with
     rate x s(b) / b <= 0.3, at most (b - 1) / rate and the wait bound; the bound (target / 4 at first) halves on a
     window over the target while waiting and doubles back under half the target; call times are moving averages; a
     window closes after `window` requests or after `period_s` with `min_requests`."""
@@ -259,22 +259,24 @@ def test_adaptive_batching_decisions():
     assert state() == (32, 32, 1.25)  # 31 rows take 1.55 ms to arrive: the bound
     adaptive.record_forward(0.004, 32)
     assert adaptive.call_s[32] == pytest.approx(0.8 * 0.003 + 0.2 * 0.004)
-    adaptive.record_forward(0.030, 32)  # 8.6 ms: a call of 32 no longer fits 20 / 4 ms
+    adaptive.record_forward(0.030, 32)  # 8.6 ms: the calls' load slows them; the cap stays
     start = adaptive.window_start
     for seconds in (0.001, 0.002, 0.003, 0.1):  # 4 one-row requests in 0.1 s close a window: over while waiting
         adaptive.record_request(seconds, 1, now=start + 0.1)  # (bound 0.625); busy 34 ms of 100: no wait
     p99 = 1e3 * np.percentile([0.001, 0.002, 0.003, 0.1], 99)
-    assert adaptive.decisions[-1] == (pytest.approx(p99), pytest.approx(40.0), pytest.approx(0.34), 1, 16, 0.0)
+    assert adaptive.decisions[-1] == (pytest.approx(p99), pytest.approx(40.0), pytest.approx(0.34), 1, 32, 0.0)
     assert adaptive.latencies == [] and adaptive.rows == 0 and adaptive.busy_s == 0.0
     adaptive.record_request(0.001, 3, now=start + 0.3)  # 0.2 s into the window, 1 request: open
     adaptive.record_request(0.001, 3, now=start + 0.5)  # 0.4 s: open
     assert len(adaptive.latencies) == 2
     adaptive.record_request(0.001, 3, now=start + 0.7)  # 0.6 s >= period, 3 >= min_requests: closes
-    assert adaptive.decisions[-1] == (pytest.approx(1.0), pytest.approx(9 / 0.6), 0.0, 1, 16, 0.0)
-    for shape in adaptive.call_s:  # overloaded: even one row's call is over 20 / 4 ms -> calls take up to the cap
+    assert adaptive.decisions[-1] == (pytest.approx(1.0), pytest.approx(9 / 0.6), 0.0, 1, 32, 0.0)
+    for shape in adaptive.call_s:  # overloaded: every call slowed to 8 ms
         adaptive.call_s[shape] = 0.008
-    adaptive.decide(p99_ms=300.0, rows_per_s=2000.0, busy_share=0.95)  # 2000 x 8 ms / b <= 0.3 from b = 64
-    assert state() == (64, 64, pytest.approx(1.25))  # 1.0 ms p99 above doubled the bound back
+    adaptive.decide(p99_ms=300.0, rows_per_s=1000.0, busy_share=0.95)  # 1000 x 8 ms / b <= 0.3 from b = 32
+    assert state() == (32, 32, pytest.approx(1.25))  # 1.0 ms p99 above doubled the bound back
+    slow = AdaptiveBatching(shapes, target_ms=20.0, call_s={n: 0.008 for n in shapes})
+    assert slow.max_batch == 64  # no warm-up call fit 20 / 4 ms: the cap
 
 
 def test_server_options_are_checked():

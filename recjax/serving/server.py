@@ -93,8 +93,10 @@ class AdaptiveBatching:
     at least `min_requests`) the scheduler measures the arrival rate lambda (rows/s), the worker's busy share u
     (seconds in model calls / window seconds) and the p99 latency, and keeps each batch shape's call time s(b)
     (moving averages, seeded by the warm-up's calls). Then:
-      * a call takes every queued row up to `max_batch`: the largest batch whose call fits target / 4 (the cap when
-        none does: so loaded that the target is out of reach, the cheapest rows are the most a call takes);
+      * a call takes every queued row up to `max_batch`: the largest batch whose call fit target / 4 when the
+        warm-up timed them (the cap if none did). Fixed: under load the calls slow down because the requests
+        themselves take the cores, and shrinking the batch then (measured: to 8 rows at 1,000/s) means more calls
+        and slower ones still;
       * it waits only when it must batch to keep up: with the worker busy more than `busy` of the time, queues
         build, so it waits for `fill_rows` = the smallest batch b with lambda s(b) / b <= busy / 2 (at most
         (b - 1) / lambda, the time b rows take to arrive, and the wait bound); otherwise no wait (at low load a
@@ -114,7 +116,8 @@ class AdaptiveBatching:
         self.call_s = {shape: (call_s or {}).get(shape, 0.0) for shape in set(self.shape_of.values())}
         self.wait_bound_ms = target_ms / 4
         self.fill_rows, self.max_wait_ms = 1, 0.0
-        self.max_batch = self._longest_allowed()
+        fits = [b for b in self.sizes if 1e3 * self.seconds(b) <= self.target_ms / 4]
+        self.max_batch = max(fits) if fits else self.sizes[-1]
         self.latencies: list[float] = []
         self.rows, self.busy_s = 0, 0.0
         self.window_start = time.perf_counter()
@@ -123,10 +126,6 @@ class AdaptiveBatching:
 
     def seconds(self, rows: int) -> float:
         return self.call_s[self.shape_of[rows]]
-
-    def _longest_allowed(self) -> int:
-        fits = [b for b in self.sizes if 1e3 * self.seconds(b) <= self.target_ms / 4]
-        return max(fits) if fits else self.sizes[-1]
 
     def record_forward(self, seconds: float, shape: int) -> None:
         self.busy_s += seconds
@@ -149,7 +148,6 @@ class AdaptiveBatching:
             self.wait_bound_ms = max(0.25, self.wait_bound_ms / 2)
         elif p99_ms < self.slack * self.target_ms:
             self.wait_bound_ms = min(self.target_ms / 4, 2 * self.wait_bound_ms)
-        self.max_batch = self._longest_allowed()
         fill = 1
         if busy_share > self.busy and rows_per_s > 0:
             fill = next((b for b in self.sizes if b <= self.max_batch
