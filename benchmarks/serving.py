@@ -22,18 +22,19 @@ Measurements
              p50 latency minus the bare forward's median at batch 1 (measured twice, before and after the server,
              so drift shows), and the server's own time from its Server-Timing header, with and without its
              model call (what the server adds, apart from the HTTP round trip and the client on the same cores).
-  load       the synthetic runs exported (full: f32, int8, int4; qr, md: f32; and the f32 export with its tables
-             on disk behind a RAM row cache of --disk_cache of each table's rows, `--tier=disk`), each behind the
-             server on 127.0.0.1 at rising open-loop request rates (--rates, Poisson arrivals, --seconds per rate
-             and at most --max_requests, 1 encoded row per request; recjax/serving/measure.py): p50 / p95 / p99
-             against achieved QPS. Formats run at one batching setting (--format_batch, --format_wait_ms); the f32
-             model also runs without batching (max_batch 1), at every --grid setting (max_batch x max_wait_ms) and
-             with the adaptive scheduler (recjax/serving/server.py AdaptiveBatching, cap --grid's largest
-             max_batch, one run per --adaptive_targets p99 target). Per curve, the latency-bounded throughput at p99
-             targets --targets (ms). Batch shapes are padded to powers of two (--batch_shapes=pow2) so a small batch
-             costs a small batch's forward under every setting. The disk-tier model's cache hit ratio is read from
-             the server's /metrics after its curve. The load generator shares the machine's cores with the server:
-             its own CPU time is part of the figures.
+  load       the synthetic runs exported (full: f32, int8, int4; qr, md: f32; and the f32 export with its tables on disk
+             behind a RAM row cache of --disk_cache of each table's rows, `--tier=disk`), each behind the server on
+             127.0.0.1 at rising open-loop request rates (--rates, Poisson arrivals, --seconds counted per rate after
+             --settle seconds sent but not counted, at most --max_requests counted, 1 encoded row per request;
+             recjax/serving/measure.py): p50 / p95 / p99 against achieved QPS (and for the adaptive scheduler, the
+             batching it chose by the end of each rate). Formats run at one batching setting (--format_batch,
+             --format_wait_ms); the f32 model also runs without batching (max_batch 1), at every --grid setting
+             (max_batch x max_wait_ms) and with the adaptive scheduler (recjax/serving/server.py AdaptiveBatching, cap
+             --grid's largest max_batch, one run per --adaptive_targets p99 target). Per curve, the latency-bounded
+             throughput at p99 targets --targets (ms). Batch shapes are padded to powers of two (--batch_shapes=pow2) so
+             a small batch costs a small batch's forward under every setting. The disk-tier model's cache hit ratio is
+             read from the server's /metrics after its curve. The load generator shares the machine's cores with the
+             server: its own CPU time is part of the figures.
 """
 
 from __future__ import annotations
@@ -179,7 +180,9 @@ def load_curve(args, directory: pathlib.Path, rows: list[dict], label: str, mode
     levels = []
     with ServerProcess(directory, batch_shapes="pow2", **server) as process:
         for k, rate in enumerate(args.rates):
-            level = open_loop(process.url, rows, rate, args.seconds, args.max_requests, seed=k)
+            level = open_loop(process.url, rows, rate, args.seconds, args.max_requests, seed=k, settle=args.settle)
+            if server.get("scheduler") == "adaptive":  # what it chose by the end of the level
+                level.update(scheduler_state(process.url))
             levels.append(level)
             _emit({"measurement": "load", "model": model, "setting": label, **server, **level})
             _log(f"{model} {label} @ {rate:g}/s: achieved {level['achieved_qps']:.0f}/s, p50 {level['p50_ms']:.2f} "
@@ -197,6 +200,17 @@ def load_curve(args, directory: pathlib.Path, rows: list[dict], label: str, mode
         _emit({"measurement": "latency_bounded_throughput", "model": model, "setting": label, **server,
                "p99_target_ms": target, "qps": latency_bounded_throughput(levels, target)})
     return levels
+
+
+def scheduler_state(url: str) -> dict[str, float]:
+    """The batching in force, from the server's /metrics gauges."""
+    import urllib.request
+
+    names = {"recjax_serving_fill_rows": "chose_fill_rows", "recjax_serving_max_batch": "chose_max_batch",
+             "recjax_serving_max_wait_seconds": "chose_max_wait_s"}
+    with urllib.request.urlopen(f"{url}/metrics") as answer:
+        lines = answer.read().decode().splitlines()
+    return {names[k]: float(v) for k, v in (line.split() for line in lines if line.split(" ")[0] in names)}
 
 
 def measure_overhead(args, models: dict[str, pathlib.Path], rows: list[dict]) -> None:
@@ -283,7 +297,9 @@ def main() -> None:
     parser.add_argument("--forward_sizes", default="1,2,4,8,16,32,64,128,256")
     parser.add_argument("--overhead_requests", type=int, default=1000)
     parser.add_argument("--rates", default="20,50,100,150,200,300,400,600,800,1200,1600,3200")
-    parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--seconds", type=float, default=2.0, help="counted seconds per rate")
+    parser.add_argument("--settle", type=float, default=1.0,
+                        help="seconds of each rate sent before the counted ones (every setting alike)")
     parser.add_argument("--max_requests", type=int, default=4000)
     parser.add_argument("--format_batch", type=int, default=32)
     parser.add_argument("--format_wait_ms", type=float, default=1.0)

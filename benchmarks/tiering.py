@@ -18,7 +18,9 @@ fresh temporary directory by default), removed at the end. Sections:
   kaggle    the Kaggle shape (26 Criteo Kaggle cardinalities, 33.8M rows, dim 16, bottom 512-256-64-16, top 512-256-1,
             batch 2048, row-wise Adagrad), the 8 tables over 4 MiB on disk: step time of the disk tier / the
             in-memory step (same batches, same process), at cache 1, 5, 10, 25, 50 % and Zipf exponents 0.8, 1.05,
-            1.2; hit rate, rows and bytes read and written per step, the host's time reading misses per step, and at
+            1.2 (`--kaggle_fill N`: the disk arms first replay N batches through their cache without the model step,
+            so the cache is at the state a long run leaves it in); hit rate, rows and bytes read and written per
+            step, the share of the cache filled, the host's time reading misses per step, and at
             Zipf 1.05 / cache 10 % the same step without the overlap (tiering.prefetch=False): the share of the miss
             time the prefetch hides = (no-overlap - overlap) / (no-overlap - memory).
   mlperf52  the MLPerf DLRMv2 table set (experiments/configs/dlrm_synthetic.py:mlperf52, 52.3 GB of f32 rows) trained
@@ -292,9 +294,12 @@ def kaggle_config(zipf: float, tiered: bool, cache: float, prefetch: bool = True
     return config
 
 
-def time_steps(config, directory: pathlib.Path, host_batches, warmup: int) -> dict:
+def time_steps(config, directory: pathlib.Path, host_batches, warmup: int, fill=None) -> dict:
     """Median and mean step time over the batches after `warmup`, run as the trainer does (batches placed on the
-    prefetch thread, at most `steps_in_flight` steps queued)."""
+    prefetch thread, at most `steps_in_flight` steps queued). `fill` (the disk tier): batches replayed through the
+    cache before them without the model step -- each one's rows planned, its misses read and its victims written
+    back exactly as a train step's (every row a step uses is dirty), so the cache reaches the state thousands of
+    training steps leave it in, at the cost of the host's I/O alone."""
     import jax
 
     from recjax import tiering
@@ -315,6 +320,16 @@ def time_steps(config, directory: pathlib.Path, host_batches, warmup: int) -> di
             first = next(batches)
             state = backend.place_state(init_state(task, jax.random.key(0), host_batches[0], backend))
             init_s = time.perf_counter() - t0
+            filled, fill_s = 0, 0.0
+            if fill is not None and hasattr(backend, "caches"):
+                t1 = time.perf_counter()
+                for b in fill:
+                    state, _ = backend.prepare_train(state, backend.put_batch(b))
+                    filled += 1
+                    if filled % 50 == 0:  # keep the queued swaps few
+                        jax.block_until_ready(state.tables)
+                jax.block_until_ready(state.tables)
+                fill_s = time.perf_counter() - t1
             step = make_train_step(task, backend, state).lower(state, first).compile()
             in_flight, batch = [], first
             stats_at = None
@@ -336,6 +351,8 @@ def time_steps(config, directory: pathlib.Path, host_batches, warmup: int) -> di
         summary = backend.summary()
         if "tiering" in summary:
             (g0, before), = stats_at["tiering"]["groups"].items()
+            occupied = int((backend.caches[g0].row_of_slot >= 0).sum())
+            out.update({"fill_steps": filled, "fill_s": fill_s, "cache_full": occupied / before["cache_slots"]})
             after = summary["tiering"]["groups"][g0]
             lookups = after["lookups"] - before["lookups"]
             width_bytes = after["bytes_read"] / max(after["rows_read"], 1)
@@ -353,13 +370,18 @@ def time_steps(config, directory: pathlib.Path, host_batches, warmup: int) -> di
         backend.close()
 
 
-def kaggle(directory: pathlib.Path, zipfs, caches, steps: int, warmup: int, vocab_cap: int = 0) -> None:
+def kaggle(directory: pathlib.Path, zipfs, caches, steps: int, warmup: int, vocab_cap: int = 0, fill: int = 0
+           ) -> None:
+    """`fill` > 0: the disk arms first replay the run's first `fill` batches through their cache (`time_steps`), and
+    every arm then times the batches after them."""
+    import itertools
+
     from recjax.data.synthetic import SyntheticDataset
 
     for zipf in zipfs:
         config = kaggle_config(zipf, False, 0.0, vocab_cap=vocab_cap)
         data = SyntheticDataset(vocab_sizes=config.data.vocab_sizes, zipf_exponent=zipf, eval_examples=16, seed=0)
-        stream = data.train_batches(2048)
+        stream = data.train_batches(2048, start_step=fill)
         host_batches = [next(stream) for _ in range(warmup + steps)]
         _log(f"kaggle zipf {zipf}: memory")
         memory = time_steps(config, directory, host_batches, warmup)
@@ -369,7 +391,7 @@ def kaggle(directory: pathlib.Path, zipfs, caches, steps: int, warmup: int, voca
             for prefetch in runs:
                 _log(f"kaggle zipf {zipf}: cache {cache:.0%}, prefetch {prefetch}")
                 tiered = time_steps(kaggle_config(zipf, True, cache, prefetch, vocab_cap), directory, host_batches,
-                                    warmup)
+                                    warmup, itertools.islice(data.train_batches(2048), fill) if fill else None)
                 emit({"section": "kaggle", "zipf": zipf, "cache": cache, "tier": "disk", "prefetch": prefetch,
                       "memory_step_ms": memory["step_ms"], "ratio": tiered["step_ms"] / memory["step_ms"], **tiered})
 
@@ -453,6 +475,9 @@ def main() -> None:
     parser.add_argument("--kaggle_steps", type=int, default=40, help="timed steps per kaggle run")
     parser.add_argument("--kaggle_warmup", type=int, default=20, help="untimed steps first (the cache fills)")
     parser.add_argument("--vocab_cap", type=int, default=0, help="kaggle: cap every table at this many rows (smoke)")
+    parser.add_argument("--kaggle_fill", type=int, default=0,
+                        help="kaggle: batches replayed through each disk arm's cache before the warm-up (no model "
+                             "step: the cache's steady state in minutes); every arm is timed on the batches after")
     parser.add_argument("--mlperf_steps", type=int, default=300)
     parser.add_argument("--cap", type=int, default=4_000_000, help="rows per table of the capped in-memory arm")
     parser.add_argument("--qr_collisions", type=int, default=16, help="QR arm: ids per quotient row")
@@ -476,7 +501,7 @@ def main() -> None:
             floor(directory)
         if "kaggle" in only:
             kaggle(directory, [float(z) for z in args.zipfs.split(",")], [float(c) for c in args.caches.split(",")],
-                   args.kaggle_steps, args.kaggle_warmup, args.vocab_cap)
+                   args.kaggle_steps, args.kaggle_warmup, args.vocab_cap, args.kaggle_fill)
         if "mlperf52" in only:
             mlperf52(directory, args.mlperf_steps, args.cap, args.qr_collisions, args.eval_examples)
         if "plot" in only and OUT is not None:

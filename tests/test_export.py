@@ -116,11 +116,14 @@ def test_quantized_export_bytes_and_bad_rows(synthetic_run, tmp_path):
         {"dense": good[0]["dense"], "ids": {**good[0]["ids"], "C1": "7"}},
         {"dense": good[0]["dense"], "ids": good[0]["ids"], "label": 1},
         17,
+        {"dense": [*good[0]["dense"][:5], 1e39, *good[0]["dense"][6:]], "ids": good[0]["ids"]},  # inf in float32
+        {"dense": [*good[0]["dense"][:2], 10**400, *good[0]["dense"][3:]], "ids": good[0]["ids"]},  # past float64
     ]
     scores, errors = model.score_rows([good[0], *bad, good[1]])
     assert [(e["row"], e["field"]) for e in errors] == [
         (1, "row"), (2, "dense"), (3, "dense[0]"), (4, "C3"), (5, "C2"), (6, "C5"), (7, "C9"), (8, "C1"),
-        (9, "label"), (10, "row")]
+        (9, "label"), (10, "row"), (11, "dense[5]"), (12, "dense[2]")]
+    assert "must be finite (in float32), got 1e+39" in errors[10]["error"]
     assert "outside [0, 1000)" in errors[3]["error"] and "at most 3" in errors[4]["error"]
     assert all(s is None for s in scores[1:-1])
     alone, _ = model.score_rows([good[0], good[1]])

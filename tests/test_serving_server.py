@@ -231,42 +231,52 @@ def test_sigterm_drains_the_queued_request(tiny):
 
 
 def test_adaptive_batching_decisions():
-    """DeepRecSys-style hill climbing, by hand: start at the cap without waiting, wait longer while the worker is busy
-    and p99 has slack, stop waiting past the target and then shrink a batch whose one call is too long, stop waiting
-    when idle; a window closes after `window` requests or after `period_s` with `min_requests`."""
-    adaptive = AdaptiveBatching(cap=64, target_ms=20.0, window=4, period_s=0.5, min_requests=2)
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 0.0)
-    adaptive.decide(p99_ms=5.0, utilisation=0.9)
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 0.25)
-    for _ in range(6):
-        adaptive.decide(p99_ms=5.0, utilisation=0.9)
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 5.0)  # capped: 64 rows, target / 4
-    adaptive.decide(p99_ms=25.0, utilisation=0.9, longest_call_ms=8.0)
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 2.5)  # waiting goes first
-    adaptive.decide(p99_ms=15.0, utilisation=0.9)  # busy but no slack (15 > 0.6 * 20): hold
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 2.5)
-    adaptive.decide(p99_ms=1.0, utilisation=0.1)
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 1.25)
-    for _ in range(4):  # 1.25 -> 0.625 -> 0.3125 -> 0.15625 -> 0 (under 0.25 ms: no wait at all)
-        adaptive.decide(p99_ms=25.0, utilisation=0.9, longest_call_ms=8.0)
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 0.0)
-    adaptive.decide(p99_ms=25.0, utilisation=0.9, longest_call_ms=4.0)  # a call is 4 <= 20 / 4 ms: overload, hold
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (64, 0.0)
-    adaptive.decide(p99_ms=25.0, utilisation=0.9, longest_call_ms=6.0)  # one call spends > target / 4: shrink
-    assert (adaptive.max_batch, adaptive.max_wait_ms) == (32, 0.0)
+    """The scheduler's choices, computed by hand: calls take up to the largest batch whose warm-up call fit target / 4
+    (the cap when none did); it waits only with the worker busy over 60 % of the time, for the smallest batch b with
+    rate x s(b) / b <= 0.3, at most (b - 1) / rate and the wait bound; the bound (target / 4 at first) halves on a
+    window over the target while waiting and doubles back under half the target; call times are moving averages; a
+    window closes after `window` requests or after `period_s` with `min_requests`."""
+    shapes = {n: n for n in (1, 2, 4, 8, 16, 32, 64)}
+    call_s = {1: 0.001, 2: 0.0011, 4: 0.0012, 8: 0.0014, 16: 0.002, 32: 0.003, 64: 0.006}
+    adaptive = AdaptiveBatching(shapes, target_ms=20.0, call_s=call_s, window=4, period_s=0.5, min_requests=2)
+    state = lambda: (adaptive.fill_rows, adaptive.max_batch, adaptive.max_wait_ms)  # noqa: E731
+    assert state() == (1, 32, 0.0)  # 64's call, 6 ms, is over 20 / 4
+    adaptive.decide(p99_ms=8.0, rows_per_s=300.0, busy_share=0.3)  # the worker keeps up: no wait
+    assert state() == (1, 32, 0.0)
+    adaptive.decide(p99_ms=15.0, rows_per_s=900.0, busy_share=0.8)  # busy: b = 1: 0.9, 2: 0.495, 4: 0.27 <= 0.3
+    assert state() == (4, 32, pytest.approx(1e3 * 3 / 900))  # 3 more rows at 900 rows/s (under the 5 ms bound)
+    adaptive.decide(p99_ms=25.0, rows_per_s=900.0, busy_share=0.8)  # over while waiting: bound 2.5
+    assert state() == (4, 32, 2.5)
+    adaptive.decide(p99_ms=25.0, rows_per_s=900.0, busy_share=0.8)  # 1.25
+    assert state() == (4, 32, 1.25)
+    adaptive.decide(p99_ms=25.0, rows_per_s=900.0, busy_share=0.5)  # bound 0.625; no longer busy: no wait
+    assert state() == (1, 32, 0.0) and adaptive.wait_bound_ms == 0.625
+    adaptive.decide(p99_ms=25.0, rows_per_s=900.0, busy_share=0.5)  # over without waiting: the bound holds
+    assert adaptive.wait_bound_ms == 0.625
+    adaptive.decide(p99_ms=4.0, rows_per_s=900.0, busy_share=0.8)  # under half the target: bound 1.25
+    assert state() == (4, 32, 1.25)
+    adaptive.decide(p99_ms=15.0, rows_per_s=20000.0, busy_share=0.9)  # no batch up to 32 gets to 0.3: the cap
+    assert state() == (32, 32, 1.25)  # 31 rows take 1.55 ms to arrive: the bound
+    adaptive.record_forward(0.004, 32)
+    assert adaptive.call_s[32] == pytest.approx(0.8 * 0.003 + 0.2 * 0.004)
+    adaptive.record_forward(0.030, 32)  # 8.6 ms: the calls' load slows them; the cap stays
     start = adaptive.window_start
-    adaptive.record_forward(0.004)
-    adaptive.record_forward(0.007)
-    for seconds in (0.001, 0.002, 0.003, 0.1):  # 4 requests in 0.1 s -> one decision on their p99: over
-        # the target, no wait, the longest call 7 > 20 / 4 ms -> shrink
-        adaptive.record_request(seconds, now=start + 0.1)
-    assert adaptive.decisions[-1] == (pytest.approx(1e3 * np.percentile([0.001, 0.002, 0.003, 0.1], 99)), 16, 0.0)
-    assert adaptive.latencies == [] and adaptive.longest_call_s == 0.0
-    adaptive.record_request(0.001, now=start + 0.3)  # 0.2 s into the window, 1 request: open
-    adaptive.record_request(0.001, now=start + 0.5)  # 0.4 s: open
+    for seconds in (0.001, 0.002, 0.003, 0.1):  # 4 one-row requests in 0.1 s close a window: over while waiting
+        adaptive.record_request(seconds, 1, now=start + 0.1)  # (bound 0.625); busy 34 ms of 100: no wait
+    p99 = 1e3 * np.percentile([0.001, 0.002, 0.003, 0.1], 99)
+    assert adaptive.decisions[-1] == (pytest.approx(p99), pytest.approx(40.0), pytest.approx(0.34), 1, 32, 0.0)
+    assert adaptive.latencies == [] and adaptive.rows == 0 and adaptive.busy_s == 0.0
+    adaptive.record_request(0.001, 3, now=start + 0.3)  # 0.2 s into the window, 1 request: open
+    adaptive.record_request(0.001, 3, now=start + 0.5)  # 0.4 s: open
     assert len(adaptive.latencies) == 2
-    adaptive.record_request(0.001, now=start + 0.7)  # 0.6 s >= period, 3 >= min_requests: closes (idle, no wait)
-    assert adaptive.decisions[-1] == (pytest.approx(1.0), 16, 0.0) and adaptive.latencies == []
+    adaptive.record_request(0.001, 3, now=start + 0.7)  # 0.6 s >= period, 3 >= min_requests: closes
+    assert adaptive.decisions[-1] == (pytest.approx(1.0), pytest.approx(9 / 0.6), 0.0, 1, 32, 0.0)
+    for shape in adaptive.call_s:  # overloaded: every call slowed to 8 ms
+        adaptive.call_s[shape] = 0.008
+    adaptive.decide(p99_ms=300.0, rows_per_s=1000.0, busy_share=0.95)  # 1000 x 8 ms / b <= 0.3 from b = 32
+    assert state() == (32, 32, pytest.approx(1.25))  # 1.0 ms p99 above doubled the bound back
+    slow = AdaptiveBatching(shapes, target_ms=20.0, call_s={n: 0.008 for n in shapes})
+    assert slow.max_batch == 64  # no warm-up call fit 20 / 4 ms: the cap
 
 
 def test_server_options_are_checked():

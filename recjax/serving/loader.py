@@ -82,13 +82,17 @@ class EncodedInput:
         if not isinstance(values, list) or len(values) != self.num_dense:
             got = f"{len(values)} values" if isinstance(values, list) else type(values).__name__
             raise RowError("dense", f"must be a list of {self.num_dense} numbers, got {got}")
-        out = np.empty(self.num_dense, np.float32)
         for k, v in enumerate(values):
             if isinstance(v, bool) or not isinstance(v, int | float):
                 raise RowError(f"dense[{k}]", f"must be a number, got {json.dumps(v)[:40]}")
-            out[k] = v
-            if not np.isfinite(out[k]):
-                raise RowError(f"dense[{k}]", f"must be finite (in float32), got {v}")
+        try:
+            with np.errstate(over="ignore"):  # past float32's range is inf, refused below
+                out = np.array(values, np.float32)
+        except OverflowError:  # an int past float64's range
+            out = np.array([v if abs(v) < 2**128 else math.inf for v in values], np.float32)
+        bad = np.flatnonzero(~np.isfinite(out))
+        if len(bad):
+            raise RowError(f"dense[{bad[0]}]", f"must be finite (in float32), got {values[bad[0]]}")
         return out
 
     def bag(self, feature: dict, value: Any) -> list[int]:
@@ -482,15 +486,19 @@ class ServingModel:
                 errors.append({"row": i, "field": error.field, "error": error.message})
             except (ValueError, TypeError, OverflowError) as error:  # anything else a row can hold
                 errors.append({"row": i, "field": "row", "error": f"cannot be read: {error}"[:300]})
-        n = len(good)
-        dense = np.zeros((n, self.num_dense), np.float32)
-        ids = {f["name"]: np.zeros((n, f["bag_size"]), np.int32) for f in self.features}
-        lengths = {f["name"]: np.zeros(n, np.int32) for f in self.features}
-        for r, (d, bags) in enumerate(good):
-            dense[r] = d
-            for name, bag in bags.items():
-                ids[name][r, :len(bag)] = bag
-                lengths[name][r] = len(bag)
+        # Every feature's padded bags in one array, then a view per feature: three numpy calls per request, not
+        # two per row and feature (a request's encoding is part of the server's per-request cost).
+        n, sizes = len(good), [f["bag_size"] for f in self.features]
+        dense = (np.stack([d for d, _ in good]).astype(np.float32, copy=False) if n
+                 else np.zeros((0, self.num_dense), np.float32))
+        flat = np.array([[i for name, size in zip(self.feature_names, sizes, strict=True)
+                          for i in (bags[name] + [0] * (size - len(bags[name])))] for _, bags in good],
+                        np.int32).reshape(n, sum(sizes))
+        counts = np.array([[len(bags[name]) for name in self.feature_names] for _, bags in good],
+                          np.int32).reshape(n, len(sizes))
+        starts = np.cumsum([0, *sizes])
+        ids = {name: flat[:, starts[k]:starts[k + 1]] for k, name in enumerate(self.feature_names)}
+        lengths = {name: counts[:, k] for k, name in enumerate(self.feature_names)}
         return EncodedRows(dense, ids, lengths, index), errors
 
     # ------------------------------------------------------------------------------------------- scoring

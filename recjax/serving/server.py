@@ -24,9 +24,9 @@ a row's score is a function of the row alone, never of what it was batched with 
 bit of a row's score with the batch shape); "pow2" pads to the next power of two instead (less work per small
 batch, scores then agree across batchings to ~1 ulp).
 
-Scheduling (`scheduler="adaptive"`): `AdaptiveBatching` tunes max_batch and max_wait_ms online against a p99 target,
-in the spirit of DeepRecSys's DeepRecSched (Gupta et al., ISCA 2020: hill-climb the batch size while the tail latency
-stays under the target).
+Scheduling (`scheduler="adaptive"`): `AdaptiveBatching` chooses, every quarter second, how many rows a call may take
+and whether to wait for more, from the measured arrival rate, call times and worker load, against a p99 target
+(DeepRecSys's per-load batch size, Gupta et al., ISCA 2020; `--max_batch` is then the cap).
 
 On SIGTERM (or SIGINT) the server stops accepting connections, scores what is queued at once, answers every request
 in flight, and exits (`drain_seconds` bounds the wait).
@@ -84,60 +84,77 @@ class ServerOptions:
 
 
 class AdaptiveBatching:
-    """Online tuning of (max_batch, max_wait_ms) against a p99 latency target, one decision per window of requests.
+    """Online choice of the batching for the load of the moment, against a p99 latency target.
 
-    DeepRecSys's scheduler (Gupta et al., ISCA 2020, Sec. 5) grows the batch while the tail latency stays under the
-    target, since bigger batches amortise the per-call cost and raise the throughput the target allows. Here it starts
-    from max_batch = `cap` and no wait: the batcher then scores together whatever queued while the worker was busy
-    (requests that would have waited anyway), so batching adds no latency at low load and grows with the load by
-    itself; what is left to tune is how long to *wait* for fuller batches, and whether one call at max_batch is too
-    long for the target. Per window (`window` finished requests, or `period_s` seconds with at least `min_requests`),
-    with p99 latency p, worker utilisation u (forward time / window time) and the longest call c:
-        p > target                      waiting: halve max_wait_ms (0 below 0.125 ms); not waiting and c > target/4:
-                                        halve max_batch (one call alone spends the target's budget)
-        u > busy and p < slack target   double max_wait_ms (from 0.25 ms, up to target/4) and max_batch (up to cap):
-                                        the worker is the bottleneck and there is latency to spend on amortising it
-        u < idle                        halve max_wait_ms: at low load waiting only adds latency
+    DeepRecSys (Gupta et al., ISCA 2020, Sec. 5) tunes the batch size per load: a bigger batch amortises the cost of
+    a call and raises the throughput the tail target allows, until the wait for it or the call itself spends the
+    target. The batcher already batches for free what queues while a call runs; what is left to choose is how many
+    rows one call may take and whether to *wait* for more. Per window (`window` requests, or `period_s` seconds with
+    at least `min_requests`) the scheduler measures the arrival rate lambda (rows/s), the worker's busy share u
+    (seconds in model calls / window seconds) and the p99 latency, and keeps each batch shape's call time s(b)
+    (moving averages, seeded by the warm-up's calls). Then:
+      * a call takes every queued row up to `max_batch`: the largest batch whose call fit target / 4 when the
+        warm-up timed them (the cap if none did). Fixed: under load the calls slow down because the requests
+        themselves take the cores, and shrinking the batch then (measured: to 8 rows at 1,000/s) means more calls
+        and slower ones still;
+      * it waits only when it must batch to keep up: with the worker busy more than `busy` of the time, queues
+        build, so it waits for `fill_rows` = the smallest batch b with lambda s(b) / b <= busy / 2 (at most
+        (b - 1) / lambda, the time b rows take to arrive, and the wait bound); otherwise no wait (at low load a
+        request runs alone, and waiting would only add its wait to the tail);
+      * the wait bound starts at target / 4; a window over the target while waiting halves it (the wait is the
+        first suspect), a window under `slack` x target doubles it back.
     """
 
-    def __init__(self, cap: int, target_ms: float, max_batch: int | None = None, max_wait_ms: float = 0.0,
-                 window: int = 200, period_s: float = 0.5, min_requests: int = 20, busy: float = 0.7,
-                 idle: float = 0.3, slack: float = 0.6):
-        self.cap, self.target_ms = cap, target_ms
+    def __init__(self, shape_of: dict[int, int], target_ms: float, call_s: dict[int, float] | None = None,
+                 window: int = 200, period_s: float = 0.25, min_requests: int = 20, busy: float = 0.6,
+                 slack: float = 0.5):
+        # shape_of: the batch sizes to choose from (powers of two up to the cap) -> the shape a call of that many
+        # rows runs at (the batcher's `shape_for`).
+        self.shape_of, self.sizes, self.target_ms = dict(shape_of), sorted(shape_of), target_ms
         self.window, self.period_s, self.min_requests = window, period_s, min_requests
-        self.max_batch, self.max_wait_ms = min(cap if max_batch is None else max_batch, cap), max_wait_ms
-        self.busy, self.idle, self.slack = busy, idle, slack
+        self.busy, self.slack = busy, slack
+        self.call_s = {shape: (call_s or {}).get(shape, 0.0) for shape in set(self.shape_of.values())}
+        self.wait_bound_ms = target_ms / 4
+        self.fill_rows, self.max_wait_ms = 1, 0.0
+        fits = [b for b in self.sizes if 1e3 * self.seconds(b) <= self.target_ms / 4]
+        self.max_batch = max(fits) if fits else self.sizes[-1]
         self.latencies: list[float] = []
-        self.busy_s = self.longest_call_s = 0.0
+        self.rows, self.busy_s = 0, 0.0
         self.window_start = time.perf_counter()
-        self.decisions: list[tuple[float, int, float]] = []  # (p99 ms, max_batch, max_wait_ms) after each window
+        # (p99 ms, rows/s, busy share, fill_rows, max_batch, max_wait_ms) after each window
+        self.decisions: list[tuple[float, float, float, int, int, float]] = []
 
-    def record_forward(self, seconds: float) -> None:
+    def seconds(self, rows: int) -> float:
+        return self.call_s[self.shape_of[rows]]
+
+    def record_forward(self, seconds: float, shape: int) -> None:
         self.busy_s += seconds
-        self.longest_call_s = max(self.longest_call_s, seconds)
+        old = self.call_s.get(shape, 0.0)
+        self.call_s[shape] = seconds if old == 0.0 else 0.8 * old + 0.2 * seconds
 
-    def record_request(self, seconds: float, now: float | None = None) -> None:
+    def record_request(self, seconds: float, rows: int, now: float | None = None) -> None:
         self.latencies.append(seconds)
+        self.rows += rows
         now = time.perf_counter() if now is None else now
         elapsed = now - self.window_start
         count = len(self.latencies)
         if count >= self.window or (elapsed >= self.period_s and count >= self.min_requests):
-            self.decide(float(np.percentile(self.latencies, 99)) * 1e3, self.busy_s / max(elapsed, 1e-9),
-                        self.longest_call_s * 1e3)
-            self.latencies, self.busy_s, self.longest_call_s, self.window_start = [], 0.0, 0.0, now
+            elapsed = max(elapsed, 1e-9)
+            self.decide(float(np.percentile(self.latencies, 99)) * 1e3, self.rows / elapsed, self.busy_s / elapsed)
+            self.latencies, self.rows, self.busy_s, self.window_start = [], 0, 0.0, now
 
-    def decide(self, p99_ms: float, utilisation: float, longest_call_ms: float = 0.0) -> None:
-        if p99_ms > self.target_ms:
-            if self.max_wait_ms > 0:
-                self.max_wait_ms = self.max_wait_ms / 2 if self.max_wait_ms >= 0.25 else 0.0
-            elif longest_call_ms > self.target_ms / 4:
-                self.max_batch = max(1, self.max_batch // 2)
-        elif utilisation > self.busy and p99_ms < self.slack * self.target_ms:
-            self.max_batch = min(self.cap, self.max_batch * 2)
-            self.max_wait_ms = min(self.target_ms / 4, max(0.25, self.max_wait_ms * 2))
-        elif utilisation < self.idle:
-            self.max_wait_ms = self.max_wait_ms / 2 if self.max_wait_ms >= 0.25 else 0.0
-        self.decisions.append((p99_ms, self.max_batch, self.max_wait_ms))
+    def decide(self, p99_ms: float, rows_per_s: float, busy_share: float) -> None:
+        if p99_ms > self.target_ms and self.max_wait_ms > 0:
+            self.wait_bound_ms = max(0.25, self.wait_bound_ms / 2)
+        elif p99_ms < self.slack * self.target_ms:
+            self.wait_bound_ms = min(self.target_ms / 4, 2 * self.wait_bound_ms)
+        fill = 1
+        if busy_share > self.busy and rows_per_s > 0:
+            fill = next((b for b in self.sizes if b <= self.max_batch
+                         and rows_per_s * self.seconds(b) / b <= self.busy / 2), self.max_batch)
+        self.fill_rows = fill
+        self.max_wait_ms = 0.0 if fill == 1 else min(self.wait_bound_ms, 1e3 * (fill - 1) / rows_per_s)
+        self.decisions.append((p99_ms, rows_per_s, busy_share, self.fill_rows, self.max_batch, self.max_wait_ms))
 
 
 class Metrics:
@@ -158,6 +175,8 @@ class Metrics:
                                       buckets=LATENCY_BUCKETS, registry=registry)
         self.queued = prom.Gauge("recjax_serving_queued_rows", "Rows waiting for a batch", registry=registry)
         self.max_batch = prom.Gauge("recjax_serving_max_batch", "max_batch in force", registry=registry)
+        self.fill_rows = prom.Gauge("recjax_serving_fill_rows", "Rows the batcher waits for (max_batch unless the "
+                                    "adaptive scheduler chose fewer)", registry=registry)
         self.max_wait = prom.Gauge("recjax_serving_max_wait_seconds", "max_wait_ms in force, in seconds",
                                    registry=registry)
         if hasattr(model, "cache_stats"):  # tiered tables: rows served from the RAM cache / rows looked up
@@ -189,12 +208,17 @@ class Batcher:
         self.wakeup = asyncio.Event()
         self.draining = False
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recjax-score")
-        self.adaptive = (AdaptiveBatching(options.max_batch, options.p99_target_ms)
-                         if options.scheduler == "adaptive" else None)
+        self.adaptive: AdaptiveBatching | None = None  # made by `warm_up`, from the calls' measured times
 
     @property
     def max_batch(self) -> int:
+        """The most rows one call takes from the queue."""
         return self.adaptive.max_batch if self.adaptive else self.options.max_batch
+
+    @property
+    def fill_rows(self) -> int:
+        """The rows the batcher waits for (up to max_wait) before a call."""
+        return self.adaptive.fill_rows if self.adaptive else self.options.max_batch
 
     @property
     def max_wait_s(self) -> float:
@@ -212,12 +236,24 @@ class Batcher:
         return cap if self.options.batch_shapes == "fixed" else min(cap, next_power_of_two(n))
 
     def warm_up(self) -> None:
-        """Compile every batch shape before the first request (on the worker thread's caller)."""
+        """Compile every batch shape before the first request (on the worker thread), and time a few calls of each
+        for the adaptive scheduler's first choices."""
         spec = self.model.features
+        call_s = {}
         for size in self.shapes():
-            self.model.score_arrays(np.zeros((1, self.model.num_dense), np.float32),
-                                    {f["name"]: np.zeros((1, f["bag_size"]), np.int32) for f in spec},
-                                    {f["name"]: np.zeros(1, np.int32) for f in spec}, pad_to=size)
+            times = []
+            for _ in range(4):  # the first call compiles
+                t0 = time.perf_counter()
+                self.model.score_arrays(np.zeros((1, self.model.num_dense), np.float32),
+                                        {f["name"]: np.zeros((1, f["bag_size"]), np.int32) for f in spec},
+                                        {f["name"]: np.zeros(1, np.int32) for f in spec}, pad_to=size)
+                times.append(time.perf_counter() - t0)
+            call_s[size] = float(np.median(times[1:]))
+        if self.options.scheduler == "adaptive":
+            cap = self.options.max_batch
+            sizes = sorted({min(cap, 2**k) for k in range(int(math.ceil(math.log2(cap))) + 1)})
+            self.adaptive = AdaptiveBatching({n: self.shape_for(n) for n in sizes}, self.options.p99_target_ms,
+                                             call_s)
 
     async def submit(self, rows: EncodedRows) -> tuple[np.ndarray, float]:
         """(the rows' scores, the seconds of the model call(s) that scored them)."""
@@ -240,7 +276,7 @@ class Batcher:
                 self.wakeup.clear()
                 await self.wakeup.wait()
             deadline = self.queue[0].arrived + self.max_wait_s
-            while self.queued_rows < self.max_batch and not self.draining:
+            while self.queued_rows < self.fill_rows and not self.draining:
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
                     break
@@ -257,6 +293,7 @@ class Batcher:
             self.queued_rows -= size
             self.metrics.queued.set(self.queued_rows)
             self.metrics.max_batch.set(self.max_batch)
+            self.metrics.fill_rows.set(self.fill_rows)
             self.metrics.max_wait.set(self.max_wait_s)
             try:
                 scores, seconds = await loop.run_in_executor(self.worker, self._score, [p.rows for p in batch])
@@ -274,9 +311,12 @@ class Batcher:
     def _score(self, parts: list[EncodedRows]) -> tuple[np.ndarray, float]:
         """One batch (several requests' rows) through the model, in calls of at most the largest batch shape; (the
         scores, the calls' seconds)."""
-        dense = np.concatenate([p.dense for p in parts])
-        ids = {k: np.concatenate([p.ids[k] for p in parts]) for k in parts[0].ids}
-        lengths = {k: np.concatenate([p.lengths[k] for p in parts]) for k in parts[0].lengths}
+        if len(parts) == 1:  # one request: its arrays as they are (most calls at low load)
+            dense, ids, lengths = parts[0].dense, parts[0].ids, parts[0].lengths
+        else:
+            dense = np.concatenate([p.dense for p in parts])
+            ids = {k: np.concatenate([p.ids[k] for p in parts]) for k in parts[0].ids}
+            lengths = {k: np.concatenate([p.lengths[k] for p in parts]) for k in parts[0].lengths}
         cap, out, total = self.options.max_batch, [], 0.0
         for a in range(0, dense.shape[0], cap):
             n = min(cap, dense.shape[0] - a)
@@ -288,7 +328,7 @@ class Batcher:
             self.metrics.forward.observe(seconds)
             self.metrics.batch_rows.observe(n)
             if self.adaptive:
-                self.adaptive.record_forward(seconds)
+                self.adaptive.record_forward(seconds, self.shape_for(n))
         return np.concatenate(out), total
 
 
@@ -354,7 +394,7 @@ def make_app(model: Any, options: ServerOptions | None = None) -> web.Applicatio
         seconds = time.perf_counter() - received
         metrics.latency.observe(seconds)
         if batcher.adaptive:
-            batcher.adaptive.record_request(seconds)
+            batcher.adaptive.record_request(seconds, encoded.size)
         # Server-Timing (W3C): the server's own time for the request and the model call(s) in it, so a client can
         # tell the server's cost from the network's and its own.
         timing = f"total;dur={1e3 * seconds:.3f}, forward;dur={1e3 * forward:.3f}"
