@@ -65,6 +65,30 @@ def test_every_case_equals_the_memory_mesh_run(runs, case):
     assert_equals_memory_mesh_run(np.load(runs / f"{case}.npz"), case)
 
 
+@pytest.mark.slow  # three runs on 8 devices, ~75 s
+def test_checkpoints_of_a_mesh_disk_run_resume_like_the_memory_mesh_run(tmp_path):
+    """A mesh run with C1 and C4 on disk (table-wise, each owner's cache evicting every step) killed after the save of
+    step 6, its table files overwritten, and resumed writes the in-memory mesh run's checkpoints -- the single-device
+    layout, a baseline then consecutive deltas, every array equal after the relayout of the memory run's storages --
+    and ends with its summary (AUC, losses, selection)."""
+    import json
+
+    run_devices(tmp_path, ["checkpoint"], script="tiering_mesh_cases.py")
+    r = np.load(tmp_path / "checkpoint.npz")
+    for step in (3, 6, 9, 12):
+        assert r[f"disk/kind/{step}"] == r[f"memory/kind/{step}"] == ("full" if step == 3 else "delta")
+        keys = sorted(k.split("/", 1)[1] for k in r.files if k.startswith(f"memory/{step}/"))
+        assert keys == sorted(k.split("/", 1)[1] for k in r.files if k.startswith(f"disk/{step}/"))
+        assert any("/tables/" in k for k in keys) and any("/sparse_opt/" in k for k in keys)
+        for key in keys:
+            np.testing.assert_array_equal(r[f"disk/{key}"], r[f"memory/{key}"], err_msg=key, strict=True)
+    memory, disk = (json.loads(str(r[f"{name}/summary"])) for name in ("memory", "disk"))
+    assert disk["tiering"]["groups"]["dim8"]["evictions"] > 0  # after the resume, rows left the caches
+    timing = {"examples_per_sec", "compile_time_s", "train_time_s", "wall_time_s", "peak_rss_bytes",
+              "flops_per_example", "train_flops_per_example", "tiering"}
+    assert {k: v for k, v in disk.items() if k not in timing} == {k: v for k, v in memory.items() if k not in timing}
+
+
 # ------------------------------------------------------------------------------------------ the caches
 def test_partitioned_cache_is_one_brute_force_cache_per_owner():
     """Rows go to their owner's cache; each part evicts as a brute-force LRU of its own size would, and the global

@@ -7,20 +7,25 @@ For each case: the in-memory mesh run (the oracle: `sharding.setup`) and the mes
 both runs' losses, probabilities, tables, optimizer state and dense params, and the caches' counters.
 """
 
+import json
 import pathlib
 import sys
 import tempfile
 
 import jax
 import numpy as np
+import pytest
 from conftest import random_batch
+from test_tiering_checkpoint import interrupted, overwrite_records, tiny
 
 from experiments.configs.dlrm_synthetic import get_config
-from recjax import sharding, tiering
+from recjax import checkpoint, sharding, tiering
 from recjax.config_check import validate_config
+from recjax.data import make_dataset
 from recjax.specs import DatasetSpec, FeatureSpec
 from recjax.step import init_state, make_predict_step, make_train_step
 from recjax.task import build_task
+from recjax.train import train_and_evaluate
 
 BATCH = 32
 SPEC = DatasetSpec(num_dense=13, features=(FeatureSpec("C1", 3000), FeatureSpec("C2", 500, bag_size=3),
@@ -126,8 +131,65 @@ def run_case(name: str, out: pathlib.Path) -> None:
     np.savez(out / f"{name}.npz", **result)
 
 
+# ------------------------------------------------------------------------------------------- checkpoints
+def mesh_run_config(disk: pathlib.Path | None = None):
+    """tests/test_tiering_checkpoint.py's 12 steps of 32 (lazy Adam, dropout, consecutive deltas, a checkpoint every 3
+    steps) on a data=4 x model=2 mesh, C1 and C4 table-wise on devices 3 and 5, the others row-wise; with `disk`, C1
+    and C4 on disk behind caches of 32 rows per device (a step can bring each owner 32 rows: every step evicts)."""
+    config = tiny(disk=disk)
+    config.mesh.shape = "data=4,model=2"
+    config.sharding.plan = "row"
+    config.sharding.tables = "C1=table:3,C4=table:5"
+    if disk is not None:
+        config.tiering.cache_rows = 32
+    return config
+
+
+def single_device_arrays(workdir: pathlib.Path, step: int, collection) -> dict[str, np.ndarray]:
+    """`checkpoint.read_arrays` of a checkpoint, its tables and optimizer state in the single-device layout (a mesh
+    run's are by storage: `sharding.relayout`)."""
+    point = checkpoint.open_checkpoint(workdir / "checkpoints", step)
+    arrays, saved = checkpoint.read_arrays(point), point.meta["layout"]
+    if saved is None:
+        return arrays
+    convert = sharding.relayout(collection, None)
+    out = {k: v for k, v in arrays.items() if not k.startswith(("tables/", "sparse_opt/"))}
+    out.update({f"tables/{g}": t for g, t in convert({k[len("tables/"):]: v for k, v in arrays.items()
+                                                      if k.startswith("tables/")}, saved).items()})
+    for field in {k.rsplit("/", 1)[1] for k in arrays if k.startswith("sparse_opt/")}:
+        by_key = {k[len("sparse_opt/"): -len(field) - 1]: v for k, v in arrays.items()
+                  if k.startswith("sparse_opt/") and k.endswith(f"/{field}")}
+        out.update({f"sparse_opt/{g}/{field}": v for g, v in convert(by_key, saved).items()})
+    return out
+
+
+def checkpoint_case(out: pathlib.Path) -> None:
+    """The in-memory mesh run, uninterrupted; the mesh run with C1 and C4 on disk killed after the save of step 6, its
+    table files overwritten (rows no checkpoint holds), resumed. Both runs' checkpoints (single-device layout) and
+    summaries go to OUT/checkpoint.npz."""
+    root = pathlib.Path(tempfile.mkdtemp(prefix="tiering-mesh-ckpt-"))
+    train_and_evaluate(mesh_run_config(), root / "memory")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        interrupted(mesh_run_config(root / "tables"), root / "disk", monkeypatch, at_step=6)
+    overwrite_records(root / "tables")
+    train_and_evaluate(mesh_run_config(root / "tables"), root / "disk")
+    config = mesh_run_config()
+    dataset = make_dataset(config.data, seed=config.seed)
+    collection = build_task(config, dataset.spec).collection
+    result = {}
+    for name in ("memory", "disk"):
+        for step in (3, 6, 9, 12):
+            point = checkpoint.open_checkpoint(root / name / "checkpoints", step)
+            result[f"{name}/kind/{step}"] = point.meta["kind"]
+            for key, value in single_device_arrays(root / name, step, collection).items():
+                result[f"{name}/{step}/{key}"] = value
+        summary = json.loads((root / name / "summary.json").read_text())
+        result[f"{name}/summary"] = json.dumps(summary)
+    np.savez(out / "checkpoint.npz", **result)
+
+
 if __name__ == "__main__":
     out_dir = pathlib.Path(sys.argv[1])
     for case in sys.argv[2:]:
-        run_case(case, out_dir)
+        checkpoint_case(out_dir) if case == "checkpoint" else run_case(case, out_dir)
         print(f"done {case}", flush=True)

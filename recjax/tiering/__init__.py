@@ -23,6 +23,7 @@ import numpy as np
 from recjax import sharding
 from recjax.errors import ConfigError
 from recjax.sharding.mesh import make_mesh
+from recjax.sharding.plan import parse_overrides
 from recjax.tiering.backend import GroupLayout, SlottedBatch, TieredBatch, TieredEmbedding
 from recjax.tiering.cache import POLICIES, PartitionedRowCache, RowCache
 from recjax.tiering.mesh import MeshTieredEmbedding, plan_mesh_layouts
@@ -147,7 +148,7 @@ def setup(config: ml_collections.ConfigDict, task, dataset=None) -> TieredEmbedd
     batch_size = int(config.train.batch_size)
     fraction, cache_rows = float(tiering.get("cache_fraction", 0.1)), int(tiering.get("cache_rows", 0))
     if mesh is not None:  # each device block's cached rows behind a cache of its own (recjax/tiering/mesh.py)
-        meshed = sharding.setup(config, task)
+        meshed = sharding.setup(_cached_tables_row_wise(config, task, off_memory), task)
         layouts = plan_mesh_layouts(collection, tiers, meshed.plan, batch_size, fraction, cache_rows)
     else:
         layouts = plan_layouts(collection, tiers, batch_size, fraction, cache_rows)
@@ -183,6 +184,27 @@ def _check_mesh_run(config: ml_collections.ConfigDict, off_memory: list[str]) ->
     if config.get("tiering", {}).get("policy", "lru") == "static":
         raise ConfigError("tiering.policy", "'static' is not supported on a mesh yet (its hot set would be profiled "
                                             "per device block); use lru or lfu")
+
+
+def _cached_tables_row_wise(config: ml_collections.ConfigDict, task, off_memory: list[str]
+                            ) -> ml_collections.ConfigDict:
+    """The config the mesh's plan is made from: under `sharding.plan=auto`, the cached tables `sharding.tables` does
+    not place are pinned row-wise -- a device's cache serves the rows it owns, and the planner would otherwise weigh
+    column-wise and replicated placements, which the tier cannot serve on a mesh. Any other plan is the user's."""
+    section = config.get("sharding") or ml_collections.ConfigDict()
+    if section.get("plan", "auto") != "auto":
+        return config
+    text = section.get("tables", "")
+    placed = parse_overrides(text, sharding.table_infos(task.collection, None))
+    pins = [f"{name}=row" for name in off_memory if name not in placed]
+    if not pins:
+        return config
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        if "sharding" not in config:
+            config.sharding = ml_collections.ConfigDict()
+        config.sharding.tables = ",".join(filter(None, [text, *pins]))
+    return config
 
 
 def _table_directory(text: str, layouts: list[GroupLayout], optimizer) -> tuple[pathlib.Path, bool]:

@@ -28,10 +28,16 @@ Evaluation does not move the cache: the predict step gets a working set of the c
 block holding the batch's distinct rows it owns (from its cache where they are cached, else from the store), built
 beside the cache (O(cache) device memory per eval batch).
 
-Not supported (refused in `recjax.tiering.setup`): multi-process runs (each process sees only its share of a batch,
-and the caches' plan needs the whole batch), column-wise or replicated cached tables (every device would need every
-cached row), the cached tables of one group split over different axes, the static policy (its hot set would be
-profiled per device), and checkpoints of such runs.
+Checkpoints record the single-device layout, as one device's tier does (`checkpoint_state`: the caches' dirty rows
+written back, the cached tables' rows read from the stores, the memory tables' from their storages; Check-N-Run's
+dirty rows of a cached group kept by stacked row on the host); a restore builds that state and `place_state` writes
+the cached rows to fresh stores and lays the rest out by the plan. So a checkpoint moves between one device, the
+in-memory mesh and this placement.
+
+Under `sharding.plan=auto` the cached tables are pinned row-wise (`recjax.tiering.setup`). Not supported (refused
+there with a ConfigError): multi-process runs (each process sees only its share of a batch, and the caches' plan needs
+the whole batch), column-wise or replicated cached tables (every device would need every cached row), the cached
+tables of one group split over different axes, and the static policy (its hot set would be profiled per device).
 """
 
 import math
@@ -108,10 +114,13 @@ def plan_mesh_layouts(collection, tiers: Mapping[str, str], plan: ShardingPlan, 
         names = ", ".join(cached[group])
         need = int(per_step.max())
         if slots < need:
+            # Every row a step brings a device must sit in that device's cache during the step, and any one device
+            # may own all of a step's rows of a table: the bound is per device, not the global step's rows / P.
             raise ConfigError(key, f"group {group}'s cache of {slots:,} rows per device cannot hold the {need:,} "
                                    f"distinct rows of its tables {names} one step of {batch_size} examples can bring "
-                                   f"one device; raise it to at least {need:,} rows per device or lower "
-                                   "train.batch_size")
+                                   f"one device; raise it to at least {need:,} rows per device (tiering.cache_fraction "
+                                   f">= {need / owned.max():.3g} of the {int(owned.max()):,} rows the fullest device "
+                                   "owns) or lower train.batch_size")
         if slots >= owned.max():
             raise ConfigError(key, f"group {group}'s cache of {slots:,} rows per device holds all {int(owned.max()):,} "
                                    f"rows of its tables {names} any device owns: keep them in memory "
@@ -152,9 +161,8 @@ class MeshTieredEmbedding(TieredEmbedding):
                  layouts: Sequence[GroupLayout], directory, *, exchange_dtype: str = "float32",
                  capacity_factor: float = 0.0, capacity_sigmas: float = 0.0, temporary: bool = False,
                  policy: str = "lru", prefetch: bool = True, io_threads: int = 16):
-        if policy == "static":
-            raise ConfigError("tiering.policy", "'static' is not supported on a mesh yet (its hot set would be "
-                                                "profiled per device); use lru or lfu")
+        if policy == "static":  # `recjax.tiering.setup` refuses it with a ConfigError
+            raise ValueError("the static policy is not supported on a mesh")
         names = {g.name: [name for name, *_ in g.cached] for g in layouts}
         self.holders = cached_storages(build_storages(collection, plan), names, collection)
         storages = build_storages(collection, plan, skip=frozenset(n for v in names.values() for n in v))
