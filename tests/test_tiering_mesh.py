@@ -160,6 +160,20 @@ def test_cached_tables_of_one_group_split_over_different_axes_are_refused():
     assert error.value.key == "sharding.tables"
 
 
+def test_auto_plans_pin_the_cached_tables_row_wise():
+    """Under sharding.plan=auto the cached tables the user did not place are pinned row-wise (the planner would weigh
+    column-wise and replicated placements too); the user's placements and any other plan are left alone."""
+    task = build_task(tiny_config(), SPEC)
+    config = tiny_config()
+    config.sharding.plan = "auto"
+    config.sharding.tables = "C2=table:1"
+    pinned = tiering._cached_tables_row_wise(config, task, ["C1", "C2", "C4"])
+    assert pinned.sharding.tables == "C2=table:1,C1=row,C4=row"
+    assert config.sharding.tables == "C2=table:1"  # a copy: the run's config is unchanged
+    config.sharding.plan = "table"
+    assert tiering._cached_tables_row_wise(config, task, ["C1", "C2", "C4"]) is config
+
+
 def test_multi_process_and_static_policy_on_a_mesh_are_refused(monkeypatch):
     config = tiny_config()
     config.tiering.policy = "static"

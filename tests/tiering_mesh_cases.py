@@ -33,13 +33,17 @@ SPEC = DatasetSpec(num_dense=13, features=(FeatureSpec("C1", 3000), FeatureSpec(
 # name: (sparse optimizer, mesh, plan, plan overrides, extra config, cache slots per device).
 # The cache is the smallest that holds a step on every device, so most steps evict. By hand, the most distinct rows
 # one global batch of 32 can bring a device: row-wise over 8 devices, min(375, 32) of C1 + min(63, 32 x 3) of C2 +
-# min(250, 32) of C4 = 127; table-wise, C2's owner: 32 x 3 = 96; row-wise over the 4 model columns, 32 + 96 + 32 = 160.
+# min(250, 32) of C4 = 127; table-wise, C2's owner: 32 x 3 = 96; row-wise over the 4 model columns, 32 + 96 + 32 = 160;
+# C1 alone, row-wise over 8: min(375, 32) = 32.
 CASES = {
     "rowwise_adagrad-row-4x2": ("rowwise_adagrad", "data=4,model=2", "row", "C3=replicated", {}, 127),
     "lazy_adam-table-4x2": ("lazy_adam", "data=4,model=2", "table", "C1=table:3,C2=table:0,C3=table:1,C4=table:5",
                             {}, 96),
     "sgd-row_mod_model-2x4": ("sgd", "data=2,model=4", "row", "C3=replicated",
                               {"sharding.row_axes": "model", "sharding.row_split": "mod"}, 160),
+    # Mixed dims (MD, alpha 0.5): C1's group on disk, the other groups in memory with their plan (and their glue).
+    "adagrad-md-row-4x2": ("adagrad", "data=4,model=2", "row", "", {
+        "embedding.method": "md", "embedding.options.alpha": 0.5, "tiering.tables": "C1=disk"}, 32),
 }
 STEPS = 16
 
@@ -58,9 +62,13 @@ def case_config(optimizer: str, mesh: str, plan: str, overrides: str, extra: dic
     config.sharding.tables = overrides
     config.sharding.capacity_factor = 1.25  # small buckets that overflow now and then: both branches run
     config.sharding.capacity_sigmas = 0.0
-    for key, value in extra.items():
-        config.sharding[key.split(".")[1]] = value
     config.tiering.tables = "C1=disk,C2=disk,C4=disk"  # C3 stays in memory, in the same stacked group
+    for key, value in extra.items():
+        section, field = key.rsplit(".", 1)
+        node = config
+        for part in section.split("."):
+            node = node[part]
+        node[field] = value
     config.tiering.cache_rows = slots
     config.tiering.dir = directory
     return config
