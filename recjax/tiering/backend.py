@@ -518,6 +518,10 @@ class TieredEmbedding(EmbeddingBackend):
         layout = self.layouts[group]
         return group, layout.resident_rows, layout.device_rows
 
+    def _swap_rows(self, group: str, n: int) -> int:
+        """The rows a swap of `n` misses or write-backs moves (padded: a few compiled shapes)."""
+        return _bucket(n, self.layouts[group].step_rows)
+
     def _slots_and_misses(self, group: str, unique: np.ndarray, train: bool):
         """Device rows i32[N] of a batch's distinct stacked rows, and the cached ones' plan (None for prediction:
         then the misses are those without a slot, and nothing moves)."""
@@ -575,7 +579,7 @@ class TieredEmbedding(EmbeddingBackend):
             miss = self._read_misses(g, plan.miss_rows)
             read_s += time.perf_counter() - t1
             key, first, end = self._cache_array(g)
-            m = e = _bucket(max(len(plan.miss_rows), len(plan.evict_rows)), layout.step_rows)
+            m = e = self._swap_rows(g, max(len(plan.miss_rows), len(plan.evict_rows)))
             fill[key] = np.full(m, end, np.int32)
             fill[key][: len(plan.miss_rows)] = first + plan.miss_slots
             records[key] = np.zeros((m, self.widths[g]), np.float32)

@@ -56,7 +56,15 @@ from recjax.sharding.exchange import Storage, build_storages, group_layout
 from recjax.sharding.placement import ALL_AXES, put_global, to_host
 from recjax.sharding.plan import ShardingPlan, format_plan
 from recjax.sparse_optim import SparseOptimizer
-from recjax.tiering.backend import CheckpointRows, GroupLayout, SlottedBatch, TieredBatch, TieredEmbedding, TieredStep
+from recjax.tiering.backend import (
+    CheckpointRows,
+    GroupLayout,
+    SlottedBatch,
+    TieredBatch,
+    TieredEmbedding,
+    TieredStep,
+    _power_of_two,
+)
 from recjax.tiering.cache import PartitionedRowCache
 
 _CACHE = "cache"  # the cache storage of group g is "g/cache"
@@ -221,6 +229,12 @@ class MeshTieredEmbedding(TieredEmbedding):
         holder, layout = self.holders[group], self.layouts[group]
         return PartitionedRowCache(layout.rows, layout.slots, holder.parts,
                                    lambda rows: holder.locate(rows, xp=np)[1], self.policy)
+
+    def _swap_rows(self, group: str, n: int) -> int:
+        """Powers of two from 256 up to the step's bound: the bound sums what a step could bring every device, many
+        times what it brings them (e.g. ~30k rows against ~350 misses a step), and every padded row is copied to
+        every device."""
+        return min(self.layouts[group].step_rows, max(256, _power_of_two(n)))
 
     def _slots_and_misses(self, group: str, unique: np.ndarray, train: bool):
         """The rows the step sees for a batch's distinct stacked rows i32[N] (memory tables' rows as they are, cached
