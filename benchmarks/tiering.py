@@ -3,6 +3,7 @@ r"""The disk tier (recjax/tiering): storage engines, the disk's floor, the cache
     python benchmarks/tiering.py --out /tmp/tiering.jsonl                 # every section, in this order
     python benchmarks/tiering.py --only engines,floor --dir /tmp/t        # one or more sections
     python benchmarks/tiering.py --only plot --out /tmp/tiering.jsonl     # the PNG from an earlier run's lines
+    python benchmarks/tiering.py --only mesh --out /tmp/mesh.jsonl        # the disk tier on 8 CPU devices
 
 One JSON line per measurement to stdout (and appended to --out), progress to stderr. Table files go under --dir (a
 fresh temporary directory by default), removed at the end. Sections:
@@ -28,6 +29,11 @@ fresh temporary directory by default), removed at the end. Sections:
             (the speed goal's reference) and the full table set compressed with QR (--qr_collisions) to fit in memory
             (the "compress or offload" row): examples/s, test AUC, hit rate, peak RSS of each run (each in its own
             process: `python -m experiments.train`).
+  mesh      the disk tier on a mesh (recjax/tiering/mesh.py): the synthetic default (26 tables, dim 16) on 8 CPU
+            devices (data=4 x model=2), every table row-wise, trained by the launcher in memory and with every table
+            on disk behind a cache of --mesh_cache of the rows the fullest device owns, on each device: examples/s of
+            both and their ratio, AUC and logloss of both (equal: the runs are bit-identical), hit rate, rows read
+            and written (each run in its own process: `python -m experiments.train --cpu_devices=8`).
   plot      tiering.png beside --out: step-time ratio and hit rate against cache size, one line per Zipf exponent.
 """
 
@@ -51,7 +57,7 @@ from typing import Any
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-SECTIONS = ("engines", "floor", "kaggle", "mlperf52", "plot")
+SECTIONS = ("engines", "floor", "kaggle", "mlperf52", "mesh", "plot")
 OUT: pathlib.Path | None = None
 
 
@@ -435,6 +441,40 @@ def mlperf52(directory: pathlib.Path, steps: int, cap: int, qr_collisions: int, 
         shutil.rmtree(directory / "mlperf52", ignore_errors=True)
 
 
+# ------------------------------------------------------------------------------------------------------- mesh
+def mesh(directory: pathlib.Path, steps: int, batch_size: int, cache: float) -> None:
+    common = ["--cpu_devices=8", "--config.mesh.shape=data=4,model=2", "--config.sharding.plan=row",
+              f"--config.train.batch_size={batch_size}", f"--config.train.steps={steps}",
+              "--config.checkpoint.enabled=False", "--config.train.progress_bar=False"]
+    arms = {"memory": [], "disk": ["--config.tiering.default=disk", f"--config.tiering.cache_fraction={cache}",
+                                   f"--config.tiering.dir={directory / 'mesh_tables'}"]}
+    results = {}
+    for arm, extra in arms.items():
+        workdir = directory / f"mesh_{arm}"
+        command = [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", *common, *extra]
+        _log(f"mesh {arm}: {' '.join(command[2:])}")
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+        if done.returncode:
+            emit({"section": "mesh", "arm": arm, "error": (done.stdout + done.stderr)[-2000:]})
+            return
+        summary = json.loads((workdir / "summary.json").read_text())
+        record = {"section": "mesh", "arm": arm, "command": " ".join(command[2:]),
+                  **{k: summary[k] for k in ("examples_per_sec", "auc", "logloss", "final_train_loss",
+                                             "peak_rss_bytes", "compile_time_s", "train_time_s", "steps",
+                                             "batch_size")}}
+        if "tiering" in summary:
+            (_, stats), = summary["tiering"]["groups"].items()
+            record.update({k: stats[k] for k in ("hit_rate", "cache_slots", "cached_rows", "devices", "rows_read",
+                                                 "rows_written")})
+            record.update({"read_s": summary["tiering"]["read_s"], "plan_s": summary["tiering"]["plan_s"],
+                           "memory_examples_per_sec": results["memory"]["examples_per_sec"]})
+            record["ratio"] = record["examples_per_sec"] / record["memory_examples_per_sec"]
+            record["same_auc"] = record["auc"] == results["memory"]["auc"]
+        results[arm] = record
+        emit(record)
+    shutil.rmtree(directory / "mesh_tables", ignore_errors=True)
+
+
 # ------------------------------------------------------------------------------------------------------- plot
 def plot(results: pathlib.Path) -> None:
     import matplotlib
@@ -482,6 +522,9 @@ def main() -> None:
     parser.add_argument("--cap", type=int, default=4_000_000, help="rows per table of the capped in-memory arm")
     parser.add_argument("--qr_collisions", type=int, default=16, help="QR arm: ids per quotient row")
     parser.add_argument("--eval_examples", type=int, default=65536)
+    parser.add_argument("--mesh_steps", type=int, default=600)
+    parser.add_argument("--mesh_batch", type=int, default=256, help="mesh: the global batch")
+    parser.add_argument("--mesh_cache", type=float, default=0.1, help="mesh: tiering.cache_fraction")
     args = parser.parse_args()
     from recjax import cli
 
@@ -504,6 +547,8 @@ def main() -> None:
                    args.kaggle_steps, args.kaggle_warmup, args.vocab_cap, args.kaggle_fill)
         if "mlperf52" in only:
             mlperf52(directory, args.mlperf_steps, args.cap, args.qr_collisions, args.eval_examples)
+        if "mesh" in only:
+            mesh(directory, args.mesh_steps, args.mesh_batch, args.mesh_cache)
         if "plot" in only and OUT is not None:
             plot(OUT)
     finally:

@@ -15,6 +15,8 @@ state and the batches. Each placement of the physical tables is one subclass:
                      (recjax/sharding/backend.py)
     TieredEmbedding  tables on disk (or in host RAM) behind an in-RAM cache of rows: the step sees the cache and
                      cache slots; each batch's misses are read while the previous step runs (recjax/tiering)
+    MeshTieredEmbedding  the same on a mesh: each device block's cached rows behind its own cache, the caches one
+                     more storage the exchange serves (recjax/tiering/mesh.py)
 
 A new placement (read-only serving tables) is a new subclass, never a branch in the step.
 """

@@ -412,7 +412,7 @@ def test_bad_tiering_config_is_a_clear_error(tmp_path, fields, key, message):
     assert error.value.key == key
 
 
-def test_tables_the_tier_cannot_serve_are_clear_errors(tmp_path, monkeypatch):
+def test_tables_the_tier_cannot_serve_are_clear_errors(tmp_path):
     config = tiny_run_config(tmp_path, tables="C9=disk")
     with pytest.raises(ConfigError, match="unknown table 'C9'"):
         train_and_evaluate(config, tmp_path / "a")
@@ -425,10 +425,6 @@ def test_tables_the_tier_cannot_serve_are_clear_errors(tmp_path, monkeypatch):
     config.embedding.method = "fiited"
     with pytest.raises(ConfigError, match="dynamic method"):
         train_and_evaluate(config, tmp_path / "d")
-    monkeypatch.setattr(tiering, "make_mesh", lambda shape: object())  # as if the run had a mesh of devices
-    with pytest.raises(ConfigError, match="one device only") as error:
-        train_and_evaluate(tiny_run_config(tmp_path, tables="C1=disk", cache_rows=200), tmp_path / "e")
-    assert error.value.key == "mesh.shape"
 
 
 def test_tier_rules():

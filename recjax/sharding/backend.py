@@ -50,9 +50,9 @@ class MeshEmbedding(EmbeddingBackend):
 
     def __init__(self, collection: EmbeddingCollection, plan: ShardingPlan, mesh: Mesh,
                  exchange_dtype: str = "float32", capacity_factor: float = 0.0, capacity_sigmas: float = 0.0,
-                 replan: Replan | None = None):
+                 replan: Replan | None = None, storages: Mapping | None = None):
         self.collection = collection
-        self.exchange = Exchange(collection, plan, mesh, exchange_dtype, capacity_factor, capacity_sigmas)
+        self.exchange = Exchange(collection, plan, mesh, exchange_dtype, capacity_factor, capacity_sigmas, storages)
         self.plan, self.mesh, self.storages = plan, mesh, self.exchange.storages
         self.shards = mesh.size
         self.replan = replan

@@ -133,21 +133,25 @@ class Storage:
         return max(1, min(n, int(np.minimum(rows, local_batch * self.table_bags).sum())))
 
     # ---------------------------------------------------------------------------------------- device side
-    def locate(self, unique: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Stacked rows i32[N] -> (member bool[N], owner i32[N] position along `axes`, local row i32[N])."""
-        offsets = jnp.asarray(self.offsets)
-        t = jnp.clip(jnp.searchsorted(offsets, unique, side="right") - 1, 0, len(self.offsets) - 1)
-        member = (unique < self.group_rows) & jnp.asarray(self.member)[t]
+    def locate(self, unique: jax.Array, xp=jnp) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Stacked rows i32[N] -> (member bool[N], owner i32[N] position along `axes`, local row i32[N]). `xp=np`
+        runs the same math on the host (the disk tier on a mesh asks which device's cache a row goes to)."""
+        offsets = xp.asarray(self.offsets)
+        t = xp.clip(xp.searchsorted(offsets, unique, side="right") - 1, 0, len(self.offsets) - 1)
+        member = (unique < self.group_rows) & xp.asarray(self.member)[t]
         r = unique - offsets[t]
-        split, chunk, modulo = jnp.asarray(self.split)[t], jnp.asarray(self.chunk)[t], jnp.asarray(self.modulo)[t]
-        part = jnp.where(modulo, r % split, r // chunk)
-        within = jnp.where(modulo, r // split, r % chunk)
-        owner = jnp.asarray(self.device)[t, part]
-        local = jnp.asarray(self.base)[t, part] + within
-        return member, jnp.where(member, owner, 0), jnp.where(member, local, self.local_rows)
+        split, chunk, modulo = xp.asarray(self.split)[t], xp.asarray(self.chunk)[t], xp.asarray(self.modulo)[t]
+        part = xp.where(member, xp.where(modulo, r % split, r // chunk), 0)  # non-members: any valid part
+        within = xp.where(modulo, r // split, r % chunk)
+        owner = xp.asarray(self.device)[t, part]
+        local = xp.asarray(self.base)[t, part] + within
+        return member, xp.where(member, owner, 0), xp.where(member, local, self.local_rows)
 
 
-def build_storages(collection: EmbeddingCollection, plan: ShardingPlan) -> dict[str, Storage]:
+def build_storages(collection: EmbeddingCollection, plan: ShardingPlan, skip: frozenset[str] = frozenset()
+                   ) -> dict[str, Storage]:
+    """The plan's storages of every group; tables named in `skip` are in none of them (the disk tier on a mesh keeps
+    those behind per-device caches of its own, recjax/tiering/mesh.py)."""
     mesh_shape = plan.mesh_shape
     n = plan.devices
     storages = {}
@@ -156,6 +160,8 @@ def build_storages(collection: EmbeddingCollection, plan: ShardingPlan) -> dict[
         offsets = np.array([p.offset for p in tables], np.int32)
         kinds = {}
         for i, p in enumerate(tables):
+            if p.table.name in skip:
+                continue
             entry = plan.placement(p.table.name)
             kind = _KIND_OF[entry.sharding]
             if kind == "sharded" and entry.axes == ("model",):
@@ -279,14 +285,16 @@ class Exchange:
     backend (recjax/sharding/backend.py) puts it behind the step's interface."""
 
     def __init__(self, collection: EmbeddingCollection, plan: ShardingPlan, mesh: jax.sharding.Mesh,
-                 exchange_dtype: str = "float32", capacity_factor: float = 0.0, capacity_sigmas: float = 0.0):
+                 exchange_dtype: str = "float32", capacity_factor: float = 0.0, capacity_sigmas: float = 0.0,
+                 storages: Mapping[str, Storage] | None = None):
         self.collection = collection
         self.plan = plan
         self.mesh = mesh
         self.exchange_dtype = jnp.dtype(exchange_dtype)
         self.capacity_factor = float(capacity_factor)  # 0: buckets always of the worst case C
         self.capacity_sigmas = float(capacity_sigmas)
-        self.storages = build_storages(collection, plan)
+        # `storages` (default: the plan's) lets a placement add arrays the plan does not know (the disk tier's caches).
+        self.storages = dict(storages) if storages is not None else build_storages(collection, plan)
 
     # ------------------------------------------------------------------------------------------- device side
     def fetch(self, tables: Mapping[str, jax.Array], unique: Mapping[str, jax.Array], local_batch: int

@@ -5,6 +5,7 @@
     cache.py    the host-side directory of a group's cache slots and its policies (lru, lfu, static hot set)
     backend.py  TieredEmbedding: the step's embedding interface over the cache, the prefetch / swap / write-back
                 pipeline (SlottedBatch: the batch with its rows' cache slots)
+    mesh.py     MeshTieredEmbedding: the same on a device mesh, each device block's cached rows behind its own cache
 
 `setup(config, task, dataset)` returns the run's `TieredEmbedding`, or None when every table stays in memory.
 """
@@ -19,16 +20,20 @@ import jax
 import ml_collections
 import numpy as np
 
+from recjax import sharding
 from recjax.errors import ConfigError
 from recjax.sharding.mesh import make_mesh
+from recjax.sharding.plan import parse_overrides
 from recjax.tiering.backend import GroupLayout, SlottedBatch, TieredBatch, TieredEmbedding
-from recjax.tiering.cache import POLICIES, RowCache
+from recjax.tiering.cache import POLICIES, PartitionedRowCache, RowCache
+from recjax.tiering.mesh import MeshTieredEmbedding, plan_mesh_layouts
 from recjax.tiering.store import RowStore
 from recjax.tiering.tiers import TIERS, TableBytes, resolve_tiers
 from recjax.validation import boolean, check_text, choice, get, integer, known_keys, number
 
-__all__ = ["GroupLayout", "RowCache", "RowStore", "SlottedBatch", "TieredBatch", "TieredEmbedding",
-           "check_tiering", "plan_layouts", "setup", "table_bytes"]
+__all__ = ["GroupLayout", "MeshTieredEmbedding", "PartitionedRowCache", "RowCache", "RowStore", "SlottedBatch",
+           "TieredBatch", "TieredEmbedding", "check_tiering", "plan_layouts", "plan_mesh_layouts", "setup",
+           "table_bytes"]
 
 TIERING_KEYS = {"default", "tables", "disk_over_bytes", "host_over_bytes", "dir", "cache_fraction", "cache_rows",
                 "policy", "profile_batches", "prefetch", "io_threads"}
@@ -131,11 +136,9 @@ def setup(config: ml_collections.ConfigDict, task, dataset=None) -> TieredEmbedd
     off_memory = sorted(name for name, tier in tiers.items() if tier != "memory")
     if not off_memory:
         return None
-    if make_mesh(config.get("mesh", {}).get("shape", "")) is not None:
-        raise ConfigError("mesh.shape", f"tables {off_memory} are on the disk / host tier, which runs on one device "
-                                        "only for now (each device's block would need its own cache, planned from the "
-                                        "rows the exchange brings it); set mesh.shape to one device, e.g. "
-                                        "--config.mesh.shape=data=1, or keep the tables in memory")
+    mesh = make_mesh(config.get("mesh", {}).get("shape", ""))
+    if mesh is not None:
+        _check_mesh_run(config, off_memory)
     dynamic = sorted(p.table.name for p in collection.physical_tables()
                      if p.feature in collection.aux_features and tiers[p.table.name] != "memory")
     if dynamic or (collection.aux_features and off_memory):
@@ -143,11 +146,22 @@ def setup(config: ml_collections.ConfigDict, task, dataset=None) -> TieredEmbedd
                                             "tables change shape during training), which the disk / host tier does "
                                             "not support; keep every table in memory for this run")
     batch_size = int(config.train.batch_size)
-    layouts = plan_layouts(collection, tiers, batch_size, float(tiering.get("cache_fraction", 0.1)),
-                           int(tiering.get("cache_rows", 0)))
+    fraction, cache_rows = float(tiering.get("cache_fraction", 0.1)), int(tiering.get("cache_rows", 0))
+    if mesh is not None:  # each device block's cached rows behind a cache of its own (recjax/tiering/mesh.py)
+        meshed = sharding.setup(_cached_tables_row_wise(config, task, off_memory), task)
+        layouts = plan_mesh_layouts(collection, tiers, meshed.plan, batch_size, fraction, cache_rows)
+    else:
+        layouts = plan_layouts(collection, tiers, batch_size, fraction, cache_rows)
     directory, temporary = None, False
     if any(tier == "disk" for _, _, _, tier in (c for layout in layouts for c in layout.cached)):
         directory, temporary = _table_directory(str(tiering.get("dir", "")), layouts, task.sparse_optimizer)
+    if mesh is not None:
+        x = meshed.exchange
+        return MeshTieredEmbedding(collection, task.sparse_optimizer, meshed.plan, meshed.mesh, layouts, directory,
+                                   exchange_dtype=x.exchange_dtype, capacity_factor=x.capacity_factor,
+                                   capacity_sigmas=x.capacity_sigmas, temporary=temporary,
+                                   policy=tiering.get("policy", "lru"), prefetch=bool(tiering.get("prefetch", True)),
+                                   io_threads=int(tiering.get("io_threads", 16)))
     backend = TieredEmbedding(collection, task.sparse_optimizer, layouts, directory, temporary=temporary,
                               policy=tiering.get("policy", "lru"), prefetch=bool(tiering.get("prefetch", True)),
                               io_threads=int(tiering.get("io_threads", 16)))
@@ -158,6 +172,39 @@ def setup(config: ml_collections.ConfigDict, task, dataset=None) -> TieredEmbedd
                                           dataset.train_batches(batch_size), layouts,
                                           int(tiering.get("profile_batches", 50)))
     return backend
+
+
+def _check_mesh_run(config: ml_collections.ConfigDict, off_memory: list[str]) -> None:
+    """What the disk / host tier does not do on a mesh yet, as ConfigErrors naming the key."""
+    if jax.process_count() > 1:
+        raise ConfigError("mesh.shape", f"tables {off_memory} are on the disk / host tier, which runs in one process "
+                                        f"only (this run has {jax.process_count()}): the caches are planned from the "
+                                        "whole global batch, and each process reads only its share; keep the tables "
+                                        "in memory or run one process")
+    if config.get("tiering", {}).get("policy", "lru") == "static":
+        raise ConfigError("tiering.policy", "'static' is not supported on a mesh yet (its hot set would be profiled "
+                                            "per device block); use lru or lfu")
+
+
+def _cached_tables_row_wise(config: ml_collections.ConfigDict, task, off_memory: list[str]
+                            ) -> ml_collections.ConfigDict:
+    """The config the mesh's plan is made from: under `sharding.plan=auto`, the cached tables `sharding.tables` does
+    not place are pinned row-wise -- a device's cache serves the rows it owns, and the planner would otherwise weigh
+    column-wise and replicated placements, which the tier cannot serve on a mesh. Any other plan is the user's."""
+    section = config.get("sharding") or ml_collections.ConfigDict()
+    if section.get("plan", "auto") != "auto":
+        return config
+    text = section.get("tables", "")
+    placed = parse_overrides(text, sharding.table_infos(task.collection, None))
+    pins = [f"{name}=row" for name in off_memory if name not in placed]
+    if not pins:
+        return config
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+        if "sharding" not in config:
+            config.sharding = ml_collections.ConfigDict()
+        config.sharding.tables = ",".join(filter(None, [text, *pins]))
+    return config
 
 
 def _table_directory(text: str, layouts: list[GroupLayout], optimizer) -> tuple[pathlib.Path, bool]:

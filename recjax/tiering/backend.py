@@ -378,8 +378,12 @@ class TieredEmbedding(EmbeddingBackend):
         self.stores[group] = RowStore([(name, start, rows, directory if tier == "disk" else None)
                                        for name, start, rows, tier in layout.cached],
                                       self.widths[group], self.io_threads)
-        self.caches[group] = RowCache(layout.rows, layout.slots, self.policy, self.pinned.get(group))
+        self.caches[group] = self._new_cache(group)
         return self.stores[group]
+
+    def _new_cache(self, group: str) -> RowCache:
+        layout = self.layouts[group]
+        return RowCache(layout.rows, layout.slots, self.policy, self.pinned.get(group))
 
     def _device_arrays(self, group: str, resident: np.ndarray, resident_state: dict | None):
         """The device table f32[R + S, d] and state of `group`: the memory tables' rows (and state; None: initial),
@@ -500,9 +504,10 @@ class TieredEmbedding(EmbeddingBackend):
             if len(rows) and tables is not None:
                 # Padded to a power of two with an out-of-range slot (read as zeros, dropped): a flush before each
                 # checkpoint compiles a few shapes, not one per count of dirty rows.
-                device = np.full(_power_of_two(len(slots)), self.layouts[g].device_rows, np.int32)
-                device[: len(slots)] = self.layouts[g].resident_rows + slots
-                records = np.asarray(self._records_fn(tables[g], opt_state[g], jnp.asarray(device)))
+                key, first, end = self._cache_array(g)
+                device = np.full(_power_of_two(len(slots)), end, np.int32)
+                device[: len(slots)] = first + slots
+                records = np.asarray(self._records_fn(tables[key], opt_state[key], jnp.asarray(device)))
                 self.stores[g].write(rows, records[: len(rows)])
                 cache.mark_clean()
 
@@ -521,6 +526,16 @@ class TieredEmbedding(EmbeddingBackend):
         raise NotImplementedError("tables that change shape (dynamic methods) cannot be on the disk or host tier")
 
     # -------------------------------------------------------------------------------------- the step's rows
+    def _cache_array(self, group: str) -> tuple[str, int, int]:
+        """Where `group`'s cache slots are in the state: (its key in `state.tables`, the array row of slot 0, the
+        array's rows: an out-of-range row for padding). Here the group's array, after its memory tables' rows."""
+        layout = self.layouts[group]
+        return group, layout.resident_rows, layout.device_rows
+
+    def _swap_rows(self, group: str, n: int) -> int:
+        """The rows a swap of `n` misses or write-backs moves (padded: a few compiled shapes)."""
+        return _bucket(n, self.layouts[group].step_rows)
+
     def _slots_and_misses(self, group: str, unique: np.ndarray, train: bool):
         """Device rows i32[N] of a batch's distinct stacked rows, and the cached ones' plan (None for prediction:
         then the misses are those without a slot, and nothing moves)."""
@@ -577,21 +592,23 @@ class TieredEmbedding(EmbeddingBackend):
             t1 = time.perf_counter()
             miss = self._read_misses(g, plan.miss_rows)
             read_s += time.perf_counter() - t1
-            m = e = _bucket(max(len(plan.miss_rows), len(plan.evict_rows)), layout.step_rows)
-            fill[g] = np.full(m, layout.device_rows, np.int32)
-            fill[g][: len(plan.miss_rows)] = layout.resident_rows + plan.miss_slots
-            records[g] = np.zeros((m, self.widths[g]), np.float32)
-            records[g][: len(miss)] = miss
-            evict[g] = np.full(e, layout.device_rows, np.int32)
-            evict[g][: len(plan.evict_rows)] = layout.resident_rows + plan.evict_slots
+            key, first, end = self._cache_array(g)
+            m = e = self._swap_rows(g, max(len(plan.miss_rows), len(plan.evict_rows)))
+            fill[key] = np.full(m, end, np.int32)
+            fill[key][: len(plan.miss_rows)] = first + plan.miss_slots
+            records[key] = np.zeros((m, self.widths[g]), np.float32)
+            records[key][: len(miss)] = miss
+            evict[key] = np.full(e, end, np.int32)
+            evict[key][: len(plan.evict_rows)] = first + plan.evict_slots
             evicting[g] = plan.evict_rows
             self.stats["swap_rows"] += len(plan.miss_rows) + len(plan.evict_rows)
         if fill:
+            keys = {g: self._cache_array(g)[0] for g in evicting}
             swapped = sorted(fill)
-            evicted = {g: self._records_fn(state.tables[g], state.sparse_opt_state[g], evict[g])
-                       for g in swapped if len(evicting[g])}
-            tables, opt_state = self._fill_fn({g: state.tables[g] for g in swapped},
-                                              {g: state.sparse_opt_state[g] for g in swapped}, fill, records)
+            evicted = {g: self._records_fn(state.tables[k], state.sparse_opt_state[k], evict[k])
+                       for g, k in keys.items() if len(evicting[g])}
+            tables, opt_state = self._fill_fn({k: state.tables[k] for k in swapped},
+                                              {k: state.sparse_opt_state[k] for k in swapped}, fill, records)
             state = state.replace(tables={**state.tables, **tables},
                                   sparse_opt_state={**state.sparse_opt_state, **opt_state})
             for g, rows in evicting.items():
@@ -610,7 +627,7 @@ class TieredEmbedding(EmbeddingBackend):
         for g, layout in self.layouts.items():
             device, at, rows = self._slots_and_misses(g, tb.unique[g], train=False)
             n = len(tb.unique[g])
-            cached_slot = self.caches[g].slot_of_row[rows]
+            cached_slot = self.caches[g].slots_of(rows)
             source = np.full(n, -1, np.int32)
             source[at] = np.where(cached_slot >= 0, layout.resident_rows + cached_slot, -1)
             extra = np.zeros((n, layout.dim), np.float32)

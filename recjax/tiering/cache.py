@@ -20,6 +20,7 @@ Policies (victims are never slots of the current step's rows, and never pinned s
 
 import collections
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -114,6 +115,10 @@ class RowCache:
         self.writebacks += len(evict_rows)
         return Plan(slots, miss_rows, victims, evict_rows, evict_slots)
 
+    def slots_of(self, rows: np.ndarray) -> np.ndarray:
+        """i32[N]: the slot holding each of `rows`, -1 where none does (nothing moves: for reads beside the step's)."""
+        return self.slot_of_row[rows]
+
     def dirty_slots(self) -> tuple[np.ndarray, np.ndarray]:
         """(rows i64[K], slots i32[K]) of every dirty slot, to write back when the cache is flushed."""
         slots = np.flatnonzero(self.dirty).astype(np.int32)
@@ -188,3 +193,77 @@ class RowCache:
     def _too_small(self, need: int) -> str:
         return (f"the row cache of {self.size:,} slots ({int(self.pinned.sum()):,} pinned) cannot take {need:,} more "
                 "misses this step: it must hold every distinct row of a step beside the pinned ones")
+
+
+class PartitionedRowCache:
+    """The caches of a group's rows on a mesh: one `RowCache` of `slots` slots per device block (`parts` of them), each
+    row cached only by the block that owns it (`owner`: stacked rows i64[N] -> i32[N] part). Slots are global, part
+    k's slot j is k * slots + j (its row in the mesh's cache array), so `plan` answers as one `RowCache` would; each
+    part chooses its victims by `policy` among its own slots."""
+
+    def __init__(self, rows: int, slots: int, parts: int, owner: Callable[[np.ndarray], np.ndarray],
+                 policy: str = "lru"):
+        self.rows, self.slots, self.owner = rows, slots, owner
+        self.size = slots * parts
+        self.parts = [RowCache(rows, slots, policy) for _ in range(parts)]
+        self.policy = policy
+        self.pinned_rows = np.zeros(0, np.int64)
+
+    def plan(self, rows: np.ndarray, dirty: bool) -> Plan:
+        rows = np.asarray(rows, np.int64)
+        owner = self.owner(rows)
+        slots = np.empty(len(rows), np.int32)
+        moves: list[list[np.ndarray]] = [[], [], [], []]
+        for k, cache in enumerate(self.parts):
+            at = np.flatnonzero(owner == k)
+            if not len(at):
+                continue
+            plan, base = cache.plan(rows[at], dirty), k * self.slots
+            slots[at] = base + plan.slots
+            for out, value in zip(moves, (plan.miss_rows, base + plan.miss_slots, plan.evict_rows,
+                                          base + plan.evict_slots), strict=True):
+                out.append(value)
+        rows_of = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64)  # noqa: E731
+        slots_of = lambda parts: np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)  # noqa
+        return Plan(slots, rows_of(moves[0]), slots_of(moves[1]), rows_of(moves[2]), slots_of(moves[3]))
+
+    def slots_of(self, rows: np.ndarray) -> np.ndarray:
+        rows = np.asarray(rows, np.int64)
+        owner = self.owner(rows)
+        out = np.full(len(rows), -1, np.int32)
+        for k, cache in enumerate(self.parts):
+            at = np.flatnonzero(owner == k)
+            slot = cache.slot_of_row[rows[at]]
+            out[at] = np.where(slot >= 0, k * self.slots + slot, -1)
+        return out
+
+    def dirty_slots(self) -> tuple[np.ndarray, np.ndarray]:
+        found = [(rows, k * self.slots + slots) for k, cache in enumerate(self.parts)
+                 for rows, slots in [cache.dirty_slots()]]
+        return (np.concatenate([r for r, _ in found]).astype(np.int64),
+                np.concatenate([s for _, s in found]).astype(np.int32))
+
+    def mark_clean(self) -> None:
+        for cache in self.parts:
+            cache.mark_clean()
+
+    # The counters, summed over the parts.
+    @property
+    def lookups(self) -> int:
+        return sum(cache.lookups for cache in self.parts)
+
+    @property
+    def hits(self) -> int:
+        return sum(cache.hits for cache in self.parts)
+
+    @property
+    def misses(self) -> int:
+        return sum(cache.misses for cache in self.parts)
+
+    @property
+    def evictions(self) -> int:
+        return sum(cache.evictions for cache in self.parts)
+
+    @property
+    def writebacks(self) -> int:
+        return sum(cache.writebacks for cache in self.parts)
