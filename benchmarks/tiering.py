@@ -370,6 +370,9 @@ def time_steps(config, directory: pathlib.Path, host_batches, warmup: int, fill=
                 "bytes_written_per_step": (after["rows_written"] - before["rows_written"]) * width_bytes / steps,
                 "read_ms_per_step": 1000 * (summary["tiering"]["read_s"] - stats_at["tiering"]["read_s"]) / steps,
                 "plan_ms_per_step": 1000 * (summary["tiering"]["plan_s"] - stats_at["tiering"]["plan_s"]) / steps,
+                "write_ms_per_step": 1000 * (summary["tiering"]["write_s"] - stats_at["tiering"]["write_s"]) / steps,
+                "queue_wait_ms_per_step": 1000 * (summary["tiering"]["queue_wait_s"]
+                                                  - stats_at["tiering"]["queue_wait_s"]) / steps,
                 "cache_slots": after["cache_slots"], "cached_rows": after["cached_rows"]})
         return out
     finally:

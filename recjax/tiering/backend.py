@@ -261,8 +261,10 @@ class TieredEmbedding(EmbeddingBackend):
         self._fill_fn = jax.jit(self._fill, donate_argnums=(0, 1))
         self._working_set_fn = jax.jit(self._working_set, static_argnums=(0,))
         self._records_fn = jax.jit(self._records)
-        self.stats = {"steps": 0, "plan_s": 0.0, "read_s": 0.0, "rows_from_evictions": 0, "swap_rows": 0,
-                      "eval_batches": 0, "eval_misses": 0}
+        # plan_s / read_s: the host's planning and miss reads per step; write_s: the writer thread's write-backs;
+        # queue_wait_s: the step loop blocked on a full write queue (the write-back not keeping up).
+        self.stats = {"steps": 0, "plan_s": 0.0, "read_s": 0.0, "write_s": 0.0, "queue_wait_s": 0.0,
+                      "rows_from_evictions": 0, "swap_rows": 0, "eval_batches": 0, "eval_misses": 0}
 
     # ------------------------------------------------------------------------------------------- device side
     def route(self, batch: SlottedBatch, aux: Mapping, *, train: bool) -> Routes:
@@ -664,7 +666,9 @@ class TieredEmbedding(EmbeddingBackend):
     def _queue_write(self, eviction: _Eviction) -> None:
         with self._pending_lock:
             self._pending[eviction.group].append(eviction)
+        t0 = time.perf_counter()
         self._writes.put(eviction)  # waits while the writer is _WRITES_IN_FLIGHT evictions behind
+        self.stats["queue_wait_s"] += time.perf_counter() - t0
 
     def _write_loop(self) -> None:
         while True:
@@ -673,7 +677,9 @@ class TieredEmbedding(EmbeddingBackend):
                 if eviction is None:
                     return
                 if self._writer_error is None:
+                    t0 = time.perf_counter()
                     self.stores[eviction.group].write(eviction.rows, eviction.host())
+                    self.stats["write_s"] += time.perf_counter() - t0
                     with self._pending_lock:  # written: the store now holds these rows' newest values
                         self._pending[eviction.group].remove(eviction)
             except BaseException as error:  # kept pending (the store is stale); raised on the step loop
