@@ -191,6 +191,11 @@ class Metrics:
         return prom.generate_latest(self.registry)
 
 
+def _powers_of_two(cap: int) -> list[int]:
+    """1, 2, 4, ... up to `cap` (and `cap` itself): the batch sizes of power-of-two shapes."""
+    return sorted({min(cap, 2**k) for k in range(int(math.ceil(math.log2(cap))) + 1)})
+
+
 @dataclasses.dataclass
 class _Pending:
     rows: EncodedRows
@@ -227,9 +232,7 @@ class Batcher:
     def shapes(self) -> list[int]:
         """The batch shapes calls run at (compiled at start)."""
         cap = self.options.max_batch
-        if self.options.batch_shapes == "fixed":
-            return [cap]
-        return sorted({min(cap, 2**k) for k in range(int(math.ceil(math.log2(cap))) + 1)})
+        return [cap] if self.options.batch_shapes == "fixed" else _powers_of_two(cap)
 
     def shape_for(self, n: int) -> int:
         cap = self.options.max_batch
@@ -250,10 +253,8 @@ class Batcher:
                 times.append(time.perf_counter() - t0)
             call_s[size] = float(np.median(times[1:]))
         if self.options.scheduler == "adaptive":
-            cap = self.options.max_batch
-            sizes = sorted({min(cap, 2**k) for k in range(int(math.ceil(math.log2(cap))) + 1)})
-            self.adaptive = AdaptiveBatching({n: self.shape_for(n) for n in sizes}, self.options.p99_target_ms,
-                                             call_s)
+            self.adaptive = AdaptiveBatching({n: self.shape_for(n) for n in _powers_of_two(self.options.max_batch)},
+                                             self.options.p99_target_ms, call_s)
 
     async def submit(self, rows: EncodedRows) -> tuple[np.ndarray, float]:
         """(the rows' scores, the seconds of the model call(s) that scored them)."""

@@ -539,22 +539,33 @@ class TieredEmbedding(EmbeddingBackend):
         return _bucket(n, self.layouts[group].step_rows)
 
     def _slots_and_misses(self, group: str, unique: np.ndarray, train: bool):
-        """Device rows i32[N] of a batch's distinct stacked rows, and the cached ones' plan (None for prediction:
-        then the misses are those without a slot, and nothing moves)."""
+        """The rows the step sees for a batch's distinct stacked rows i32[N] (`_step_rows`; cached ones at their
+        slot, from `_slot_base`), and the cached ones' plan (for prediction: their positions and rows, then the
+        misses are those without a slot, and nothing moves)."""
         layout = self.layouts[group]
-        starts, cached, device = self._where[group]
-        out = np.full(len(unique), layout.device_rows, np.int32)
+        starts, cached, _ = self._where[group]
         real = np.flatnonzero(unique < layout.rows)
         table = np.searchsorted(starts, unique[real], side="right") - 1
-        resident = real[~cached[table]]
-        out[resident] = device[table[~cached[table]]] + unique[resident] - starts[table[~cached[table]]]
+        out = self._step_rows(group, unique, real[~cached[table]], table[~cached[table]])
         at = real[cached[table]]
         rows = unique[at].astype(np.int64)
         if not train:
             return out, at, rows
         plan = self.caches[group].plan(rows, dirty=True)
-        out[at] = layout.resident_rows + plan.slots
+        out[at] = self._slot_base(group) + plan.slots
         return out, at, plan
+
+    def _step_rows(self, group: str, unique: np.ndarray, resident: np.ndarray, table: np.ndarray) -> np.ndarray:
+        """i32[N]: the device row of each memory-table row (positions `resident` of `unique`, in tables `table`);
+        padding and cached rows at the sentinel (the cached ones are filled in by the caller)."""
+        starts, _, device = self._where[group]
+        out = np.full(len(unique), self.layouts[group].device_rows, np.int32)
+        out[resident] = device[table] + unique[resident] - starts[table]
+        return out
+
+    def _slot_base(self, group: str) -> int:
+        """The step row of cache slot 0 (the slots follow the memory tables' rows)."""
+        return self.layouts[group].resident_rows
 
     def _read_misses(self, group: str, rows: np.ndarray) -> np.ndarray:
         """Records f32[n, width] of rows the cache does not hold: from a pending eviction (newest first) where one

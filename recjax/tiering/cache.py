@@ -195,6 +195,11 @@ class RowCache:
                 "misses this step: it must hold every distinct row of a step beside the pinned ones")
 
 
+def _summed(counter: str) -> property:
+    """A `PartitionedRowCache` counter: its parts' `counter`, summed."""
+    return property(lambda self: sum(getattr(cache, counter) for cache in self.parts))
+
+
 class PartitionedRowCache:
     """The caches of a group's rows on a mesh: one `RowCache` of `slots` slots per device block (`parts` of them), each
     row cached only by the block that owns it (`owner`: stacked rows i64[N] -> i32[N] part). Slots are global, part
@@ -248,22 +253,8 @@ class PartitionedRowCache:
             cache.mark_clean()
 
     # The counters, summed over the parts.
-    @property
-    def lookups(self) -> int:
-        return sum(cache.lookups for cache in self.parts)
-
-    @property
-    def hits(self) -> int:
-        return sum(cache.hits for cache in self.parts)
-
-    @property
-    def misses(self) -> int:
-        return sum(cache.misses for cache in self.parts)
-
-    @property
-    def evictions(self) -> int:
-        return sum(cache.evictions for cache in self.parts)
-
-    @property
-    def writebacks(self) -> int:
-        return sum(cache.writebacks for cache in self.parts)
+    lookups = _summed("lookups")
+    hits = _summed("hits")
+    misses = _summed("misses")
+    evictions = _summed("evictions")
+    writebacks = _summed("writebacks")

@@ -236,21 +236,13 @@ class MeshTieredEmbedding(TieredEmbedding):
         every device."""
         return min(self.layouts[group].step_rows, max(256, _power_of_two(n)))
 
-    def _slots_and_misses(self, group: str, unique: np.ndarray, train: bool):
-        """The rows the step sees for a batch's distinct stacked rows i32[N] (memory tables' rows as they are, cached
-        ones at their cache slot's virtual row, padding at the sentinel), and the cached ones' plan (None for
-        prediction: then their positions and rows)."""
-        layout = self.layouts[group]
-        starts, cached, _ = self._where[group]
-        out = np.where(unique < layout.rows, unique, self._sentinel(group)).astype(np.int32)
-        real = np.flatnonzero(unique < layout.rows)
-        at = real[cached[np.searchsorted(starts, unique[real], side="right") - 1]]
-        rows = unique[at].astype(np.int64)
-        if not train:
-            return out, at, rows
-        plan = self.caches[group].plan(rows, dirty=True)
-        out[at] = layout.rows + plan.slots
-        return out, at, plan
+    def _step_rows(self, group: str, unique: np.ndarray, resident: np.ndarray, table: np.ndarray) -> np.ndarray:
+        """Memory tables' rows as they are (the exchange locates them), padding at the sentinel."""
+        return np.where(unique < self.layouts[group].rows, unique, self._sentinel(group)).astype(np.int32)
+
+    def _slot_base(self, group: str) -> int:
+        """A slot's virtual row: after the group's stacked rows (`cache_storage`)."""
+        return self.layouts[group].rows
 
     # --------------------------------------------------------------------------------------------- host side
     def place_state(self, state):
