@@ -232,51 +232,53 @@ def test_sigterm_drains_the_queued_request(tiny):
 
 def test_adaptive_batching_decisions():
     """The scheduler's choices, computed by hand: calls take up to the largest batch whose warm-up call fit target / 4
-    (the cap when none did); with the event loop's share L and the call times s(b), it waits only when serving each
-    request alone would keep loop + worker busy over 60 % of the time (L + rate x s(1) > 0.6), for the smallest batch
-    b with L + rate x s(b) / b <= 0.6 (the cap if none), at most (b - 1) / rate and target / 4, whatever the tail did;
-    call times are moving averages; a window closes after `window` requests or after `period_s` with
-    `min_requests`, and measures the worker's share (call seconds) and the loop's (its thread's CPU seconds)."""
+    (the cap when none did); it waits only with the worker busy over 60 % of the time, for the smallest batch b with
+    rate x s(b) / b <= 0.3, at most (b - 1) / rate and the wait bound; the bound (target / 4 at first) halves on a
+    window over the target while waiting and doubles back under half the target; call times are moving averages; a
+    window closes after `window` requests or after `period_s` with `min_requests`, and measures the worker's share
+    (call seconds) and the event loop's (its thread's CPU seconds, reported, not decided on)."""
     shapes = {n: n for n in (1, 2, 4, 8, 16, 32, 64)}
     call_s = {1: 0.001, 2: 0.0011, 4: 0.0012, 8: 0.0014, 16: 0.002, 32: 0.003, 64: 0.006}
     adaptive = AdaptiveBatching(shapes, target_ms=20.0, call_s=call_s, window=4, period_s=0.5, min_requests=2)
     state = lambda: (adaptive.fill_rows, adaptive.max_batch, adaptive.max_wait_ms)  # noqa: E731
     assert state() == (1, 32, 0.0)  # 64's call, 6 ms, is over 20 / 4
-    adaptive.decide(p99_ms=8.0, rows_per_s=300.0, worker_share=0.3, loop_share=0.2)  # 0.2 + 0.3 <= 0.6: no wait
+    adaptive.decide(p99_ms=8.0, rows_per_s=300.0, busy_share=0.3)  # the worker keeps up: no wait
     assert state() == (1, 32, 0.0)
-    adaptive.decide(p99_ms=15.0, rows_per_s=900.0, worker_share=0.5, loop_share=0.2)
-    assert state() == (4, 32, pytest.approx(1e3 * 3 / 900))  # b = 1: 1.1, 2: 0.695, 4: 0.47; 3 rows at 900/s
-    adaptive.decide(p99_ms=25.0, rows_per_s=900.0, worker_share=0.5, loop_share=0.2)  # over the target: the same
-    assert state() == (4, 32, pytest.approx(1e3 * 3 / 900))
-    adaptive.decide(p99_ms=15.0, rows_per_s=500.0, worker_share=0.3, loop_share=0.05)  # 0.05 + 0.5: no wait
-    assert state() == (1, 32, 0.0)
-    adaptive.decide(p99_ms=15.0, rows_per_s=500.0, worker_share=0.3, loop_share=0.35)  # the same worker, a busier
-    assert state() == (4, 32, 5.0)  # loop: 0.85, 0.625, 0.5 -> 4 rows; 3 rows at 500/s = 6 ms > target / 4
-    adaptive.decide(p99_ms=30.0, rows_per_s=1000.0, worker_share=0.5, loop_share=0.65)  # the loop alone is over
-    assert state() == (32, 32, 5.0)
-    adaptive.decide(p99_ms=15.0, rows_per_s=20000.0, worker_share=0.9, loop_share=0.1)  # no batch up to 32 gets
-    assert state() == (32, 32, pytest.approx(1.55))  # to 0.6: the cap; 31 rows take 1.55 ms to arrive
+    adaptive.decide(p99_ms=15.0, rows_per_s=900.0, busy_share=0.8)  # busy: b = 1: 0.9, 2: 0.495, 4: 0.27 <= 0.3
+    assert state() == (4, 32, pytest.approx(1e3 * 3 / 900))  # 3 more rows at 900 rows/s (under the 5 ms bound)
+    adaptive.decide(p99_ms=25.0, rows_per_s=900.0, busy_share=0.8)  # over while waiting: bound 2.5
+    assert state() == (4, 32, 2.5)
+    adaptive.decide(p99_ms=25.0, rows_per_s=900.0, busy_share=0.8)  # 1.25
+    assert state() == (4, 32, 1.25)
+    adaptive.decide(p99_ms=25.0, rows_per_s=900.0, busy_share=0.5)  # bound 0.625; no longer busy: no wait
+    assert state() == (1, 32, 0.0) and adaptive.wait_bound_ms == 0.625
+    adaptive.decide(p99_ms=25.0, rows_per_s=900.0, busy_share=0.5)  # over without waiting: the bound holds
+    assert adaptive.wait_bound_ms == 0.625
+    adaptive.decide(p99_ms=4.0, rows_per_s=900.0, busy_share=0.8)  # under half the target: bound 1.25
+    assert state() == (4, 32, 1.25)
+    adaptive.decide(p99_ms=15.0, rows_per_s=20000.0, busy_share=0.9)  # no batch up to 32 gets to 0.3: the cap
+    assert state() == (32, 32, 1.25)  # 31 rows take 1.55 ms to arrive: the bound
     adaptive.record_forward(0.004, 32)
     assert adaptive.call_s[32] == pytest.approx(0.8 * 0.003 + 0.2 * 0.004)
     adaptive.record_forward(0.030, 32)  # 8.6 ms: the calls' load slows them; the cap stays
     start = adaptive.window_start
-    for k, seconds in enumerate((0.001, 0.002, 0.003, 0.1)):  # 4 one-row requests in 0.1 s close a window: 34 ms
-        adaptive.record_request(seconds, 1, now=start + 0.1, loop_cpu=10.0 + 0.01 * k)  # of calls, 30 ms of loop
-    p99 = 1e3 * np.percentile([0.001, 0.002, 0.003, 0.1], 99)  # CPU (from the first request's reading); 40 rows/s:
-    assert adaptive.decisions[-1] == (pytest.approx(p99), pytest.approx(40.0), pytest.approx(0.34),  # 0.3 + 0.04
-                                      pytest.approx(0.3), 1, 32, 0.0)
+    for k, seconds in enumerate((0.001, 0.002, 0.003, 0.1)):  # 4 one-row requests in 0.1 s close a window: over
+        adaptive.record_request(seconds, 1, now=start + 0.1, loop_cpu=10.0 + 0.01 * k)  # while waiting (bound 0.625);
+    p99 = 1e3 * np.percentile([0.001, 0.002, 0.003, 0.1], 99)  # busy 34 ms of 100: no wait; the loop's thread on the
+    assert adaptive.decisions[-1] == (pytest.approx(p99), pytest.approx(40.0), pytest.approx(0.34),  # CPU 30 ms (from
+                                      pytest.approx(0.3), 1, 32, 0.0)  # the first request's reading)
     assert adaptive.busy_shares == (pytest.approx(0.34), pytest.approx(0.3))
     assert adaptive.latencies == [] and adaptive.rows == 0 and adaptive.busy_s == 0.0
     adaptive.record_request(0.001, 3, now=start + 0.3, loop_cpu=10.05)  # 0.2 s into the window, 1 request: open
     adaptive.record_request(0.001, 3, now=start + 0.5, loop_cpu=10.07)  # 0.4 s: open
     assert len(adaptive.latencies) == 2
-    adaptive.record_request(0.001, 3, now=start + 0.7, loop_cpu=10.09)  # 0.6 s >= period, 3 >= min_requests
+    adaptive.record_request(0.001, 3, now=start + 0.7, loop_cpu=10.09)  # 0.6 s >= period, 3 >= min_requests: closes
     assert adaptive.decisions[-1] == (pytest.approx(1.0), pytest.approx(9 / 0.6), 0.0, pytest.approx(0.06 / 0.6),
                                       1, 32, 0.0)
     for shape in adaptive.call_s:  # overloaded: every call slowed to 8 ms
         adaptive.call_s[shape] = 0.008
-    adaptive.decide(p99_ms=300.0, rows_per_s=1000.0, worker_share=0.95, loop_share=0.05)  # 0.05 + 8 / b from 16
-    assert state() == (16, 32, 5.0)
+    adaptive.decide(p99_ms=300.0, rows_per_s=1000.0, busy_share=0.95)  # 1000 x 8 ms / b <= 0.3 from b = 32
+    assert state() == (32, 32, pytest.approx(1.25))  # 1.0 ms p99 above doubled the bound back
     slow = AdaptiveBatching(shapes, target_ms=20.0, call_s={n: 0.008 for n in shapes})
     assert slow.max_batch == 64  # no warm-up call fit 20 / 4 ms: the cap
 

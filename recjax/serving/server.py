@@ -25,8 +25,8 @@ bit of a row's score with the batch shape); "pow2" pads to the next power of two
 batch, scores then agree across batchings to ~1 ulp).
 
 Scheduling (`scheduler="adaptive"`): `AdaptiveBatching` chooses, every quarter second, how many rows a call may take
-and whether to wait for more, from the measured arrival rate, call times and the worker's and the event loop's load,
-against a p99 target (DeepRecSys's per-load batch size, Gupta et al., ISCA 2020; `--max_batch` is then the cap).
+and whether to wait for more, from the measured arrival rate, call times and worker load, against a p99 target
+(DeepRecSys's per-load batch size, Gupta et al., ISCA 2020; `--max_batch` is then the cap).
 
 On SIGTERM (or SIGINT) the server stops accepting connections, scores what is queued at once, answers every request
 in flight, and exits (`drain_seconds` bounds the wait).
@@ -90,37 +90,34 @@ class AdaptiveBatching:
     a call and raises the throughput the tail target allows, until the wait for it or the call itself spends the
     target. The batcher already batches for free what queues while a call runs; what is left to choose is how many
     rows one call may take and whether to *wait* for more. Per window (`window` requests, or `period_s` seconds with
-    at least `min_requests`) the scheduler measures the arrival rate lambda (rows/s), the p99 latency and two busy
-    shares: the worker's (seconds in model calls / window seconds) and the event loop's (its thread's CPU seconds /
-    window seconds: receiving, parsing, encoding and answering requests); and it keeps each batch shape's call time
-    s(b) (moving averages, seeded by the warm-up's calls). Then:
+    at least `min_requests`) the scheduler measures the arrival rate lambda (rows/s), the worker's busy share u
+    (seconds in model calls / window seconds) and the p99 latency, and keeps each batch shape's call time s(b)
+    (moving averages, seeded by the warm-up's calls). Then:
       * a call takes every queued row up to `max_batch`: the largest batch whose call fit target / 4 when the
         warm-up timed them (the cap if none did). Fixed: under load the calls slow down because the requests
         themselves take the cores, and shrinking the batch then (measured: to 8 rows at 1,000/s) means more calls
         and slower ones still;
-      * it waits only when it must batch to keep up. The worker and the loop share one interpreter lock, so
-        together they have one core's worth of Python; serving each request alone would keep them busy
-        u(1) = loop + lambda s(1) of the time, and batching b rows a call, u(b) = loop + lambda s(b) / b. With u(1)
-        <= `busy` no wait (at low load a request runs alone, and waiting would only add its wait to the tail);
-        otherwise queues build, so it waits for `fill_rows` = the smallest b with u(b) <= `busy` (the cap when none
-        is: the loop's share alone is over it, and only fewer, fuller calls give it time back), for at most
-        (b - 1) / lambda, the time b rows take to arrive, and the wait bound. The loop's share is what decides at
-        high rates (it outgrows the worker's: benchmarks/RESULTS.md), so a rule on the worker's alone waits too
-        late;
-      * the wait bound is target / 4: a wait no longer than that cannot by itself take the tail past the target.
-        It stays put when the tail goes over: where the scheduler waits at all, a queue is what the tail pays, and a
-        shorter wait means smaller batches and a longer queue (a bound halved on every window over the target, the
-        rule before, shrank the batches of a loaded server to a row or two: benchmarks/RESULTS.md).
+      * it waits only when it must batch to keep up: with the worker busy more than `busy` of the time, queues
+        build, so it waits for `fill_rows` = the smallest batch b with lambda s(b) / b <= busy / 2 (at most
+        (b - 1) / lambda, the time b rows take to arrive, and the wait bound); otherwise no wait (at low load a
+        request runs alone, and waiting would only add its wait to the tail);
+      * the wait bound starts at target / 4; a window over the target while waiting halves it (the wait is the
+        first suspect), a window under `slack` x target doubles it back.
+    It also measures the event loop's share (its thread's CPU seconds / window seconds: receiving, parsing, encoding
+    and answering requests), for /metrics only: a rule that counted it (waiting once loop + lambda s(1) > `busy`, its
+    wait bound fixed) waited at lower rates and lost to this one side by side (benchmarks/RESULTS.md).
     """
 
     def __init__(self, shape_of: dict[int, int], target_ms: float, call_s: dict[int, float] | None = None,
-                 window: int = 200, period_s: float = 0.25, min_requests: int = 20, busy: float = 0.6):
+                 window: int = 200, period_s: float = 0.25, min_requests: int = 20, busy: float = 0.6,
+                 slack: float = 0.5):
         # shape_of: the batch sizes to choose from (powers of two up to the cap) -> the shape a call of that many
         # rows runs at (the batcher's `shape_for`).
         self.shape_of, self.sizes, self.target_ms = dict(shape_of), sorted(shape_of), target_ms
         self.window, self.period_s, self.min_requests = window, period_s, min_requests
-        self.busy = busy
+        self.busy, self.slack = busy, slack
         self.call_s = {shape: (call_s or {}).get(shape, 0.0) for shape in set(self.shape_of.values())}
+        self.wait_bound_ms = target_ms / 4
         self.fill_rows, self.max_wait_ms = 1, 0.0
         self.busy_shares = (0.0, 0.0)  # (worker, event loop) in the last window
         fits = [b for b in self.sizes if 1e3 * self.seconds(b) <= self.target_ms / 4]
@@ -130,7 +127,7 @@ class AdaptiveBatching:
         self.window_start = time.perf_counter()
         self.loop_cpu_start: float | None = None  # the loop thread's CPU seconds when the window opened
         # (p99 ms, rows/s, worker share, loop share, fill_rows, max_batch, max_wait_ms) after each window
-        self.decisions: list[tuple[float, float, float, int, int, float]] = []
+        self.decisions: list[tuple[float, float, float, float, int, int, float]] = []
 
     def seconds(self, rows: int) -> float:
         return self.call_s[self.shape_of[rows]]
@@ -159,17 +156,19 @@ class AdaptiveBatching:
             self.latencies, self.rows, self.busy_s, self.window_start = [], 0, 0.0, now
             self.loop_cpu_start = loop_cpu
 
-    def decide(self, p99_ms: float, rows_per_s: float, worker_share: float, loop_share: float = 0.0) -> None:
-        def busy(b: int) -> float:  # u(b): the loop's and the worker's share if every call took b rows
-            return loop_share + rows_per_s * self.seconds(b) / b
-
+    def decide(self, p99_ms: float, rows_per_s: float, busy_share: float, loop_share: float = 0.0) -> None:
+        if p99_ms > self.target_ms and self.max_wait_ms > 0:
+            self.wait_bound_ms = max(0.25, self.wait_bound_ms / 2)
+        elif p99_ms < self.slack * self.target_ms:
+            self.wait_bound_ms = min(self.target_ms / 4, 2 * self.wait_bound_ms)
         fill = 1
-        if rows_per_s > 0 and busy(1) > self.busy:
-            fill = next((b for b in self.sizes if b <= self.max_batch and busy(b) <= self.busy), self.max_batch)
+        if busy_share > self.busy and rows_per_s > 0:
+            fill = next((b for b in self.sizes if b <= self.max_batch
+                         and rows_per_s * self.seconds(b) / b <= self.busy / 2), self.max_batch)
         self.fill_rows = fill
-        self.max_wait_ms = 0.0 if fill == 1 else min(self.target_ms / 4, 1e3 * (fill - 1) / rows_per_s)
-        self.busy_shares = (worker_share, loop_share)
-        self.decisions.append((p99_ms, rows_per_s, worker_share, loop_share, self.fill_rows, self.max_batch,
+        self.max_wait_ms = 0.0 if fill == 1 else min(self.wait_bound_ms, 1e3 * (fill - 1) / rows_per_s)
+        self.busy_shares = (busy_share, loop_share)
+        self.decisions.append((p99_ms, rows_per_s, busy_share, loop_share, self.fill_rows, self.max_batch,
                                self.max_wait_ms))
 
 
