@@ -4,6 +4,7 @@ The real sample (first 1,999 lines of the Kaggle train.txt) is read from the sha
 ($RECJAX_SHARED_DATA, else <repo>/../shared/data) and never copied into the repository.
 """
 
+import ast
 import collections
 import dataclasses
 import gzip
@@ -521,15 +522,23 @@ def test_hash_vocabulary_matches_brute_force(tmp_path):
         assert prepared.stats.index_counts[f"C{f + 1}"].tolist() == np.bincount(expected_ids, minlength=97).tolist()
 
 
+def _no_literal_eval(*args):
+    raise AssertionError("ast.literal_eval called while reading the data")
+
+
 @pytest.mark.parametrize("vocab", ["frequency", "hash"])
-def test_spilled_train_equals_parsing_again(tmp_path, vocab):
+def test_spilled_train_equals_parsing_again(tmp_path, vocab, monkeypatch):
+    """The spilled train split equals a second parse. It is read back on 2 threads without parsing any text header
+    (np.load's ast.literal_eval on several threads failed on CPython 3.11.7: textio.write_arrays)."""
     path = write(tmp_path, "train.txt", generated_text(2000, seed=13))
     blocks = {}
     for spill in (True, False):
         options = criteo.CriteoOptions(vocab=vocab, max_index=1000, chunk_bytes=SMALL_CHUNK * 16, spill=spill,
-                                       spill_dir=str(tmp_path))
+                                       spill_dir=str(tmp_path), num_threads=2)
         with criteo.prepare_criteo(criteo.kaggle_splits(path), options, block_rows=300) as prepared:
-            blocks[spill] = {split: list(prepared.blocks(split)) for split in prepared.splits}
+            with monkeypatch.context() as patch:
+                patch.setattr(ast, "literal_eval", _no_literal_eval)
+                blocks[spill] = {split: list(prepared.blocks(split)) for split in prepared.splits}
             report = prepared.report.to_dict()
         assert report["lines_read"] == 2000  # the train pass is reported once, whichever way train is streamed
     for split, spilled in blocks[True].items():
@@ -547,7 +556,7 @@ def test_spill_is_deleted_by_close_and_on_errors(tmp_path):
     path = write(tmp_path, "train.txt", b"\n".join([GOOD] * 50 + [b"1\tbad"] + [GOOD] * 20) + b"\n")
     options = criteo.CriteoOptions(spill_dir=str(tmp_path), chunk_bytes=SMALL_CHUNK)
     prepared = criteo.prepare_criteo(criteo.kaggle_splits(path), options)
-    assert len(list(tmp_path.glob("recjax_criteo_spill_*/chunk_*.npz"))) > 1
+    assert len(list(tmp_path.glob("recjax_criteo_spill_*/chunk_*.bin"))) > 1
     prepared.close()
     assert not list(tmp_path.glob("recjax_criteo_spill_*"))
     with pytest.raises(ValueError, match="deleted by close"):

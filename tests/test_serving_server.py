@@ -235,7 +235,8 @@ def test_adaptive_batching_decisions():
     (the cap when none did); it waits only with the worker busy over 60 % of the time, for the smallest batch b with
     rate x s(b) / b <= 0.3, at most (b - 1) / rate and the wait bound; the bound (target / 4 at first) halves on a
     window over the target while waiting and doubles back under half the target; call times are moving averages; a
-    window closes after `window` requests or after `period_s` with `min_requests`."""
+    window closes after `window` requests or after `period_s` with `min_requests`, and measures the worker's share
+    (call seconds) and the event loop's (its thread's CPU seconds, reported, not decided on)."""
     shapes = {n: n for n in (1, 2, 4, 8, 16, 32, 64)}
     call_s = {1: 0.001, 2: 0.0011, 4: 0.0012, 8: 0.0014, 16: 0.002, 32: 0.003, 64: 0.006}
     adaptive = AdaptiveBatching(shapes, target_ms=20.0, call_s=call_s, window=4, period_s=0.5, min_requests=2)
@@ -261,16 +262,19 @@ def test_adaptive_batching_decisions():
     assert adaptive.call_s[32] == pytest.approx(0.8 * 0.003 + 0.2 * 0.004)
     adaptive.record_forward(0.030, 32)  # 8.6 ms: the calls' load slows them; the cap stays
     start = adaptive.window_start
-    for seconds in (0.001, 0.002, 0.003, 0.1):  # 4 one-row requests in 0.1 s close a window: over while waiting
-        adaptive.record_request(seconds, 1, now=start + 0.1)  # (bound 0.625); busy 34 ms of 100: no wait
-    p99 = 1e3 * np.percentile([0.001, 0.002, 0.003, 0.1], 99)
-    assert adaptive.decisions[-1] == (pytest.approx(p99), pytest.approx(40.0), pytest.approx(0.34), 1, 32, 0.0)
+    for k, seconds in enumerate((0.001, 0.002, 0.003, 0.1)):  # 4 one-row requests in 0.1 s close a window: over
+        adaptive.record_request(seconds, 1, now=start + 0.1, loop_cpu=10.0 + 0.01 * k)  # while waiting (bound 0.625);
+    p99 = 1e3 * np.percentile([0.001, 0.002, 0.003, 0.1], 99)  # busy 34 ms of 100: no wait; the loop's thread on the
+    assert adaptive.decisions[-1] == (pytest.approx(p99), pytest.approx(40.0), pytest.approx(0.34),  # CPU 30 ms (from
+                                      pytest.approx(0.3), 1, 32, 0.0)  # the first request's reading)
+    assert adaptive.busy_shares == (pytest.approx(0.34), pytest.approx(0.3))
     assert adaptive.latencies == [] and adaptive.rows == 0 and adaptive.busy_s == 0.0
-    adaptive.record_request(0.001, 3, now=start + 0.3)  # 0.2 s into the window, 1 request: open
-    adaptive.record_request(0.001, 3, now=start + 0.5)  # 0.4 s: open
+    adaptive.record_request(0.001, 3, now=start + 0.3, loop_cpu=10.05)  # 0.2 s into the window, 1 request: open
+    adaptive.record_request(0.001, 3, now=start + 0.5, loop_cpu=10.07)  # 0.4 s: open
     assert len(adaptive.latencies) == 2
-    adaptive.record_request(0.001, 3, now=start + 0.7)  # 0.6 s >= period, 3 >= min_requests: closes
-    assert adaptive.decisions[-1] == (pytest.approx(1.0), pytest.approx(9 / 0.6), 0.0, 1, 32, 0.0)
+    adaptive.record_request(0.001, 3, now=start + 0.7, loop_cpu=10.09)  # 0.6 s >= period, 3 >= min_requests: closes
+    assert adaptive.decisions[-1] == (pytest.approx(1.0), pytest.approx(9 / 0.6), 0.0, pytest.approx(0.06 / 0.6),
+                                      1, 32, 0.0)
     for shape in adaptive.call_s:  # overloaded: every call slowed to 8 ms
         adaptive.call_s[shape] = 0.008
     adaptive.decide(p99_ms=300.0, rows_per_s=1000.0, busy_share=0.95)  # 1000 x 8 ms / b <= 0.3 from b = 32

@@ -89,7 +89,9 @@ from recjax.data.textio import (
     index_lines,
     merge_report,
     ordered_map,
+    read_arrays,
     show_value,
+    write_arrays,
 )
 from recjax.data.vocabulary import (
     KeyCounter,
@@ -613,9 +615,13 @@ def vocabulary_stats(vocabulary: CriteoVocabulary, options: CriteoOptions) -> Cr
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _spill_chunk(chunk: RawChunk, path: pathlib.Path) -> list[tuple[np.ndarray, np.ndarray]]:
+_Spill = tuple[pathlib.Path, dict[str, tuple[int, str, tuple]]]  # a spilled chunk's file and layout (write_arrays)
+
+
+def _spill_chunk(chunk: RawChunk, path: pathlib.Path) -> tuple[list[tuple[np.ndarray, np.ndarray]], _Spill]:
     """Write a train chunk compactly -- labels, dense, and per feature its distinct raw keys plus each row's
-    position among them (uint16 when the chunk has <= 65536 rows) -- and return per feature (distinct, counts)."""
+    position among them (uint16 when the chunk has <= 65536 rows) -- and return per feature (distinct, counts), and
+    where the chunk went."""
     n = chunk.size
     inverse = np.empty((CRITEO_NUM_SPARSE, n), np.uint16 if n <= 1 << 16 else np.int32)
     distinct, counted = [], []
@@ -623,16 +629,17 @@ def _spill_chunk(chunk: RawChunk, path: pathlib.Path) -> list[tuple[np.ndarray, 
         keys, counts, inverse[f] = distinct_inverse(chunk.cats[:, f], KEY_BITS)
         distinct.append(keys)
         counted.append((keys, counts))
-    np.savez(path, labels=chunk.labels, dense=chunk.dense, inverse=inverse, distinct=np.concatenate(distinct),
-             distinct_sizes=np.array([d.size for d in distinct], np.int64))
-    return counted
+    layout = write_arrays(path, {"labels": chunk.labels, "dense": chunk.dense, "inverse": inverse,
+                                 "distinct": np.concatenate(distinct),
+                                 "distinct_sizes": np.array([d.size for d in distinct], np.int64)})
+    return counted, (path, layout)
 
 
-def _spilled_batch(vocabulary: CriteoVocabulary, path: pathlib.Path) -> Batch:
+def _spilled_batch(vocabulary: CriteoVocabulary, spill: _Spill) -> Batch:
     """A spilled chunk as a Batch (see `_spill_chunk`): only each feature's distinct keys are looked up."""
-    with np.load(path) as spilled:
-        labels, dense, inverse = spilled["labels"], spilled["dense"], spilled["inverse"]
-        distinct = np.split(spilled["distinct"], np.cumsum(spilled["distinct_sizes"])[:-1])
+    spilled = read_arrays(*spill)
+    labels, dense, inverse = spilled["labels"], spilled["dense"], spilled["inverse"]
+    distinct = np.split(spilled["distinct"], np.cumsum(spilled["distinct_sizes"])[:-1])
     ids = np.empty(inverse.shape, np.int32)
     for f in range(CRITEO_NUM_SPARSE):
         ids[f] = _lookup(vocabulary, f, distinct[f])[inverse[f]]
@@ -657,7 +664,7 @@ class PreparedCriteo:
     options: CriteoOptions
     block_rows: int
     train_split: str = "train"
-    spilled: list[pathlib.Path] | None = dataclasses.field(default=None, repr=False)  # train's chunks, in order
+    spilled: list[_Spill] | None = dataclasses.field(default=None, repr=False)  # train's chunks, in order
     spill_directory: tempfile.TemporaryDirectory | None = None
     reported: set[str] = dataclasses.field(default_factory=set)  # splits whose lines are in `report`
 
@@ -669,7 +676,7 @@ class PreparedCriteo:
         if split == self.train_split and self.spilled is not None:
             if self.spill_directory is None:
                 raise ValueError("the spilled train split was deleted by close(); prepare the data again")
-            batches = ordered_map(lambda path: _spilled_batch(vocabulary, path), self.spilled,
+            batches = ordered_map(lambda spill: _spilled_batch(vocabulary, spill), self.spilled,
                                    self.options.num_threads)
             return rebatch(batches, self.block_rows)
         # Each split is reported by the first stream of its blocks; train was reported by the fitting pass.
@@ -707,19 +714,18 @@ def prepare_criteo(splits: Mapping[str, Sequence[FileSlice]], options: CriteoOpt
     counters = [KeyCounter(key_bits=KEY_BITS) for _ in CRITEO_FEATURE_NAMES]
     spill_directory = tempfile.TemporaryDirectory(prefix="recjax_criteo_spill_", dir=options.spill_dir) \
         if options.spill else None
-    spilled: list[pathlib.Path] = []
+    spilled: list[_Spill] = []
     names = itertools.count()  # unique file names across worker threads; the order is restored from `results`
 
     def count(chunk: RawChunk):
         if spill_directory is None or chunk.size == 0:
             return count_keys(chunk), None
-        path = pathlib.Path(spill_directory.name) / f"chunk_{next(names):07d}.npz"
-        return _spill_chunk(chunk, path), path
+        return _spill_chunk(chunk, pathlib.Path(spill_directory.name) / f"chunk_{next(names):07d}.bin")
 
     try:
-        for counted, path in _stream(splits[train_split], count, report, options):
-            if path is not None:
-                spilled.append(path)
+        for counted, spill in _stream(splits[train_split], count, report, options):
+            if spill is not None:
+                spilled.append(spill)
             for counter, (keys, counts) in zip(counters, counted, strict=True):
                 counter.add(keys, counts)
         if report.rows_kept == 0:

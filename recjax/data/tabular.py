@@ -94,7 +94,14 @@ from recjax.data.tabular_formats import (
     parse_unit,
     units,
 )
-from recjax.data.textio import DEFAULT_CHUNK_BYTES, ParseReport, merge_report, ordered_map
+from recjax.data.textio import (
+    DEFAULT_CHUNK_BYTES,
+    ParseReport,
+    merge_report,
+    ordered_map,
+    read_arrays,
+    write_arrays,
+)
 from recjax.data.vocabulary import (
     KeyCounter,
     VocabularyStats,
@@ -655,29 +662,6 @@ def _rounded(fraction: float, n: int) -> int:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _write_arrays(path: pathlib.Path, arrays: Mapping[str, np.ndarray]) -> dict[str, tuple[int, str, tuple]]:
-    """Arrays' raw bytes one after the other (8-byte aligned) -> their layout {name: (offset, dtype, shape)}.
-    (np.savez / np.load's per-array zip and header parsing cost more than the reads themselves:
-    benchmarks/RESULTS.md#data-tabular-preparation.)"""
-    layout, offset = {}, 0
-    with open(path, "wb") as f:
-        for name, array in arrays.items():
-            array = np.ascontiguousarray(array)
-            pad = -array.nbytes % 8
-            f.write(memoryview(array).cast("B") if array.nbytes else b"")
-            f.write(bytes(pad))
-            layout[name] = (offset, array.dtype.str, array.shape)
-            offset += array.nbytes + pad
-    return layout
-
-
-def _read_arrays(path: pathlib.Path, layout: Mapping[str, tuple[int, str, tuple]]) -> dict[str, np.ndarray]:
-    """The arrays of `_write_arrays`, as writable views of one read."""
-    data = np.fromfile(path, np.uint8)
-    return {name: data[offset:offset + int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
-            for name, (offset, dtype, shape) in layout.items()}
-
-
 @dataclasses.dataclass(eq=False)  # holds arrays
 class _Spilled:
     """One parsed chunk in the spill directory, and what stays in memory about it.
@@ -712,7 +696,7 @@ def _spill(chunk: ParsedChunk, path: pathlib.Path) -> _Spilled:
         arrays[f"inverse_{j}"] = values.inverse.astype(np.uint16 if values.keys.size <= 1 << 16 else np.int32)
         if values.lengths is not None:
             arrays[f"lengths_{j}"] = values.lengths
-    return _Spilled(path, _write_arrays(path, arrays), chunk.size, None, chunk.time, tuple(chunk.sparse),
+    return _Spilled(path, write_arrays(path, arrays), chunk.size, None, chunk.time, tuple(chunk.sparse),
                     {name: v.max_length for name, v in chunk.sparse.items()},
                     {name: v.truncated for name, v in chunk.sparse.items()}, chunk.path, chunk.file_index,
                     chunk.time_numeric_at,
@@ -721,7 +705,7 @@ def _spill(chunk: ParsedChunk, path: pathlib.Path) -> _Spilled:
 
 def _load(record: _Spilled) -> tuple[np.ndarray, np.ndarray, dict[str, tuple]]:
     """(labels f32[n], dense f32[n, D], {feature: (keys i64[u], inverse [m], lengths i32[n] or None)})."""
-    arrays = _read_arrays(record.path, record.layout)
+    arrays = read_arrays(record.path, record.layout)
     sparse = {name: (arrays[f"keys_{j}"], arrays[f"inverse_{j}"], arrays.get(f"lengths_{j}"))
               for j, name in enumerate(record.features)}
     return arrays["labels"], arrays["dense"], sparse
@@ -827,7 +811,7 @@ def _finalize(record: _Spilled, vocabularies: Mapping[str, FeatureVocabulary], s
             continue
         path = record.path.with_name(f"{record.path.stem}_{split}.bin")
         chosen = out if rows.size == n else {name: array[rows] for name, array in out.items()}
-        record.finals[code] = (path, _write_arrays(path, chosen), int(rows.size))
+        record.finals[code] = (path, write_arrays(path, chosen), int(rows.size))
     record.path.unlink()
 
 
@@ -868,7 +852,7 @@ class PreparedTabular:
 
     def _batch(self, final: tuple[pathlib.Path, dict, int]) -> Batch:
         path, layout, n = final
-        arrays = _read_arrays(path, layout)
+        arrays = read_arrays(path, layout)
         ones = np.ones(n, np.int32)
         return Batch(dense=arrays["dense"], labels=arrays["labels"],
                      ids={name: arrays[f"ids_{j}"] for j, name in enumerate(self.vocabularies)},

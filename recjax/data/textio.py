@@ -23,7 +23,7 @@ import dataclasses
 import pathlib
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -311,6 +311,31 @@ def ordered_map(fn: Callable, items: Iterable, num_threads: int) -> Iterator:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
+
+
+def write_arrays(path: pathlib.Path, arrays: Mapping[str, np.ndarray]) -> dict[str, tuple[int, str, tuple]]:
+    """Arrays' raw bytes one after the other (8-byte aligned) -> their layout {name: (offset, dtype, shape)}: how the
+    parsers spill chunks to disk. Not np.savez: np.load's per-array zip and header parsing cost more than the reads
+    themselves (benchmarks/RESULTS.md#data-tabular-preparation), and its header parsing (ast.literal_eval) on the
+    threads of `ordered_map` failed here on CPython 3.11.7 with a spurious "SystemError: AST constructor recursion
+    depth mismatch" (the error of python/cpython#106905: the AST builder's depth counter is not per thread)."""
+    layout, offset = {}, 0
+    with open(path, "wb") as f:
+        for name, array in arrays.items():
+            array = np.ascontiguousarray(array)
+            pad = -array.nbytes % 8
+            f.write(memoryview(array).cast("B") if array.nbytes else b"")
+            f.write(bytes(pad))
+            layout[name] = (offset, array.dtype.str, array.shape)
+            offset += array.nbytes + pad
+    return layout
+
+
+def read_arrays(path: pathlib.Path, layout: Mapping[str, tuple[int, str, tuple]]) -> dict[str, np.ndarray]:
+    """The arrays of `write_arrays`, as writable views of one read."""
+    data = np.fromfile(path, np.uint8)
+    return {name: data[offset:offset + int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
+            for name, (offset, dtype, shape) in layout.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------------------

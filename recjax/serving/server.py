@@ -103,6 +103,9 @@ class AdaptiveBatching:
         request runs alone, and waiting would only add its wait to the tail);
       * the wait bound starts at target / 4; a window over the target while waiting halves it (the wait is the
         first suspect), a window under `slack` x target doubles it back.
+    It also measures the event loop's share (its thread's CPU seconds / window seconds: receiving, parsing, encoding
+    and answering requests), for /metrics only: a rule that counted it (waiting once loop + lambda s(1) > `busy`, its
+    wait bound fixed) waited at lower rates and lost to this one side by side (benchmarks/RESULTS.md).
     """
 
     def __init__(self, shape_of: dict[int, int], target_ms: float, call_s: dict[int, float] | None = None,
@@ -116,13 +119,15 @@ class AdaptiveBatching:
         self.call_s = {shape: (call_s or {}).get(shape, 0.0) for shape in set(self.shape_of.values())}
         self.wait_bound_ms = target_ms / 4
         self.fill_rows, self.max_wait_ms = 1, 0.0
+        self.busy_shares = (0.0, 0.0)  # (worker, event loop) in the last window
         fits = [b for b in self.sizes if 1e3 * self.seconds(b) <= self.target_ms / 4]
         self.max_batch = max(fits) if fits else self.sizes[-1]
         self.latencies: list[float] = []
         self.rows, self.busy_s = 0, 0.0
         self.window_start = time.perf_counter()
-        # (p99 ms, rows/s, busy share, fill_rows, max_batch, max_wait_ms) after each window
-        self.decisions: list[tuple[float, float, float, int, int, float]] = []
+        self.loop_cpu_start: float | None = None  # the loop thread's CPU seconds when the window opened
+        # (p99 ms, rows/s, worker share, loop share, fill_rows, max_batch, max_wait_ms) after each window
+        self.decisions: list[tuple[float, float, float, float, int, int, float]] = []
 
     def seconds(self, rows: int) -> float:
         return self.call_s[self.shape_of[rows]]
@@ -132,7 +137,13 @@ class AdaptiveBatching:
         old = self.call_s.get(shape, 0.0)
         self.call_s[shape] = seconds if old == 0.0 else 0.8 * old + 0.2 * seconds
 
-    def record_request(self, seconds: float, rows: int, now: float | None = None) -> None:
+    def record_request(self, seconds: float, rows: int, now: float | None = None,
+                       loop_cpu: float | None = None) -> None:
+        """One answered request (on the event loop's thread); `now` and `loop_cpu` (the thread's CPU seconds) are
+        read here unless given."""
+        loop_cpu = time.thread_time() if loop_cpu is None else loop_cpu
+        if self.loop_cpu_start is None:  # the first request (the scheduler is made on the worker thread)
+            self.loop_cpu_start = loop_cpu
         self.latencies.append(seconds)
         self.rows += rows
         now = time.perf_counter() if now is None else now
@@ -140,10 +151,12 @@ class AdaptiveBatching:
         count = len(self.latencies)
         if count >= self.window or (elapsed >= self.period_s and count >= self.min_requests):
             elapsed = max(elapsed, 1e-9)
-            self.decide(float(np.percentile(self.latencies, 99)) * 1e3, self.rows / elapsed, self.busy_s / elapsed)
+            self.decide(float(np.percentile(self.latencies, 99)) * 1e3, self.rows / elapsed, self.busy_s / elapsed,
+                        (loop_cpu - self.loop_cpu_start) / elapsed)
             self.latencies, self.rows, self.busy_s, self.window_start = [], 0, 0.0, now
+            self.loop_cpu_start = loop_cpu
 
-    def decide(self, p99_ms: float, rows_per_s: float, busy_share: float) -> None:
+    def decide(self, p99_ms: float, rows_per_s: float, busy_share: float, loop_share: float = 0.0) -> None:
         if p99_ms > self.target_ms and self.max_wait_ms > 0:
             self.wait_bound_ms = max(0.25, self.wait_bound_ms / 2)
         elif p99_ms < self.slack * self.target_ms:
@@ -154,7 +167,9 @@ class AdaptiveBatching:
                          and rows_per_s * self.seconds(b) / b <= self.busy / 2), self.max_batch)
         self.fill_rows = fill
         self.max_wait_ms = 0.0 if fill == 1 else min(self.wait_bound_ms, 1e3 * (fill - 1) / rows_per_s)
-        self.decisions.append((p99_ms, rows_per_s, busy_share, self.fill_rows, self.max_batch, self.max_wait_ms))
+        self.busy_shares = (busy_share, loop_share)
+        self.decisions.append((p99_ms, rows_per_s, busy_share, loop_share, self.fill_rows, self.max_batch,
+                               self.max_wait_ms))
 
 
 class Metrics:
@@ -179,6 +194,9 @@ class Metrics:
                                     "adaptive scheduler chose fewer)", registry=registry)
         self.max_wait = prom.Gauge("recjax_serving_max_wait_seconds", "max_wait_ms in force, in seconds",
                                    registry=registry)
+        self.busy = prom.Gauge("recjax_serving_busy_share", "The adaptive scheduler's last window: the share of time "
+                               "the worker spent in model calls, and the event loop's thread on the CPU", ["thread"],
+                               registry=registry)
         if hasattr(model, "cache_stats"):  # tiered tables: rows served from the RAM cache / rows looked up
             def ratio() -> float:
                 hits, lookups = model.cache_stats()
@@ -396,6 +414,8 @@ def make_app(model: Any, options: ServerOptions | None = None) -> web.Applicatio
         metrics.latency.observe(seconds)
         if batcher.adaptive:
             batcher.adaptive.record_request(seconds, encoded.size)
+            for thread, share in zip(("worker", "loop"), batcher.adaptive.busy_shares, strict=True):
+                metrics.busy.labels(thread).set(share)
         # Server-Timing (W3C): the server's own time for the request and the model call(s) in it, so a client can
         # tell the server's cost from the network's and its own.
         timing = f"total;dur={1e3 * seconds:.3f}, forward;dur={1e3 * forward:.3f}"
