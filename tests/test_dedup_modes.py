@@ -31,12 +31,15 @@ def run(dedup: str, method: str, options: dict, pooling: str, batches, steps: in
     return train_steps(config, SPEC, batches)
 
 
+# The default suite keeps one case per path through the scatter-vs-dedup machinery: a plain table (full, mean), a
+# method combining per id before pooling (qr_path: its MLP is not linear per row) and one pooling before a linear
+# combine (md, sum). qr (mult: per id, like qr_path) and hashing (one table, like full) re-prove those paths: slow.
 @pytest.mark.parametrize("method, options, pooling", [
     ("full", {}, "mean"),
-    ("qr", {"op": "mult", "collisions": 2}, "sum"),
+    pytest.param("qr", {"op": "mult", "collisions": 2}, "sum", marks=pytest.mark.slow),
     ("qr_path", {"collisions": 2}, "mean"),
     ("md", {}, "sum"),
-    ("hashing", {"buckets": 7}, "sum"),
+    pytest.param("hashing", {"buckets": 7}, "sum", marks=pytest.mark.slow),
 ])
 def test_scatter_path_equals_dedup_path(method, options, pooling):
     batches = [jax.device_put(random_batch(SPEC, 8, seed=i)) for i in range(2)]
