@@ -101,11 +101,13 @@ def test_utility_is_the_decayed_sum_of_per_row_chunk_gradient_norms():
     step = make_train_step(task)
     collection, glue, model = task.collection, task.glue, task.model
     names = SPEC.feature_names
-    want = np.zeros((13, 4))
-    last = np.zeros(13, int)
-    for t, batch in enumerate(batches, start=1):
-        # Oracle: d loss / d embeddings from the same forward, summed per row and chunk in numpy.
-        def loss_of_emb(emb, state=state, batch=batch, t=t):
+
+    # Oracle: d loss / d embeddings from the same forward (autodiff of a plain logistic loss, not the step's
+    # embedding probe), summed per row and chunk in numpy below. Jitted: one compile, not an eager op-by-op trace
+    # of routing, gather and the model's gradient for each batch.
+    @jax.jit
+    def embedding_grads(state, batch, t):
+        def loss_of_emb(emb):
             logits = model.apply({"params": state.dense_params["model"]}, batch.dense, emb, train=True,
                                  rngs={"dropout": jax.random.fold_in(state.dropout_rng, t - 1)})
             return jnp.mean(jnp.maximum(logits, 0) - logits * batch.labels + jnp.log1p(jnp.exp(-jnp.abs(logits))))
@@ -113,7 +115,12 @@ def test_utility_is_the_decayed_sum_of_per_row_chunk_gradient_norms():
         routes = collection.route(batch.ids, batch.lengths, aux=state.aux)
         emb = glue.apply({"params": state.dense_params["glue"]}, collection.gather(state.tables, routes),
                          routes.features)
-        g = np.asarray(jax.grad(loss_of_emb)(emb))[:, names.index("a")]  # [B, D], "a" is one-hot
+        return jax.grad(loss_of_emb)(emb)
+
+    want = np.zeros((13, 4))
+    last = np.zeros(13, int)
+    for t, batch in enumerate(batches, start=1):
+        g = np.asarray(embedding_grads(state, batch, t))[:, names.index("a")]  # [B, D], "a" is one-hot
         ids = np.asarray(batch.ids["a"])[:, 0]
         summed = np.zeros((13, g.shape[1]))
         np.add.at(summed, ids, g)
