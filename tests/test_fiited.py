@@ -60,7 +60,7 @@ def with_counts(task, state, feature: str, counts: np.ndarray):
     pool = chunk_pool.ChunkPool(pool=state.tables[p.group][rows], offsets=method.offsets(state.aux[feature]),
                                 state={k: s[rows] for k, s in state.sparse_opt_state[p.group].items()},
                                 chunks=method.chunks)
-    pool, _ = chunk_pool.resize(pool, jnp.asarray(counts, jnp.int32))
+    pool, _ = jax.jit(chunk_pool.resize)(pool, jnp.asarray(counts, jnp.int32))  # one compile, not op by op
     tables = {**state.tables, p.group: state.tables[p.group].at[rows].set(pool.pool)}
     opt = {**state.sparse_opt_state, p.group: {k: s.at[rows].set(pool.state[k])
                                                for k, s in state.sparse_opt_state[p.group].items()}}
@@ -185,15 +185,20 @@ def test_adjust_keeps_the_best_chunks_and_compaction_preserves_the_model():
 def reference_probs(task, state, rows: dict, batch) -> np.ndarray:
     """Probabilities of the model with `rows` ({feature: f32[V, D]}) as plain tables, other features unchanged."""
     collection = task.collection
-    routes = collection.route(batch.ids, batch.lengths, aux=state.aux, dedup=False)
-    looked = collection.gather(state.tables, routes)
-    emb = np.array(task.glue.apply({"params": state.dense_params["glue"]}, looked, routes.features))
+
+    @jax.jit  # one compile, not an eager trace op by op
+    def embeddings(state, batch):
+        routes = collection.route(batch.ids, batch.lengths, aux=state.aux, dedup=False)
+        looked = collection.gather(state.tables, routes)
+        return task.glue.apply({"params": state.dense_params["glue"]}, looked, routes.features)
+
+    emb = np.array(embeddings(state, batch))
     for name, table in rows.items():
         f = SPEC.feature_names.index(name)
         ids, lengths = np.asarray(batch.ids[name]), np.asarray(batch.lengths[name])
         valid = np.arange(ids.shape[1])[None, :] < lengths[:, None]
         emb[:, f] = np.einsum("bl,bld->bd", valid.astype(np.float32), table[ids])
-    logits = task.model.apply({"params": state.dense_params["model"]}, batch.dense, jnp.asarray(emb))
+    logits = jax.jit(task.model.apply)({"params": state.dense_params["model"]}, batch.dense, jnp.asarray(emb))
     return np.asarray(jax.nn.sigmoid(logits))
 
 
