@@ -77,11 +77,16 @@ def test_predict_without_dedup_equals_the_dedup_forward():
     batch = jax.device_put(random_batch(SPEC, 8, seed=5))
     task, state, _ = run("always", "qr", {"op": "mult", "collisions": 2}, "mean", [batch], steps=1)
     probabilities = make_predict_step(task)(state, batch)  # routes with dedup=False
-    routes = task.collection.route(batch.ids, batch.lengths, dedup=True)
-    assert routes.deduplicated
-    rows = task.collection.gather(state.tables, routes)
-    emb = task.glue.apply({"params": state.dense_params["glue"]}, rows, routes.features)
-    logits = task.model.apply({"params": state.dense_params["model"]}, batch.dense, emb)
+
+    @jax.jit  # the dedup forward in one compile, not an eager trace op by op
+    def dedup_logits(state, batch):
+        routes = task.collection.route(batch.ids, batch.lengths, dedup=True)
+        assert routes.deduplicated
+        rows = task.collection.gather(state.tables, routes)
+        emb = task.glue.apply({"params": state.dense_params["glue"]}, rows, routes.features)
+        return task.model.apply({"params": state.dense_params["model"]}, batch.dense, emb)
+
+    logits = dedup_logits(state, batch)
     np.testing.assert_allclose(np.asarray(probabilities), np.asarray(jax.nn.sigmoid(logits)), rtol=1e-5, atol=1e-7)
 
 
