@@ -112,17 +112,21 @@ def test_packed_offsets_are_the_cumulative_counts(chunks):
     np.cumsum of the counts (the oracle), for random counts, all-full rows and all-empty rows."""
     rng = np.random.default_rng(chunks)
     b = cp.block_rows(chunks)
+    # Jitted as the trainer runs them: one compile per shape, not an eager compile of every primitive.
+    pack = jax.jit(cp.pack_offsets, static_argnums=1)
+    unpack_offsets = jax.jit(cp.unpack_offsets, static_argnums=(2, 3))
+    unpack_counts = jax.jit(cp.unpack_counts, static_argnums=1)
     for v in (1, 5, b - 1, b, b + 1, 1000):
         for counts in (rng.integers(0, chunks + 1, v), np.full(v, chunks), np.zeros(v, int)):
             want = np.concatenate([[0], np.cumsum(counts)])
-            base, packed = cp.pack_offsets(jnp.asarray(cp.offsets_of(counts)), chunks)
+            base, packed = pack(jnp.asarray(cp.offsets_of(counts)), chunks)
             assert packed.dtype == jnp.uint32 and base.dtype == jnp.int32
             assert base.nbytes + packed.nbytes == cp.packed_bytes(v, chunks)
-            np.testing.assert_array_equal(cp.unpack_offsets(base, packed, chunks, v), want)
+            np.testing.assert_array_equal(unpack_offsets(base, packed, chunks, v), want)
             rows = jnp.asarray(rng.integers(0, v + 1, (5, 7)))
-            np.testing.assert_array_equal(cp.unpack_offsets(base, packed, chunks, v, rows), want[np.asarray(rows)])
+            np.testing.assert_array_equal(unpack_offsets(base, packed, chunks, v, rows), want[np.asarray(rows)])
             ids = rows.clip(0, v - 1)
-            np.testing.assert_array_equal(cp.unpack_counts(packed, chunks, ids), counts[np.asarray(ids)])
+            np.testing.assert_array_equal(unpack_counts(packed, chunks, ids), counts[np.asarray(ids)])
 
 
 def test_packed_offsets_cost_under_six_bits_per_row_at_sixteen_chunks():

@@ -27,9 +27,11 @@ def compressed_config(method: str, options: dict, tables: dict | None = None) ->
     return config
 
 
+# hashing (C1) and qr (C4) also train in test_methods_mix_across_tables_in_one_model below, and signed hashing's and
+# qr mult's per-id gradients are exact in test_kernel_dispatch.py (pool_from test): their own runs are slow.
 @pytest.mark.parametrize("method, options", [
-    ("hashing", {"collisions": 4, "sign": True, "threshold": 40}),
-    ("qr", {"collisions": 4, "op": "mult", "threshold": 40}),
+    pytest.param("hashing", {"collisions": 4, "sign": True, "threshold": 40}, marks=pytest.mark.slow),
+    pytest.param("qr", {"collisions": 4, "op": "mult", "threshold": 40}, marks=pytest.mark.slow),
     ("qr_path", {"collisions": 4, "hidden": 4, "threshold": 40}),
     ("md_blocks", {"blocks": (0.1, 1.0), "threshold": 40}),
 ])

@@ -60,7 +60,7 @@ def with_counts(task, state, feature: str, counts: np.ndarray):
     pool = chunk_pool.ChunkPool(pool=state.tables[p.group][rows], offsets=method.offsets(state.aux[feature]),
                                 state={k: s[rows] for k, s in state.sparse_opt_state[p.group].items()},
                                 chunks=method.chunks)
-    pool, _ = chunk_pool.resize(pool, jnp.asarray(counts, jnp.int32))
+    pool, _ = jax.jit(chunk_pool.resize)(pool, jnp.asarray(counts, jnp.int32))  # one compile, not op by op
     tables = {**state.tables, p.group: state.tables[p.group].at[rows].set(pool.pool)}
     opt = {**state.sparse_opt_state, p.group: {k: s.at[rows].set(pool.state[k])
                                                for k, s in state.sparse_opt_state[p.group].items()}}
@@ -101,11 +101,13 @@ def test_utility_is_the_decayed_sum_of_per_row_chunk_gradient_norms():
     step = make_train_step(task)
     collection, glue, model = task.collection, task.glue, task.model
     names = SPEC.feature_names
-    want = np.zeros((13, 4))
-    last = np.zeros(13, int)
-    for t, batch in enumerate(batches, start=1):
-        # Oracle: d loss / d embeddings from the same forward, summed per row and chunk in numpy.
-        def loss_of_emb(emb, state=state, batch=batch, t=t):
+
+    # Oracle: d loss / d embeddings from the same forward (autodiff of a plain logistic loss, not the step's
+    # embedding probe), summed per row and chunk in numpy below. Jitted: one compile, not an eager op-by-op trace
+    # of routing, gather and the model's gradient for each batch.
+    @jax.jit
+    def embedding_grads(state, batch, t):
+        def loss_of_emb(emb):
             logits = model.apply({"params": state.dense_params["model"]}, batch.dense, emb, train=True,
                                  rngs={"dropout": jax.random.fold_in(state.dropout_rng, t - 1)})
             return jnp.mean(jnp.maximum(logits, 0) - logits * batch.labels + jnp.log1p(jnp.exp(-jnp.abs(logits))))
@@ -113,7 +115,12 @@ def test_utility_is_the_decayed_sum_of_per_row_chunk_gradient_norms():
         routes = collection.route(batch.ids, batch.lengths, aux=state.aux)
         emb = glue.apply({"params": state.dense_params["glue"]}, collection.gather(state.tables, routes),
                          routes.features)
-        g = np.asarray(jax.grad(loss_of_emb)(emb))[:, names.index("a")]  # [B, D], "a" is one-hot
+        return jax.grad(loss_of_emb)(emb)
+
+    want = np.zeros((13, 4))
+    last = np.zeros(13, int)
+    for t, batch in enumerate(batches, start=1):
+        g = np.asarray(embedding_grads(state, batch, t))[:, names.index("a")]  # [B, D], "a" is one-hot
         ids = np.asarray(batch.ids["a"])[:, 0]
         summed = np.zeros((13, g.shape[1]))
         np.add.at(summed, ids, g)
@@ -178,15 +185,20 @@ def test_adjust_keeps_the_best_chunks_and_compaction_preserves_the_model():
 def reference_probs(task, state, rows: dict, batch) -> np.ndarray:
     """Probabilities of the model with `rows` ({feature: f32[V, D]}) as plain tables, other features unchanged."""
     collection = task.collection
-    routes = collection.route(batch.ids, batch.lengths, aux=state.aux, dedup=False)
-    looked = collection.gather(state.tables, routes)
-    emb = np.array(task.glue.apply({"params": state.dense_params["glue"]}, looked, routes.features))
+
+    @jax.jit  # one compile, not an eager trace op by op
+    def embeddings(state, batch):
+        routes = collection.route(batch.ids, batch.lengths, aux=state.aux, dedup=False)
+        looked = collection.gather(state.tables, routes)
+        return task.glue.apply({"params": state.dense_params["glue"]}, looked, routes.features)
+
+    emb = np.array(embeddings(state, batch))
     for name, table in rows.items():
         f = SPEC.feature_names.index(name)
         ids, lengths = np.asarray(batch.ids[name]), np.asarray(batch.lengths[name])
         valid = np.arange(ids.shape[1])[None, :] < lengths[:, None]
         emb[:, f] = np.einsum("bl,bld->bd", valid.astype(np.float32), table[ids])
-    logits = task.model.apply({"params": state.dense_params["model"]}, batch.dense, jnp.asarray(emb))
+    logits = jax.jit(task.model.apply)({"params": state.dense_params["model"]}, batch.dense, jnp.asarray(emb))
     return np.asarray(jax.nn.sigmoid(logits))
 
 

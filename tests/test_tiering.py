@@ -241,7 +241,8 @@ def assert_same_state(expected, got):
 
 @pytest.mark.parametrize("optimizer,method,tier", [
     ("sgd", "full", "disk"),  # multi-hot C2 with plain SGD: no dedup, every bag slot remapped to its cache slot
-    ("adagrad", "full", "disk"),
+    # Per-element [R, D] state moving with its rows through the cache: lazy_adam's two moments below prove it too.
+    pytest.param("adagrad", "full", "disk", marks=pytest.mark.slow),
     ("rowwise_adagrad", "full", "mixed"),  # C2 in the host tier's RAM store (on an accelerator; forced here)
     ("lazy_adam", "full", "disk"),
     ("rowwise_adagrad", "qr", "disk"),  # QR's quotient tables on disk, remainders in memory, one stacked group
