@@ -55,6 +55,16 @@ CASES = {
 }
 
 
+def set_keys(config: ml_collections.ConfigDict, values: dict) -> None:
+    """config["a.b.c"] = value for each dotted key (a case's extra settings)."""
+    for key, value in values.items():
+        section, field = key.rsplit(".", 1)
+        node = config
+        for part in section.split("."):
+            node = node[part]
+        node[field] = value
+
+
 def case_config(model: str, method: str, mesh: str, plan: str, overrides: str, extra: dict
                 ) -> ml_collections.ConfigDict:
     config = dlrm_synthetic.get_config()
@@ -93,12 +103,7 @@ def case_config(model: str, method: str, mesh: str, plan: str, overrides: str, e
     # the expected-capacity and the worst-case branch run (test_expected_and_worst_case_buckets_both_ran).
     config.sharding.capacity_factor = 1.25
     config.sharding.capacity_sigmas = 0.0
-    for key, value in extra.items():
-        section, field = key.rsplit(".", 1)
-        node = config
-        for part in section.split("."):
-            node = node[part]
-        node[field] = value
+    set_keys(config, extra)
     return config
 
 

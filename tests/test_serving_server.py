@@ -262,8 +262,9 @@ def test_adaptive_batching_decisions():
     assert adaptive.call_s[32] == pytest.approx(0.8 * 0.003 + 0.2 * 0.004)
     adaptive.record_forward(0.030, 32)  # 8.6 ms: the calls' load slows them; the cap stays
     start = adaptive.window_start
-    for k, seconds in enumerate((0.001, 0.002, 0.003, 0.1)):  # 4 one-row requests in 0.1 s close a window: over
-        adaptive.record_request(seconds, 1, now=start + 0.1, loop_cpu=10.0 + 0.01 * k)  # while waiting (bound 0.625);
+    closed = [adaptive.record_request(seconds, 1, now=start + 0.1, loop_cpu=10.0 + 0.01 * k)  # 4 one-row requests
+              for k, seconds in enumerate((0.001, 0.002, 0.003, 0.1))]  # in 0.1 s close a window: over while waiting
+    assert closed == [False, False, False, True]  # (bound 0.625);
     p99 = 1e3 * np.percentile([0.001, 0.002, 0.003, 0.1], 99)  # busy 34 ms of 100: no wait; the loop's thread on the
     assert adaptive.decisions[-1] == (pytest.approx(p99), pytest.approx(40.0), pytest.approx(0.34),  # CPU 30 ms (from
                                       pytest.approx(0.3), 1, 32, 0.0)  # the first request's reading)

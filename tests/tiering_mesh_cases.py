@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import random_batch
+from sharding_cases import set_keys
 from test_tiering_checkpoint import interrupted, overwrite_records, tiny
 
 from experiments.configs.dlrm_synthetic import get_config
@@ -63,12 +64,7 @@ def case_config(optimizer: str, mesh: str, plan: str, overrides: str, extra: dic
     config.sharding.capacity_factor = 1.25  # small buckets that overflow now and then: both branches run
     config.sharding.capacity_sigmas = 0.0
     config.tiering.tables = "C1=disk,C2=disk,C4=disk"  # C3 stays in memory, in the same stacked group
-    for key, value in extra.items():
-        section, field = key.rsplit(".", 1)
-        node = config
-        for part in section.split("."):
-            node = node[part]
-        node[field] = value
+    set_keys(config, extra)
     config.tiering.cache_rows = slots
     config.tiering.dir = directory
     return config

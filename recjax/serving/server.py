@@ -138,9 +138,9 @@ class AdaptiveBatching:
         self.call_s[shape] = seconds if old == 0.0 else 0.8 * old + 0.2 * seconds
 
     def record_request(self, seconds: float, rows: int, now: float | None = None,
-                       loop_cpu: float | None = None) -> None:
+                       loop_cpu: float | None = None) -> bool:
         """One answered request (on the event loop's thread); `now` and `loop_cpu` (the thread's CPU seconds) are
-        read here unless given."""
+        read here unless given. True when it closed a window (and decided)."""
         loop_cpu = time.thread_time() if loop_cpu is None else loop_cpu
         if self.loop_cpu_start is None:  # the first request (the scheduler is made on the worker thread)
             self.loop_cpu_start = loop_cpu
@@ -155,6 +155,8 @@ class AdaptiveBatching:
                         (loop_cpu - self.loop_cpu_start) / elapsed)
             self.latencies, self.rows, self.busy_s, self.window_start = [], 0, 0.0, now
             self.loop_cpu_start = loop_cpu
+            return True
+        return False
 
     def decide(self, p99_ms: float, rows_per_s: float, busy_share: float, loop_share: float = 0.0) -> None:
         if p99_ms > self.target_ms and self.max_wait_ms > 0:
@@ -412,8 +414,7 @@ def make_app(model: Any, options: ServerOptions | None = None) -> web.Applicatio
         metrics.row_errors.inc(len(errors))
         seconds = time.perf_counter() - received
         metrics.latency.observe(seconds)
-        if batcher.adaptive:
-            batcher.adaptive.record_request(seconds, encoded.size)
+        if batcher.adaptive and batcher.adaptive.record_request(seconds, encoded.size):  # a new window's shares
             for thread, share in zip(("worker", "loop"), batcher.adaptive.busy_shares, strict=True):
                 metrics.busy.labels(thread).set(share)
         # Server-Timing (W3C): the server's own time for the request and the model call(s) in it, so a client can
