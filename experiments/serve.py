@@ -22,8 +22,8 @@ _MAX_ROWS = flags.DEFINE_integer("max_rows", 1024, "Rows per request at most (mo
 _MAX_BODY = flags.DEFINE_integer("max_body_bytes", 4 << 20, "Request body bytes at most (more: 413).")
 _BATCH_SHAPES = flags.DEFINE_string("batch_shapes", "fixed", "fixed: every call at max_batch rows (a row's score "
                                     "never depends on its batch); pow2: padded to the next power of two.")
-_SCHEDULER = flags.DEFINE_string("scheduler", "fixed", "fixed, or adaptive: tune max_batch / max_wait_ms online "
-                                 "against --p99_target_ms (DeepRecSys-style).")
+_SCHEDULER = flags.DEFINE_string("scheduler", "fixed", "fixed, or adaptive: max_batch from the warm-up's call "
+                                 "times, max_wait_ms online against --p99_target_ms (DeepRecSys-style).")
 _P99 = flags.DEFINE_float("p99_target_ms", 20.0, "The adaptive scheduler's p99 latency target.")
 _DRAIN = flags.DEFINE_float("drain_seconds", 30.0, "On SIGTERM, wait at most this long for requests in flight.")
 _TIER = flags.DEFINE_string("tier", "memory", "Where the tables are: memory (all in RAM), or disk (left in the "

@@ -232,42 +232,38 @@ def test_sigterm_drains_the_queued_request(tiny):
 
 def test_adaptive_batching_decisions():
     """The scheduler's choices, computed by hand: calls take up to the largest batch whose warm-up call fit target / 4
-    (the cap when none did); it waits only with the worker busy over 60 % of the time, for the smallest batch b with
-    rate x s(b) / b <= 0.3, at most (b - 1) / rate and the wait bound; the bound (target / 4 at first) halves on a
-    window over the target while waiting and doubles back under half the target; call times are moving averages; a
-    window closes after `window` requests or after `period_s` with `min_requests`, and measures the worker's share
-    (call seconds) and the event loop's (its thread's CPU seconds, reported, not decided on)."""
+    (the cap when none did); its wait climbs a ladder of 0, 0.5, 1, 2, 4 ms (a 20 ms target): none while the rate
+    times the top rung is under one row, one rung up a window on a tail under half the target or over the target,
+    held in between; call times are moving averages; a window closes after `window` requests or after `period_s`
+    with `min_requests`, and measures the worker's share (call seconds) and the event loop's (its thread's CPU
+    seconds), for /metrics."""
     shapes = {n: n for n in (1, 2, 4, 8, 16, 32, 64)}
     call_s = {1: 0.001, 2: 0.0011, 4: 0.0012, 8: 0.0014, 16: 0.002, 32: 0.003, 64: 0.006}
     adaptive = AdaptiveBatching(shapes, target_ms=20.0, call_s=call_s, window=4, period_s=0.5, min_requests=2)
     state = lambda: (adaptive.fill_rows, adaptive.max_batch, adaptive.max_wait_ms)  # noqa: E731
     assert state() == (1, 32, 0.0)  # 64's call, 6 ms, is over 20 / 4
-    adaptive.decide(p99_ms=8.0, rows_per_s=300.0, busy_share=0.3)  # the worker keeps up: no wait
+    adaptive.decide(p99_ms=25.0, rows_per_s=200.0)  # 200/s x 4 ms = 0.8 rows: waiting gathers nothing, even over
     assert state() == (1, 32, 0.0)
-    adaptive.decide(p99_ms=15.0, rows_per_s=900.0, busy_share=0.8)  # busy: b = 1: 0.9, 2: 0.495, 4: 0.27 <= 0.3
-    assert state() == (4, 32, pytest.approx(1e3 * 3 / 900))  # 3 more rows at 900 rows/s (under the 5 ms bound)
-    adaptive.decide(p99_ms=25.0, rows_per_s=900.0, busy_share=0.8)  # over while waiting: bound 2.5
-    assert state() == (4, 32, 2.5)
-    adaptive.decide(p99_ms=25.0, rows_per_s=900.0, busy_share=0.8)  # 1.25
-    assert state() == (4, 32, 1.25)
-    adaptive.decide(p99_ms=25.0, rows_per_s=900.0, busy_share=0.5)  # bound 0.625; no longer busy: no wait
-    assert state() == (1, 32, 0.0) and adaptive.wait_bound_ms == 0.625
-    adaptive.decide(p99_ms=25.0, rows_per_s=900.0, busy_share=0.5)  # over without waiting: the bound holds
-    assert adaptive.wait_bound_ms == 0.625
-    adaptive.decide(p99_ms=4.0, rows_per_s=900.0, busy_share=0.8)  # under half the target: bound 1.25
-    assert state() == (4, 32, 1.25)
-    adaptive.decide(p99_ms=15.0, rows_per_s=20000.0, busy_share=0.9)  # no batch up to 32 gets to 0.3: the cap
-    assert state() == (32, 32, 1.25)  # 31 rows take 1.55 ms to arrive: the bound
+    waits = []
+    for p99 in (8.0, 8.0, 15.0, 15.0, 25.0):  # 300/s x 4 ms = 1.2 rows: up on room, held between, up over the target
+        adaptive.decide(p99_ms=p99, rows_per_s=300.0)
+        waits.append(adaptive.max_wait_ms)
+    assert waits == [0.5, 1.0, 1.0, 1.0, 2.0] and state() == (32, 32, 2.0)  # waiting: for up to the cap
+    for p99 in (30.0, 40.0, 12.0):  # to the top rung and no further; held there between half and the target
+        adaptive.decide(p99_ms=p99, rows_per_s=800.0)
+    assert state() == (32, 32, 4.0)
+    adaptive.decide(p99_ms=5.0, rows_per_s=240.0)  # the load fell: 240/s x 4 ms < 1 row: no wait
+    assert state() == (1, 32, 0.0)
     adaptive.record_forward(0.004, 32)
     assert adaptive.call_s[32] == pytest.approx(0.8 * 0.003 + 0.2 * 0.004)
     adaptive.record_forward(0.030, 32)  # 8.6 ms: the calls' load slows them; the cap stays
     start = adaptive.window_start
     closed = [adaptive.record_request(seconds, 1, now=start + 0.1, loop_cpu=10.0 + 0.01 * k)  # 4 one-row requests
-              for k, seconds in enumerate((0.001, 0.002, 0.003, 0.1))]  # in 0.1 s close a window: over while waiting
-    assert closed == [False, False, False, True]  # (bound 0.625);
-    p99 = 1e3 * np.percentile([0.001, 0.002, 0.003, 0.1], 99)  # busy 34 ms of 100: no wait; the loop's thread on the
-    assert adaptive.decisions[-1] == (pytest.approx(p99), pytest.approx(40.0), pytest.approx(0.34),  # CPU 30 ms (from
-                                      pytest.approx(0.3), 1, 32, 0.0)  # the first request's reading)
+              for k, seconds in enumerate((0.001, 0.002, 0.003, 0.1))]  # in 0.1 s close a window
+    assert closed == [False, False, False, True]
+    p99 = 1e3 * np.percentile([0.001, 0.002, 0.003, 0.1], 99)  # busy 34 ms of 100; 40/s: no wait; the loop's thread
+    assert adaptive.decisions[-1] == (pytest.approx(p99), pytest.approx(40.0), pytest.approx(0.34),  # on the CPU 30 ms
+                                      pytest.approx(0.3), 1, 32, 0.0)  # (from the first request's reading)
     assert adaptive.busy_shares == (pytest.approx(0.34), pytest.approx(0.3))
     assert adaptive.latencies == [] and adaptive.rows == 0 and adaptive.busy_s == 0.0
     adaptive.record_request(0.001, 3, now=start + 0.3, loop_cpu=10.05)  # 0.2 s into the window, 1 request: open
@@ -276,10 +272,6 @@ def test_adaptive_batching_decisions():
     adaptive.record_request(0.001, 3, now=start + 0.7, loop_cpu=10.09)  # 0.6 s >= period, 3 >= min_requests: closes
     assert adaptive.decisions[-1] == (pytest.approx(1.0), pytest.approx(9 / 0.6), 0.0, pytest.approx(0.06 / 0.6),
                                       1, 32, 0.0)
-    for shape in adaptive.call_s:  # overloaded: every call slowed to 8 ms
-        adaptive.call_s[shape] = 0.008
-    adaptive.decide(p99_ms=300.0, rows_per_s=1000.0, busy_share=0.95)  # 1000 x 8 ms / b <= 0.3 from b = 32
-    assert state() == (32, 32, pytest.approx(1.25))  # 1.0 ms p99 above doubled the bound back
     slow = AdaptiveBatching(shapes, target_ms=20.0, call_s={n: 0.008 for n in shapes})
     assert slow.max_batch == 64  # no warm-up call fit 20 / 4 ms: the cap
 

@@ -24,9 +24,9 @@ a row's score is a function of the row alone, never of what it was batched with 
 bit of a row's score with the batch shape); "pow2" pads to the next power of two instead (less work per small
 batch, scores then agree across batchings to ~1 ulp).
 
-Scheduling (`scheduler="adaptive"`): `AdaptiveBatching` chooses, every quarter second, how many rows a call may take
-and whether to wait for more, from the measured arrival rate, call times and worker load, against a p99 target
-(DeepRecSys's per-load batch size, Gupta et al., ISCA 2020; `--max_batch` is then the cap).
+Scheduling (`scheduler="adaptive"`): `AdaptiveBatching` sets how many rows a call may take from the warm-up's call
+times (`--max_batch` is then the cap) and, every quarter second, how long to wait for more from the measured arrival
+rate and p99 against a target (DeepRecSys's per-load batching, Gupta et al., ISCA 2020).
 
 On SIGTERM (or SIGINT) the server stops accepting connections, scores what is queued at once, answers every request
 in flight, and exits (`drain_seconds` bounds the wait).
@@ -86,42 +86,42 @@ class ServerOptions:
 class AdaptiveBatching:
     """Online choice of the batching for the load of the moment, against a p99 latency target.
 
-    DeepRecSys (Gupta et al., ISCA 2020, Sec. 5) tunes the batch size per load: a bigger batch amortises the cost of
-    a call and raises the throughput the tail target allows, until the wait for it or the call itself spends the
-    target. The batcher already batches for free what queues while a call runs; what is left to choose is how many
-    rows one call may take and whether to *wait* for more. Per window (`window` requests, or `period_s` seconds with
-    at least `min_requests`) the scheduler measures the arrival rate lambda (rows/s), the worker's busy share u
-    (seconds in model calls / window seconds) and the p99 latency, and keeps each batch shape's call time s(b)
-    (moving averages, seeded by the warm-up's calls). Then:
-      * a call takes every queued row up to `max_batch`: the largest batch whose call fit target / 4 when the
-        warm-up timed them (the cap if none did). Fixed: under load the calls slow down because the requests
-        themselves take the cores, and shrinking the batch then (measured: to 8 rows at 1,000/s) means more calls
-        and slower ones still;
-      * it waits only when it must batch to keep up: with the worker busy more than `busy` of the time, queues
-        build, so it waits for `fill_rows` = the smallest batch b with lambda s(b) / b <= busy / 2 (at most
-        (b - 1) / lambda, the time b rows take to arrive, and the wait bound); otherwise no wait (at low load a
-        request runs alone, and waiting would only add its wait to the tail);
-      * the wait bound starts at target / 4; a window over the target while waiting halves it (the wait is the
-        first suspect), a window under `slack` x target doubles it back.
-    It also measures the event loop's share (its thread's CPU seconds / window seconds: receiving, parsing, encoding
-    and answering requests), for /metrics only: a rule that counted it (waiting once loop + lambda s(1) > `busy`, its
-    wait bound fixed) waited at lower rates and lost to this one side by side (benchmarks/RESULTS.md).
+    DeepRecSys (Gupta et al., ISCA 2020, Sec. 5) climbs the batching per load while the tail target allows: a call
+    of b rows costs far less than b calls of one, and the CPU that saves is what the next requests need. The
+    batcher already batches for free what queues while a call runs; what is left to choose is whether to *wait* for
+    more rows, and how long. Per window (`window` requests, or `period_s` seconds with at least `min_requests`) the
+    scheduler measures the p99 latency and the arrival rate lambda (rows/s), and sets its wait on a ladder of
+    `rungs` x target (0, 0.5, 1, 2, 4 ms for a 20 ms target):
+      * no wait while lambda x the top rung < 1: even the longest wait would gather less than one more row, so
+        waiting would only add itself to the latency (at low load a request runs alone);
+      * one rung up on a tail under `slack` x target (the target has room: batching now saves the CPU a rise in
+        load needs) and on a tail over the target (on two cores a loaded server's tail is its calls and requests
+        queueing for the CPU, and fewer, fuller calls free it; the top rung bounds what the wait itself adds);
+      * a tail between the two: hold.
+    Rules that shrank the wait on a tail over the target (halving it; perturb-and-observe on the tail) waited too
+    little at the loads where waiting pays, and lost to a fixed 4 ms wait side by side (benchmarks/RESULTS.md).
+    A call takes every queued row up to `max_batch`: the largest batch whose call fit target / 4 when the warm-up
+    timed them (the cap if none did). It is fixed: under load the calls slow down because the requests themselves
+    take the cores, and shrinking the batch then means more calls and slower ones still. The worker's busy share
+    (seconds in model calls / window seconds) and the event loop thread's (its CPU seconds / window seconds:
+    receiving, parsing, encoding and answering requests) are measured for /metrics; rules that decided on them lost
+    to the grid side by side (benchmarks/RESULTS.md).
     """
 
     def __init__(self, shape_of: dict[int, int], target_ms: float, call_s: dict[int, float] | None = None,
-                 window: int = 200, period_s: float = 0.25, min_requests: int = 20, busy: float = 0.6,
-                 slack: float = 0.5):
+                 window: int = 200, period_s: float = 0.25, min_requests: int = 20,
+                 rungs: tuple[float, ...] = (0.0, 1 / 40, 1 / 20, 1 / 10, 1 / 5), slack: float = 0.5):
         # shape_of: the batch sizes to choose from (powers of two up to the cap) -> the shape a call of that many
         # rows runs at (the batcher's `shape_for`).
         self.shape_of, self.sizes, self.target_ms = dict(shape_of), sorted(shape_of), target_ms
         self.window, self.period_s, self.min_requests = window, period_s, min_requests
-        self.busy, self.slack = busy, slack
+        self.waits_ms, self.slack = [r * target_ms for r in rungs], slack
         self.call_s = {shape: (call_s or {}).get(shape, 0.0) for shape in set(self.shape_of.values())}
-        self.wait_bound_ms = target_ms / 4
-        self.fill_rows, self.max_wait_ms = 1, 0.0
-        self.busy_shares = (0.0, 0.0)  # (worker, event loop) in the last window
         fits = [b for b in self.sizes if 1e3 * self.seconds(b) <= self.target_ms / 4]
         self.max_batch = max(fits) if fits else self.sizes[-1]
+        self.rung = 0  # the wait in force: waits_ms[rung]
+        self.fill_rows, self.max_wait_ms = 1, 0.0
+        self.busy_shares = (0.0, 0.0)  # (worker, event loop) in the last window
         self.latencies: list[float] = []
         self.rows, self.busy_s = 0, 0.0
         self.window_start = time.perf_counter()
@@ -158,17 +158,14 @@ class AdaptiveBatching:
             return True
         return False
 
-    def decide(self, p99_ms: float, rows_per_s: float, busy_share: float, loop_share: float = 0.0) -> None:
-        if p99_ms > self.target_ms and self.max_wait_ms > 0:
-            self.wait_bound_ms = max(0.25, self.wait_bound_ms / 2)
-        elif p99_ms < self.slack * self.target_ms:
-            self.wait_bound_ms = min(self.target_ms / 4, 2 * self.wait_bound_ms)
-        fill = 1
-        if busy_share > self.busy and rows_per_s > 0:
-            fill = next((b for b in self.sizes if b <= self.max_batch
-                         and rows_per_s * self.seconds(b) / b <= self.busy / 2), self.max_batch)
-        self.fill_rows = fill
-        self.max_wait_ms = 0.0 if fill == 1 else min(self.wait_bound_ms, 1e3 * (fill - 1) / rows_per_s)
+    def decide(self, p99_ms: float, rows_per_s: float, busy_share: float = 0.0, loop_share: float = 0.0) -> None:
+        top = len(self.waits_ms) - 1
+        if rows_per_s * self.waits_ms[top] / 1e3 < 1:
+            self.rung = 0
+        elif p99_ms < self.slack * self.target_ms or p99_ms > self.target_ms:
+            self.rung = min(top, self.rung + 1)
+        self.max_wait_ms = self.waits_ms[self.rung]
+        self.fill_rows = self.max_batch if self.max_wait_ms > 0 else 1
         self.busy_shares = (busy_share, loop_share)
         self.decisions.append((p99_ms, rows_per_s, busy_share, loop_share, self.fill_rows, self.max_batch,
                                self.max_wait_ms))
