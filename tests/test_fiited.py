@@ -5,7 +5,6 @@ and the accounting equals the arrays really allocated. The pool's own invariants
 
 import json
 import math
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -223,11 +222,11 @@ def test_position_discount_spreads_chunks_over_rows():
 
 
 def test_a_fiited_run_reaches_its_budget_and_resumes_bit_identical_across_compactions(tmp_path, capsys):
-    """The run's memory follows the budget down (summary.json `dynamic_tables`). Interrupted after the compactions
-    (step 6: the resume must re-size the pools first) and resumed, it ends with the same pools, indirection,
+    """The run's memory follows the budget down (summary.json `dynamic_tables`). Resumed from its checkpoint after the
+    compactions (step 6: the resume must re-size the pools first), it ends with the same pools, indirection,
     utility, optimizer state and metrics as the uninterrupted run, with incremental (consecutive) checkpoints where
     each compaction starts a new baseline."""
-    from test_checkpoint import assert_same_arrays, final_arrays, tiny
+    from test_checkpoint import assert_same_arrays, final_arrays, resumed_from, tiny
 
     from recjax import checkpoint
     from recjax.train import train_and_evaluate
@@ -257,17 +256,9 @@ def test_a_fiited_run_reaches_its_budget_and_resumes_bit_identical_across_compac
     assert reference["embedding_bytes"] == memory[-1]["embedding_bytes"]
     assert reference["selected_step"] >= 6  # validation selects only once the budget holds
 
-    # What a run killed right after the save of step 6 leaves (its config and checkpoints 3 and 6: the save completes
-    # before the kill), taken from the reference instead of a third run that would train and compact the same 6 steps:
-    # the first 6 steps of any two runs of one config are the same, and test_checkpoint kills and resumes runs.
-    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
-    shutil.copy(tmp_path / "reference" / "config.json", tmp_path / "resumed")
-    for step in ("3", "6"):
-        shutil.copytree(tmp_path / "reference" / "checkpoints" / step, tmp_path / "resumed" / "checkpoints" / step)
-    capsys.readouterr()
-    resumed = train_and_evaluate(config(), tmp_path / "resumed")
-    assert f"resuming from checkpoint step 6 of 20 ({tmp_path / 'resumed' / 'checkpoints' / '6'})" in \
-        capsys.readouterr().out
+    # Resumed from the reference's checkpoint of step 6 (what a run killed after that save leaves), not from a third
+    # run training and compacting the same 6 steps again.
+    resumed = resumed_from(tmp_path / "reference", config(), tmp_path / "resumed", at_step=6, capsys=capsys)
     assert_same_arrays(final_arrays(tmp_path / "reference"), final_arrays(tmp_path / "resumed"))
     assert any(k.startswith("aux/C1/") for k in final_arrays(tmp_path / "resumed"))
     timing = ("adjust_s", "adjust_compile_s", "compact_s", "recompile_s")
