@@ -91,6 +91,26 @@ def interrupted_run(config, workdir, monkeypatch, at_step: int, capsys=None) -> 
     return train_and_evaluate(config, workdir)
 
 
+def resumed_from(finished: pathlib.Path, config, workdir: pathlib.Path, at_step: int, capsys) -> dict:
+    """Resume in `workdir` from copies of the finished run's config.json and checkpoints up to `at_step`: what a run
+    of the same config killed right after the save of `at_step` leaves (`interrupted_run`: the save completes before
+    the kill), without training those steps a third time. The finished run must keep those checkpoints
+    (checkpoint.keep); the kills themselves are proven by the tests that call `interrupted_run` and the Ctrl-C ones."""
+    (workdir / "checkpoints").mkdir(parents=True)
+    shutil.copy(finished / "config.json", workdir)
+    steps = [int(p.name) for p in (finished / "checkpoints").iterdir() if p.name.isdigit()]
+    assert at_step in steps, (at_step, sorted(steps))
+    for step in steps:
+        if step <= at_step:
+            shutil.copytree(finished / "checkpoints" / str(step), workdir / "checkpoints" / str(step))
+    capsys.readouterr()
+    summary = train_and_evaluate(config, workdir)
+    out = capsys.readouterr().out
+    where = workdir / "checkpoints" / str(at_step)
+    assert f"resuming from checkpoint step {at_step} of {config.train.steps} ({where})" in out, out
+    return summary
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> pathlib.Path:
     """An uninterrupted run, the oracle of every resume: consecutive deltas every 10 steps, all kept (the policy
@@ -237,7 +257,7 @@ def test_checkpoint_of_an_older_format_is_refused(reference, tmp_path):
         checkpoint.open_checkpoint(run / "checkpoints")
 
 
-def test_prepared_data_resumes_exactly(tmp_path, monkeypatch):
+def test_prepared_data_resumes_exactly(tmp_path, capsys):
     """MovieLens (prepared blocks read by Grain): a resume mid-block and mid-epoch continues the same stream."""
     data = pathlib.Path(os.environ.get("RECJAX_SHARED_DATA", REPO.parent / "shared" / "data")) / "movielens_100k"
     if not (data / "u.data").is_file():
@@ -251,19 +271,20 @@ def test_prepared_data_resumes_exactly(tmp_path, monkeypatch):
     config.train.batch_size = 1024
     config.train.progress_bar = False
     config.checkpoint.every_steps = 7  # 7 * 1024 rows: mid-block (8192-row blocks)
+    config.checkpoint.keep = 5  # every restore point, so the resume below can start from step 21's
     train_and_evaluate(config, tmp_path / "a")
-    interrupted_run(config, tmp_path / "b", monkeypatch, at_step=21)
+    resumed_from(tmp_path / "a", config, tmp_path / "b", at_step=21, capsys=capsys)
     assert_same_run(tmp_path / "a", tmp_path / "b")
 
 
-def test_both_metrics_selections_resume_exactly_and_their_disagreement_warns(tmp_path, monkeypatch, capsys):
-    """Learning rates of 0.1 make validation AUC peak at step 10 and logloss at step 5; a run killed after the save
-    of step 5 must resume knowing step 5 was the logloss-best (only the checkpoint's loop state says so). The summary
+def test_both_metrics_selections_resume_exactly_and_their_disagreement_warns(tmp_path, capsys):
+    """Learning rates of 0.1 make validation AUC peak at step 10 and logloss at step 5; a run resumed from the save
+    of step 5 (run a's) must know step 5 was the logloss-best (only the checkpoint's loop state says so). The summary
     reports the test metrics at both steps; metrics.csv is the oracle: test scored exactly at the evaluations that
     improved AUC or logloss, the bests its arg-extremes."""
     import csv
 
-    config = tiny(steps=20, every_steps=5, policy="full")
+    config = tiny(steps=20, every_steps=5, policy="full", keep=4)  # keep every restore point for the resume below
     config.train.eval_every = 5
     config.optimizer.dense.learning_rate = config.optimizer.sparse.learning_rate = 0.1
     config.train.selection_logloss_tolerance = 0.001  # the curves' gap is 0.24 %: warn above 0.1 %
@@ -286,7 +307,7 @@ def test_both_metrics_selections_resume_exactly_and_their_disagreement_warns(tmp
     assert f"WARNING: selecting on validation auc picked step {best_auc}" in out
     assert a["warnings"][-1].startswith(f"selecting on validation auc picked step {best_auc}")
 
-    interrupted_run(config, tmp_path / "b", monkeypatch, at_step=5)
+    resumed_from(tmp_path / "a", config, tmp_path / "b", at_step=5, capsys=capsys)
     assert_same_run(tmp_path / "a", tmp_path / "b")
 
 

@@ -221,12 +221,12 @@ def test_position_discount_spreads_chunks_over_rows():
         assert np.bincount(order // 4, minlength=6).tolist() == want
 
 
-def test_a_fiited_run_reaches_its_budget_and_resumes_bit_identical_across_compactions(tmp_path, monkeypatch):
-    """The run's memory follows the budget down (summary.json `dynamic_tables`). Interrupted after the compactions
-    (step 6: the resume must re-size the pools first) and resumed, it ends with the same pools, indirection,
+def test_a_fiited_run_reaches_its_budget_and_resumes_bit_identical_across_compactions(tmp_path, capsys):
+    """The run's memory follows the budget down (summary.json `dynamic_tables`). Resumed from its checkpoint after the
+    compactions (step 6: the resume must re-size the pools first), it ends with the same pools, indirection,
     utility, optimizer state and metrics as the uninterrupted run, with incremental (consecutive) checkpoints where
     each compaction starts a new baseline."""
-    from test_checkpoint import assert_same_arrays, final_arrays, interrupted_run, tiny
+    from test_checkpoint import assert_same_arrays, final_arrays, resumed_from, tiny
 
     from recjax import checkpoint
     from recjax.train import train_and_evaluate
@@ -256,7 +256,9 @@ def test_a_fiited_run_reaches_its_budget_and_resumes_bit_identical_across_compac
     assert reference["embedding_bytes"] == memory[-1]["embedding_bytes"]
     assert reference["selected_step"] >= 6  # validation selects only once the budget holds
 
-    resumed = interrupted_run(config(), tmp_path / "resumed", monkeypatch, at_step=6)
+    # Resumed from the reference's checkpoint of step 6 (what a run killed after that save leaves), not from a third
+    # run training and compacting the same 6 steps again.
+    resumed = resumed_from(tmp_path / "reference", config(), tmp_path / "resumed", at_step=6, capsys=capsys)
     assert_same_arrays(final_arrays(tmp_path / "reference"), final_arrays(tmp_path / "resumed"))
     assert any(k.startswith("aux/C1/") for k in final_arrays(tmp_path / "resumed"))
     timing = ("adjust_s", "adjust_compile_s", "compact_s", "recompile_s")

@@ -192,6 +192,10 @@ def _task(tables: dict | None = None):
     config.data.bag_sizes = (1, 3, 1, 2, 1, 2)  # multi-hot bags exercise pooling and padding
     config.embedding.tables = ml_collections.ConfigDict(TABLES if tables is None else tables)
     config.embedding.id_counts = "dataset"  # md_blocks' frequency blocks
+    # XLA's lookups, as the serving exports have (recjax/serving/export.py scoring_function) and as "auto" lowers on a
+    # CPU (test_kernel_dispatch: test_auto_is_the_xla_path_on_cpu): "auto" would also trace the Pallas TPU and GPU
+    # kernels of all 30-odd lookups in this model for lowerings that never come.
+    config.embedding.kernel = "xla"
     dataset = make_dataset(config.data, seed=0)
     return build_task(config, dataset.spec, dataset, 20)
 
