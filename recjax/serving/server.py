@@ -99,7 +99,7 @@ class AdaptiveBatching:
         queueing for the CPU, and fewer, fuller calls free it; the top rung bounds what the wait itself adds);
       * a tail between the two: hold.
     Rules that shrank the wait on a tail over the target (halving it; perturb-and-observe on the tail) waited too
-    little at the loads where waiting pays, and lost to a fixed 4 ms wait side by side (benchmarks/RESULTS.md).
+    little at the loads where waiting pays, and did not beat a fixed 4 ms wait side by side (benchmarks/RESULTS.md).
     A call takes every queued row up to `max_batch`: the largest batch whose call fit target / 4 when the warm-up
     timed them (the cap if none did). It is fixed: under load the calls slow down because the requests themselves
     take the cores, and shrinking the batch then means more calls and slower ones still. The worker's busy share
@@ -116,8 +116,7 @@ class AdaptiveBatching:
         self.shape_of, self.sizes, self.target_ms = dict(shape_of), sorted(shape_of), target_ms
         self.window, self.period_s, self.min_requests = window, period_s, min_requests
         self.waits_ms, self.slack = [r * target_ms for r in rungs], slack
-        self.call_s = {shape: (call_s or {}).get(shape, 0.0) for shape in set(self.shape_of.values())}
-        fits = [b for b in self.sizes if 1e3 * self.seconds(b) <= self.target_ms / 4]
+        fits = [b for b in self.sizes if 1e3 * (call_s or {}).get(self.shape_of[b], 0.0) <= self.target_ms / 4]
         self.max_batch = max(fits) if fits else self.sizes[-1]
         self.rung = 0  # the wait in force: waits_ms[rung]
         self.fill_rows, self.max_wait_ms = 1, 0.0
@@ -129,13 +128,9 @@ class AdaptiveBatching:
         # (p99 ms, rows/s, worker share, loop share, fill_rows, max_batch, max_wait_ms) after each window
         self.decisions: list[tuple[float, float, float, float, int, int, float]] = []
 
-    def seconds(self, rows: int) -> float:
-        return self.call_s[self.shape_of[rows]]
-
-    def record_forward(self, seconds: float, shape: int) -> None:
+    def record_forward(self, seconds: float) -> None:
+        """One model call's seconds (on the worker thread): the worker's busy time."""
         self.busy_s += seconds
-        old = self.call_s.get(shape, 0.0)
-        self.call_s[shape] = seconds if old == 0.0 else 0.8 * old + 0.2 * seconds
 
     def record_request(self, seconds: float, rows: int, now: float | None = None,
                        loop_cpu: float | None = None) -> bool:
@@ -346,7 +341,7 @@ class Batcher:
             self.metrics.forward.observe(seconds)
             self.metrics.batch_rows.observe(n)
             if self.adaptive:
-                self.adaptive.record_forward(seconds, self.shape_for(n))
+                self.adaptive.record_forward(seconds)
         return np.concatenate(out), total
 
 
