@@ -113,13 +113,12 @@ class AdaptiveBatching:
                  rungs: tuple[float, ...] = (0.0, 1 / 40, 1 / 20, 1 / 10, 1 / 5), slack: float = 0.5):
         # shape_of: the batch sizes to choose from (powers of two up to the cap) -> the shape a call of that many
         # rows runs at (the batcher's `shape_for`).
-        self.shape_of, self.sizes, self.target_ms = dict(shape_of), sorted(shape_of), target_ms
+        self.target_ms = target_ms
         self.window, self.period_s, self.min_requests = window, period_s, min_requests
         self.waits_ms, self.slack = [r * target_ms for r in rungs], slack
-        fits = [b for b in self.sizes if 1e3 * (call_s or {}).get(self.shape_of[b], 0.0) <= self.target_ms / 4]
-        self.max_batch = max(fits) if fits else self.sizes[-1]
+        fits = [b for b in shape_of if 1e3 * (call_s or {}).get(shape_of[b], 0.0) <= target_ms / 4]
+        self.max_batch = max(fits) if fits else max(shape_of)
         self.rung = 0  # the wait in force: waits_ms[rung]
-        self.fill_rows, self.max_wait_ms = 1, 0.0
         self.busy_shares = (0.0, 0.0)  # (worker, event loop) in the last window
         self.latencies: list[float] = []
         self.rows, self.busy_s = 0, 0.0
@@ -127,6 +126,15 @@ class AdaptiveBatching:
         self.loop_cpu_start: float | None = None  # the loop thread's CPU seconds when the window opened
         # (p99 ms, rows/s, worker share, loop share, fill_rows, max_batch, max_wait_ms) after each window
         self.decisions: list[tuple[float, float, float, float, int, int, float]] = []
+
+    @property
+    def max_wait_ms(self) -> float:
+        return self.waits_ms[self.rung]
+
+    @property
+    def fill_rows(self) -> int:
+        """The rows a call waits for: up to the cap while waiting (the wait decides), one otherwise."""
+        return self.max_batch if self.max_wait_ms > 0 else 1
 
     def record_forward(self, seconds: float) -> None:
         """One model call's seconds (on the worker thread): the worker's busy time."""
@@ -159,8 +167,6 @@ class AdaptiveBatching:
             self.rung = 0
         elif p99_ms < self.slack * self.target_ms or p99_ms > self.target_ms:
             self.rung = min(top, self.rung + 1)
-        self.max_wait_ms = self.waits_ms[self.rung]
-        self.fill_rows = self.max_batch if self.max_wait_ms > 0 else 1
         self.busy_shares = (busy_share, loop_share)
         self.decisions.append((p99_ms, rows_per_s, busy_share, loop_share, self.fill_rows, self.max_batch,
                                self.max_wait_ms))
