@@ -239,16 +239,20 @@ def assert_same_state(expected, got):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("optimizer,method,tier", [
-    ("sgd", "full", "disk"),  # multi-hot C2 with plain SGD: no dedup, every bag slot remapped to its cache slot
+@pytest.mark.parametrize("optimizer,method,tier,pool_from", [
+    ("sgd", "full", "disk", "auto"),  # multi-hot C2 with plain SGD: no dedup, every bag slot remapped to its slot
     # Per-element [R, D] state moving with its rows through the cache: lazy_adam's two moments below prove it too.
-    pytest.param("adagrad", "full", "disk", marks=pytest.mark.slow),
-    ("rowwise_adagrad", "full", "mixed"),  # C2 in the host tier's RAM store (on an accelerator; forced here)
-    ("lazy_adam", "full", "disk"),
-    ("rowwise_adagrad", "qr", "disk"),  # QR's quotient tables on disk, remainders in memory, one stacked group
+    pytest.param("adagrad", "full", "disk", "auto", marks=pytest.mark.slow),
+    ("rowwise_adagrad", "full", "mixed", "auto"),  # C2 in the host tier's RAM store (on an accelerator; forced here)
+    # The accelerators' layout: bags pooled straight from the tables, so the bag slots are rows to remap too.
+    ("lazy_adam", "full", "disk", "table"),
+    ("rowwise_adagrad", "qr", "disk", "auto"),  # QR's quotient tables on disk, remainders in memory, one group
 ])
-def test_tiered_run_equals_the_memory_run_bit_for_bit(optimizer, method, tier, tmp_path):
-    task = build_task(tiny_config(optimizer, method), SPEC)
+def test_tiered_run_equals_the_memory_run_bit_for_bit(optimizer, method, tier, pool_from, tmp_path):
+    config = tiny_config(optimizer, method)
+    config.embedding.pool_from = pool_from
+    task = build_task(config, SPEC)
+    assert task.collection.pool_from == ("table" if pool_from == "table" else "distinct_rows")
     batches = batches_with_returning_rows()
     expected, expected_losses, expected_probs = memory_run(task, batches)
     names = [p.table.name for p in task.collection.physical_tables()]

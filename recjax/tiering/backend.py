@@ -4,14 +4,17 @@ Layout. A stacked group holding a cached table (tier disk, or host on an acceler
 f32[R + S, d] (and its optimizer state, same leading dim): its memory-tier tables' R rows (in stacking order) then S
 cache slots; the cached tables' rows and optimizer-state rows live in a `RowStore` (recjax/tiering/store.py), and
 `RowCache` (recjax/tiering/cache.py) says which row sits in which slot. Groups without a cached table are as on one
-device. So the compiled step is the single-device one: it routes the batch (`collection.route`), then maps each
-stacked row to its device row -- a searchsorted of the batch's distinct rows `cache_keys` to `cache_slots`, both
-carried by the batch (`SlottedBatch`) -- and gathers, differentiates and updates in place exactly as in memory. Rows
-are exact copies and a step sees them in the same order, so a tiered run equals the in-memory run bit for bit.
+device. So the compiled step is the single-device one: it takes the batch's route, maps each stacked row to its
+device row, and gathers, differentiates and updates in place exactly as in memory. A train step's route is the one
+`put_batch` made ahead of the step (the batch's distinct rows are the cache's keys, so their device rows `cache_slots`
+are carried in the same order and need no search); without dedup the step routes the batch itself and looks each
+stacked row up in `cache_keys` (a searchsorted). Rows are exact copies and a step sees them in the same order, so a
+tiered run equals the in-memory run bit for bit.
 
 The pipeline, for training step i + 1 while step i runs on the device:
-  1. prefetch thread (the trainer's `DevicePrefetcher` calls `put_batch`): the batch goes to the device and its
-     distinct stacked rows per group are routed (the same jitted route the step runs) and brought to the host.
+  1. prefetch thread (the trainer's `DevicePrefetcher` calls `put_batch`): the batch goes to the device and is
+     routed (the train step's route, jitted apart from the step), and its distinct stacked rows per group are
+     brought to the host.
   2. main thread, when the trainer calls the step with it (`TieredStep.__call__`), in step order: the cache plans
      the step (hits, misses, victims among slots the step does not use), the misses are read -- from the eviction
      of a row still on its way to the store if there is one, else from the store -- and the swap, queued behind
@@ -66,16 +69,20 @@ class SlottedBatch(Batch):
 
     cache_keys: dict = flax.struct.field(default_factory=dict)
     cache_slots: dict = flax.struct.field(default_factory=dict)
+    # A train step's route, made by `put_batch` (None: the step routes the batch; prediction, or no dedup).
+    routes: Routes | None = None
 
 
 @dataclasses.dataclass
 class TieredBatch:
-    """What `put_batch` hands the trainer: the batch on the device and, per group with cached tables, its distinct
-    stacked rows (the route's `unique` i32[N]) on the host and on the device."""
+    """What `put_batch` hands the trainer: the batch on the device, per group with cached tables its distinct
+    stacked rows (the route's `unique` i32[N]) on the host and on the device, and the train step's route of it when
+    that route deduplicates (whose `unique` they are)."""
 
     batch: Batch
     unique: dict[str, np.ndarray]
     unique_device: dict[str, jax.Array]
+    routes: Routes | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +265,7 @@ class TieredEmbedding(EmbeddingBackend):
         self.dirty: dict[str, np.ndarray] = {}
         self._closed = False
         self._unique_fn = jax.jit(self._unique)
+        self._train_route_fn = jax.jit(self._train_route)
         self._fill_fn = jax.jit(self._fill, donate_argnums=(0, 1))
         self._working_set_fn = jax.jit(self._working_set, static_argnums=(0,))
         self._records_fn = jax.jit(self._records)
@@ -268,23 +276,31 @@ class TieredEmbedding(EmbeddingBackend):
 
     # ------------------------------------------------------------------------------------------- device side
     def route(self, batch: SlottedBatch, aux: Mapping, *, train: bool) -> Routes:
-        routes = self.collection.route(batch.ids, batch.lengths, aux=aux, dedup=None if train else False)
         keys, slots = batch.cache_keys, batch.cache_slots
+        if batch.routes is not None:
+            # put_batch's route: its distinct rows are `keys` themselves, so `slots` are their device rows in order.
+            routes = batch.routes
+            unique = {g: slots[g] if g in keys else u for g, u in routes.unique.items()}
+            features = routes.features
+            if routes.unique_slots is not None:  # pool_from="table": the bags read stacked rows, found in `unique`
+                features = {name: route.replace(slots=tuple(
+                    unique[p.group][at] if p.group in keys else s
+                    for p, s, at in zip(self.collection.placements[name], route.slots, routes.unique_slots[name],
+                                        strict=True)))
+                    for name, route in features.items()}
+            return routes.replace(unique=unique, features=features)
+        routes = self.collection.route(batch.ids, batch.lengths, aux=aux, dedup=None if train else False)
+        assert not routes.deduplicated, "a deduplicating train route is made by put_batch"
 
         def device_rows(group: str, stacked: jax.Array) -> jax.Array:
             at = jnp.searchsorted(keys[group], stacked.reshape(-1), method="sort")
             return slots[group][at].reshape(stacked.shape)
 
-        unique = routes.unique
-        if unique is not None:
-            unique = {g: device_rows(g, u) if g in keys else u for g, u in unique.items()}
-        features = routes.features
-        if not routes.deduplicated:  # the slots are stacked rows themselves
-            features = {name: route.replace(slots=tuple(
-                device_rows(p.group, s) if p.group in keys else s
-                for p, s in zip(self.collection.placements[name], route.slots, strict=True)))
-                for name, route in features.items()}
-        return routes.replace(unique=unique, features=features)
+        # Without dedup the slots are stacked rows themselves.
+        return routes.replace(features={name: route.replace(slots=tuple(
+            device_rows(p.group, s) if p.group in keys else s
+            for p, s in zip(self.collection.placements[name], route.slots, strict=True)))
+            for name, route in routes.features.items()})
 
     def fetch(self, tables, routes):
         return self.collection.gather(tables, routes), None
@@ -298,6 +314,13 @@ class TieredEmbedding(EmbeddingBackend):
     def _unique(self, ids, lengths) -> dict[str, jax.Array]:
         routes = self.collection.route(ids, lengths, aux={}, dedup=True)
         return {g: routes.unique[g] for g in self.layouts}
+
+    def _train_route(self, ids, lengths) -> tuple[Routes | None, dict[str, jax.Array]]:
+        """(the train step's route when it deduplicates, else None; the cached groups' distinct rows)."""
+        routes = self.collection.route(ids, lengths, aux={}, dedup=None)
+        if not routes.deduplicated:
+            return None, self._unique(ids, lengths)
+        return routes, {g: routes.unique[g] for g in self.layouts}
 
     def _records(self, table: jax.Array, state: dict, slots: jax.Array) -> jax.Array:
         """Records f32[n, width] of device rows `slots` (out of range: zeros): the row, then its state fields."""
@@ -515,8 +538,8 @@ class TieredEmbedding(EmbeddingBackend):
 
     def put_batch(self, batch) -> TieredBatch:
         device = jax.device_put(batch)
-        unique = self._unique_fn(device.ids, device.lengths)
-        return TieredBatch(device, {g: np.asarray(u) for g, u in unique.items()}, unique)
+        routes, unique = self._train_route_fn(device.ids, device.lengths)
+        return TieredBatch(device, {g: np.asarray(u) for g, u in unique.items()}, unique, routes)
 
     def compile_train(self, train_step: Callable, state) -> "TieredStep":
         return TieredStep(self, jax.jit(train_step, donate_argnums=(0,)), train=True)
@@ -630,7 +653,7 @@ class TieredEmbedding(EmbeddingBackend):
         self.stats["steps"] += 1
         self.stats["read_s"] += read_s
         self.stats["plan_s"] += time.perf_counter() - t0 - read_s
-        return state, self._slotted(tb, slots)
+        return state, self._slotted(tb, slots).replace(routes=tb.routes)
 
     def prepare_predict(self, state, tb: TieredBatch):
         """A predict step's state, whose cached groups are the batch's working set (`_working_set`), and its batch;
@@ -663,9 +686,10 @@ class TieredEmbedding(EmbeddingBackend):
         return SlottedBatch(dense=b.dense, ids=b.ids, lengths=b.lengths, labels=b.labels,
                             cache_keys=tb.unique_device, cache_slots=jax.device_put(slots))
 
-    def example_batch(self, tb: TieredBatch) -> SlottedBatch:
+    def example_batch(self, tb: TieredBatch, *, train: bool) -> SlottedBatch:
         """A batch of the compiled step's shapes, to lower it (nothing planned)."""
-        return self._slotted(tb, {g: np.zeros(len(u), np.int32) for g, u in tb.unique.items()})
+        batch = self._slotted(tb, {g: np.zeros(len(u), np.int32) for g, u in tb.unique.items()})
+        return batch.replace(routes=tb.routes) if train else batch
 
     def example_predict_state(self, state, tb: TieredBatch):
         """A state of the predict step's shapes: the cached groups as working sets of `tb`'s distinct rows."""
@@ -787,7 +811,7 @@ class TieredStep:
     def lower(self, state, batch: TieredBatch) -> "_Lowered":
         if not self.train:
             state = self.backend.example_predict_state(state, batch)
-        return _Lowered(self, self.step.lower(state, self.backend.example_batch(batch)))
+        return _Lowered(self, self.step.lower(state, self.backend.example_batch(batch, train=self.train)))
 
     def __call__(self, state, batch: TieredBatch):
         step = self.compiled or self.step
