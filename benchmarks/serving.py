@@ -33,7 +33,10 @@ Measurements
              --grid's largest max_batch, one run per --adaptive_targets p99 target). Per curve, the latency-bounded
              throughput at p99 targets --targets (ms); with --repeats N the no-batching, grid and scheduler curves
              run N times in alternating order, and the scheduler's median is set beside no batching's and the grid
-             setting with the best median (one noisy curve's luck does not pick "the best fixed setting"). Batch
+             setting with the best median (one noisy curve's luck does not pick "the best fixed setting"), and
+             beside the grid's choice measured on repeats it was not chosen on (per repeat, the setting with the
+             best median over the other repeats, its figure in this one: what deploying the grid's pick gives,
+             without the upward bias of taking the largest of nine noisy medians). Batch
              shapes are padded to powers of two (--batch_shapes=pow2) so a small batch costs a small batch's forward
              under every setting. The disk-tier model's cache hit ratio is read from the server's /metrics after its
              curve. The load generator shares the machine's cores with the server: its own CPU time is part of the
@@ -272,7 +275,8 @@ def measure_load(args, models: dict[str, pathlib.Path], rows: list[dict]) -> dic
 
 def compare_over_repeats(args, lbt: dict[str, list[list[float]]]) -> None:
     """Per p99 target: each setting's median latency-bounded throughput over the repeats, and each adaptive run's
-    against no batching and against the grid setting with the best median."""
+    against no batching, against the grid setting with the best median, and against the grid's pick measured on
+    repeats it was not picked on (`held_out_grid_choice`)."""
     import numpy as np
 
     for j, target in enumerate(args.targets):
@@ -282,16 +286,41 @@ def compare_over_repeats(args, lbt: dict[str, list[list[float]]]) -> None:
                    "p99_target_ms": target, "median_qps": median[label], "qps": [r[j] for r in runs]})
         grid = {label: m for label, m in median.items() if label.startswith("grid ")}
         best = max(grid, key=grid.get) if grid else None
+        picks, held_out = held_out_grid_choice({label: [r[j] for r in runs] for label, runs in lbt.items()
+                                                if label.startswith("grid ")})
         for label in (label for label in median if label.startswith("adaptive")):
             record = {"measurement": "scheduler_vs_fixed", "setting": label, "p99_target_ms": target,
                       "median_qps": median[label], "no_batching_median_qps": median["no batching"],
                       "vs_no_batching": median[label] / median["no batching"] if median["no batching"] else None}
             if best:
+                mine = [r[j] for r in lbt[label]]
+                held = float(np.median(held_out))
                 record.update(best_grid=best, best_grid_median_qps=grid[best],
-                              vs_best_grid=median[label] / grid[best] if grid[best] else None)
+                              vs_best_grid=median[label] / grid[best] if grid[best] else None,
+                              held_out_picks=picks, held_out_qps=held_out, held_out_median_qps=held,
+                              vs_held_out=median[label] / held if held else None,
+                              repeats_at_least_held_out=sum(a >= h for a, h in zip(mine, held_out, strict=True)))
             _emit(record)
             _log(f"p99 <= {target:g} ms: {label} median {median[label]:.0f}/s, no batching "
-                 f"{median['no batching']:.0f}/s" + (f", best grid setting {best} {grid[best]:.0f}/s" if best else ""))
+                 f"{median['no batching']:.0f}/s" + (f", best grid setting {best} {grid[best]:.0f}/s, the grid's "
+                                                     f"pick on held-out repeats {np.median(held_out):.0f}/s"
+                                                     if best else ""))
+
+
+def held_out_grid_choice(qps: dict[str, list[float]]) -> tuple[list[str], list[float]]:
+    """Leave one repeat out: per repeat, the grid setting whose median over the *other* repeats is best, and its
+    figure in this repeat. The median of these is what the grid's choice delivers when deployed; the largest of the
+    settings' medians on the same repeats is biased upward (the winner's curse of picking among noisy arms)."""
+    import numpy as np
+
+    n = len(next(iter(qps.values())))
+    picks, figures = [], []
+    for r in range(n):
+        others = {label: float(np.median([v[k] for k in range(n) if k != r])) for label, v in qps.items()}
+        pick = max(others, key=others.get)
+        picks.append(pick)
+        figures.append(qps[pick][r])
+    return picks, figures
 
 
 def plot(curves: dict[tuple[str, str], list[dict]], path: pathlib.Path) -> None:
