@@ -91,6 +91,9 @@ def packed_bytes(rows: int, chunks: int) -> int:
     return 4 * (rows // block_rows(chunks) + 1) + 4 * -(-rows // counts_per_word(chunks))
 
 
+# jitted: FIITED packs on the host side (its initial offsets, every adjustment's), where op by op it compiled ~8
+# primitives per table shape.
+@functools.partial(jax.jit, static_argnums=(1,))
 def pack_offsets(offsets: jax.Array, chunks: int) -> tuple[jax.Array, jax.Array]:
     """Offsets i32[V + 1] -> (base i32[V // B + 1]: offsets[b B], the offset of each block's first row; counts
     u32[ceil(V / W)]: each row's live chunk count in count_bits(K) bits, W = counts_per_word(K) rows per word),
