@@ -72,8 +72,8 @@ class DynamicTables:
     # ------------------------------------------------------------------------------------------ memory
     def record(self, collection: EmbeddingCollection, optimizer, state, step: int) -> dict:
         accounting = collection.accounting(optimizer)
-        chunks = {f: np.asarray(chunk_pool.live_chunks(self._method(collection, f).offsets(state.aux[f])))
-                  for f in self.features}
+        # Each row's live chunks (chunk_pool.live_chunks) on the host: one transfer, no eager ops to compile.
+        chunks = {f: np.diff(np.asarray(self._method(collection, f).offsets(state.aux[f]))) for f in self.features}
         entry = {"step": step, "embedding_bytes": accounting["bytes"],
                  "embedding_optimizer_bytes": accounting["optimizer_bytes"],
                  "allocated_bytes": accounting["bytes"] + accounting["optimizer_bytes"],
