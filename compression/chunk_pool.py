@@ -116,7 +116,8 @@ def unpack_counts(counts: jax.Array, chunks: int, rows: jax.Array) -> jax.Array:
 
 
 # jitted: the whole-table unpack runs eagerly on the host side of every adjustment (recjax/dynamic.py's memory record
-# and compaction), where op by op it compiled ~10 primitives per table shape (~4 s of a 20-step FIITED run).
+# and compaction), where op by op it compiled ~10 primitives per table shape (benchmarks/RESULTS.md, the suite's
+# wall time, session 16).
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _every_offset(counts: jax.Array, chunks: int, vocab: int) -> jax.Array:
     every = unpack_counts(counts, chunks, jnp.arange(vocab, dtype=jnp.int32))
