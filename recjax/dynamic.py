@@ -72,8 +72,9 @@ class DynamicTables:
     # ------------------------------------------------------------------------------------------ memory
     def record(self, collection: EmbeddingCollection, optimizer, state, step: int) -> dict:
         accounting = collection.accounting(optimizer)
-        # Each row's live chunks (chunk_pool.live_chunks) on the host: one transfer, no eager ops to compile.
-        chunks = {f: np.diff(np.asarray(self._method(collection, f).offsets(state.aux[f]))) for f in self.features}
+        # On the host (numpy offsets): one transfer, no eager ops to compile.
+        chunks = {f: chunk_pool.live_chunks(np.asarray(self._method(collection, f).offsets(state.aux[f])))
+                  for f in self.features}
         entry = {"step": step, "embedding_bytes": accounting["bytes"],
                  "embedding_optimizer_bytes": accounting["optimizer_bytes"],
                  "allocated_bytes": accounting["bytes"] + accounting["optimizer_bytes"],
