@@ -317,9 +317,9 @@ class TieredEmbedding(EmbeddingBackend):
 
     def _train_route(self, ids, lengths) -> tuple[Routes | None, dict[str, jax.Array]]:
         """(the train step's route when it deduplicates, else None; the cached groups' distinct rows)."""
-        routes = self.collection.route(ids, lengths, aux={}, dedup=None)
-        if not routes.deduplicated:
+        if not self.collection.dedup:
             return None, self._unique(ids, lengths)
+        routes = self.collection.route(ids, lengths, aux={}, dedup=None)
         return routes, {g: routes.unique[g] for g in self.layouts}
 
     def _records(self, table: jax.Array, state: dict, slots: jax.Array) -> jax.Array:
