@@ -87,8 +87,16 @@ def check_config(config_path: str, overrides: list[str], command: str) -> None:
             node = node[part]
 
 
-def test_the_test_command_is_what_ci_runs():
+def readme_block(marker: str) -> str:
+    """The fenced block after the README line starting `<!-- marker` (what .ci/run reads)."""
+    assert f"<!-- {marker}" in README, marker
+    return README.split(f"<!-- {marker}", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0].strip()
+
+
+def test_the_test_commands_are_what_ci_runs():
     ci = (REPO / ".ci" / "run").read_text()
-    assert "ci:test-command" in ci and "<!-- ci:test-command" in README
-    block = README.split("<!-- ci:test-command", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0].strip()
-    assert block == 'python3 -m venv .venv && .venv/bin/pip install -e ".[test]" && .venv/bin/python -m pytest'
+    assert "ci:test-command" in ci and "ci:slow-command" in ci
+    assert readme_block("ci:test-command") == ('python3 -m venv .venv && .venv/bin/pip install -e ".[test]" && '
+                                               '.venv/bin/python -m pytest')
+    # The slow tests run in the venv the test command made: every slow-marked test is in CI.
+    assert readme_block("ci:slow-command") == ".venv/bin/python -m pytest -m slow"
