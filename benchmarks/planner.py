@@ -10,7 +10,7 @@ step times on 8 CPU devices.
     python benchmarks/planner.py --sections measure                # this machine's gather / scatter / all_to_all
 
 One JSON line per measurement on stdout (progress on stderr), with the machine. Sections:
-  meta     the 856-table set's statistics next to the published ones (recjax/sharding/meta_tables.py)
+  meta     the 856-table set's statistics next to the published ones (experiments/planning/meta_tables.py)
   tasks    for each device count and table count, `--tasks` tasks sampled from the set (memory per device: its share
            of the task's bytes at 75 % fill; A100-like hosts of 8, recjax/sharding/cost_model.py `gpu_cluster`),
            planned by recjax (beam search; and restricted to whole tables, `recjax_table`, the baselines' space) and
@@ -63,7 +63,7 @@ def emit(record: dict) -> None:
 
 # ------------------------------------------------------------------------------------------------------- meta
 def section_meta(args) -> None:
-    from recjax.sharding import meta_tables
+    from experiments.planning import meta_tables
 
     emit({"section": "meta", **meta_tables.summary(meta_tables.meta_tables(args.seed))})
 
@@ -138,7 +138,7 @@ def summarize(name: str, devices: int, tables: int, runs: list[dict[str, dict]])
 
 
 def section_tasks(args) -> None:
-    from recjax.sharding import meta_tables
+    from experiments.planning import meta_tables
 
     tables = meta_tables.meta_tables(args.seed)
     for devices in args.devices:
@@ -157,7 +157,7 @@ def section_tasks(args) -> None:
 
 # ----------------------------------------------------------------------------------------------------- neural
 def section_neural(args) -> None:
-    from recjax.sharding import cost_net, meta_tables
+    from experiments.planning import cost_net, meta_tables
     from recjax.sharding import planner as P
     from recjax.sharding.cost_model import AnalyticCostModel, Topology
 
@@ -257,7 +257,7 @@ def section_rank(args) -> None:
             jax.block_until_ready(metrics)
             r["times"].append(time.perf_counter() - t0)
     measured = [1e3 * statistics.median(runs[p]["times"]) for p in plans]
-    from recjax.sharding.cost_model import spearman
+    from experiments.planning.cost_net import spearman
 
     emit({"section": "rank", "shape": "kaggle_b2048", "vocab_cap": args.vocab_cap, "mesh": args.mesh,
           "repeats": args.repeats, "plans": list(plans), "measured_step_ms": measured,

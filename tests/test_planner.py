@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import run_notebook
 
-from recjax.sharding import cost_net, meta_tables
+from experiments.planning import cost_net, meta_tables
 from recjax.sharding import planner as P
 from recjax.sharding.cost_model import (
     SHARDED,

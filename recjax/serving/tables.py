@@ -22,6 +22,7 @@ value inside it is within scale / 2 of its code (tests/test_serving_tables.py ch
 """
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 
 import jax
@@ -31,7 +32,7 @@ import numpy as np
 
 from recjax.embedding import EmbeddingCollection, FeatureRoute, Routes
 from recjax.embedding_backend import EmbeddingBackend, Rows
-from recjax.quantize import CLIP_RATIOS, pack_codes, unpack_codes
+from recjax.quantize import CLIP_RATIOS, best_clipped_range, pack_codes, unpack_codes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,29 +97,18 @@ def _quantize_range(x: np.ndarray, lo: np.ndarray, hi: np.ndarray, bits: int, dt
 def quantize_fused(x: np.ndarray, bits: int, param_dtype=np.float32, search: bool = False) -> np.ndarray:
     """Rows x f32[N, d] -> fused rows u8[N, ceil(d bits / 8) + 2 * sizeof(param)]: packed codes, scale, bias.
 
-    search=False: the row's [min, max]; True: the best of Check-N-Run's clipped ranges by L2 error (module doc)."""
+    search=False: the row's [min, max]; True: the best of Check-N-Run's clipped ranges by L2 error (module doc),
+    `recjax.quantize.best_clipped_range` in float64 with this format's parameter rounding."""
     x = np.asarray(x, np.float64)
     assert x.ndim == 2, x.shape
     n, d = x.shape
     codes = np.empty((n, d), np.uint8)
     scale = np.empty(n, param_dtype)
     bias = np.empty(n, param_dtype)
-    ratios = np.asarray(CLIP_RATIOS if search else (0.0,), np.float64)
-    a, b = (r.reshape(-1) for r in np.meshgrid(ratios, ratios, indexing="ij"))
+    quantize = functools.partial(_quantize_range, bits=bits, dtype=param_dtype)
     for start in range(0, n, _SEARCH_CHUNK_ROWS):
-        rows = x[start:start + _SEARCH_CHUNK_ROWS]
-        xmin, xmax = rows.min(axis=1), rows.max(axis=1)
-        span = xmax - xmin
-        lo = xmin[:, None] + a[None, :] * span[:, None]  # [n, C]
-        hi = xmax[:, None] - b[None, :] * span[:, None]
-        q, s, o = _quantize_range(rows[:, None, :], lo, hi, bits, param_dtype)
-        err = np.sum((o.astype(np.float64)[..., None] + s.astype(np.float64)[..., None] * q - rows[:, None, :]) ** 2,
-                     axis=-1)
-        best = np.argmin(err, axis=1)  # ties -> the first candidate, min / max
-        pick = np.arange(rows.shape[0])
-        codes[start:start + rows.shape[0]] = q[pick, best]
-        scale[start:start + rows.shape[0]] = s[pick, best]
-        bias[start:start + rows.shape[0]] = o[pick, best]
+        rows = slice(start, start + _SEARCH_CHUNK_ROWS)
+        codes[rows], scale[rows], bias[rows] = best_clipped_range(x[rows], quantize, CLIP_RATIOS if search else (0.0,))
     params = np.stack([scale, bias], axis=1).view(np.uint8).reshape(n, -1)  # little-endian bytes, scale first
     return np.concatenate([pack_codes(codes, bits), params], axis=1)
 

@@ -4,8 +4,8 @@
     plan.py      the plan format, its bytes-per-step estimate, the printed table, memory checks
     planner.py   make_plan: every table's placement; `auto`: the planner (greedy, local search, beam search over
                  split counts) and its baselines
-    cost_model.py the analytic cost model and the interface the neural one (cost_net.py) shares
-    meta_tables.py a Meta-shaped 856-table set and sharding tasks drawn from it
+    cost_model.py the analytic cost model and the interface the neural one shares (its pre-training and the
+                 Meta-shaped task set it is benchmarked on: experiments/planning/)
     placement.py placing batches and arrays on the mesh, reading them back (a leaf module)
     exchange.py  the per-device table blocks and the collectives of a lookup and a sparse update
     backend.py   MeshEmbedding: the step's embedding interface on a mesh (shard_map, psum, state layout)
