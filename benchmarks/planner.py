@@ -80,9 +80,9 @@ def run_planners(problem, seed: int, model=None, judge=None) -> dict[str, dict]:
     for name, run in runs:
         cpu = time.process_time()
         result = run()
-        out[name] = {"cost": result.cost.max, "fits": result.fits, "wall": result.seconds,
+        out[name] = {"cost": result.cost.step, "fits": result.fits, "wall": result.seconds,
                      "cpu": time.process_time() - cpu, "shardings": result.to_json()["shardings"],
-                     "exchange": result.cost.exchange, "compute_mean": float(result.cost.compute.mean())}
+                     "exchange": result.cost.exchange, "compute_mean": float(result.cost.compute.sum(axis=1).mean())}
     return out
 
 
@@ -201,7 +201,7 @@ def section_neural(args) -> None:
             by_neural = P.plan(problem, neural, seed=k, judge=analytic)
             by_analytic = P.plan(problem, analytic, seed=k)
             if by_neural.fits and by_analytic.fits:
-                ratios.append(by_neural.cost.max / by_analytic.cost.max)
+                ratios.append(by_neural.cost.step / by_analytic.cost.step)
             times.append(by_neural.seconds)
         emit({"section": "neural_search", "devices": devices_, "tables": count, "tasks": args.tasks,
               "cost_ratio_neural_vs_analytic_search": float(np.mean(ratios)) if ratios else None,

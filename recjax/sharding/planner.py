@@ -61,7 +61,9 @@ from recjax.sharding.cost_model import (
     Problem,
     StorageStats,
     Topology,
+    check_model,
     device_memory,
+    member_row,
     plan_cost,
 )
 from recjax.sharding.plan import (
@@ -116,21 +118,27 @@ class Choice:
 @dataclasses.dataclass
 class Outcome:
     """What a candidate change would make of the state: the step cost, the fullest device's bytes, the sum and the
-    sum of squares of device costs."""
+    sum of squares of device costs (a device's cost: its phases summed, plus the exchange)."""
 
-    max: float
+    step: float
     fullest: float
     total: float
     squares: float
 
 
+def step_of(compute: np.ndarray, exchange: float) -> float:
+    """The step cost from f64[n, K] per-device phase seconds: each phase's slowest device, summed (cost_model.py)."""
+    return float(compute.max(axis=0).sum() + exchange) if len(compute) else exchange
+
+
 class State:
     """A (partial) plan and what the search updates incrementally: each device's parts, memory, summary (the sum of
-    its parts' `CostModel.summaries`) and compute, the per-owner slot sums of the table-/row-wise storages and the
-    cost of every storage."""
+    its parts' `CostModel.summaries`) and per-phase compute, the per-owner slot sums of the table-/row-wise storages
+    and the cost of every storage."""
 
     def __init__(self, problem: Problem, model: CostModel, parts: PartTable | None = None,
                  kinds: frozenset = KINDS_ALL):
+        check_model(model, problem)
         self.problem, self.model = problem, model
         self.kinds = frozenset(kinds)  # the shardings the search may choose
         self.parts = parts or PartTable(problem)
@@ -140,9 +148,11 @@ class State:
         self.device_parts: list[list[int]] = [[] for _ in range(n)]
         self.mem = np.zeros(n)
         self.sums = np.zeros((n, model.summary_size))
-        self.compute = np.zeros(n)
-        self.sharded: dict[int, np.ndarray] = {}  # dim -> f64[3, n]: expected, worst, requested slots per owner
-        self.members: dict[tuple[int, int], dict[int, float]] = {}  # (dim, kind) -> {table: compact slots}
+        self.compute = np.zeros((n, len(model.phases)))  # seconds per device and phase
+        # dim -> f64[4, n]: expected, worst, requested slots and pooled parts per owner
+        self.sharded: dict[int, np.ndarray] = {}
+        # (dim, kind) -> {table: (compact slots, pooled)}
+        self.members: dict[tuple[int, int], dict[int, tuple[float, float]]] = {}
         self.storage_cost: dict[tuple[int, int], float] = {}
         self._phi = np.zeros((0, model.summary_size))  # summaries of part rows, computed on first use
         self._has_phi = np.zeros(0, bool)
@@ -192,19 +202,24 @@ class State:
     def exchange(self) -> float:
         return float(sum(self.storage_cost.values()))
 
+    @property
+    def load(self) -> np.ndarray:
+        """f64[n]: each device's seconds over all phases (what the search balances)."""
+        return self.compute.sum(axis=1)
+
     def totals(self) -> np.ndarray:
-        return self.compute + self.exchange
+        return self.load + self.exchange
 
     def objective(self) -> tuple[float, float]:
-        totals = self.totals()
-        return float(totals.max()), float((totals ** 2).sum())
+        """(the step cost, the sum of squared device costs): lexicographically smaller is better."""
+        return step_of(self.compute, self.exchange), float((self.totals() ** 2).sum())
 
     def fits(self) -> bool:
         return bool(np.all(self.mem <= self.limit))
 
     def cost(self) -> PlanCost:
         return PlanCost(self.compute.copy(), self.exchange,
-                        {(d, KINDS[k]): c for (d, k), c in sorted(self.storage_cost.items())})
+                        {(d, KINDS[k]): c for (d, k), c in sorted(self.storage_cost.items())}, self.model.phases)
 
     def placements(self) -> tuple[TablePlacement, ...]:
         p = self.problem
@@ -235,11 +250,11 @@ class State:
         sharded: dict[int, np.ndarray] = {}
         for dim in np.unique(dims[kinds == SHARDED]).tolist():
             mine = (kinds == SHARDED) & (dims == dim)
-            arr = sharded[dim] = self.sharded.get(dim, np.zeros((3, self.n))).copy()
+            arr = sharded[dim] = self.sharded.get(dim, np.zeros((4, self.n))).copy()
             r, d, w = rows[mine], a[mine, 0], signs[mine]
-            for f, field in enumerate((parts.expected_slots, parts.worst_slots, parts.requested)):
+            for f, field in enumerate((parts.expected_slots, parts.worst_slots, parts.requested, parts.pooled)):
                 arr[f] += np.bincount(d, w * field[r], self.n)
-        members: dict[tuple[int, int], dict[int, float]] = {}
+        members: dict[tuple[int, int], dict[int, tuple[float, float]]] = {}
         for j in np.nonzero(kinds != SHARDED)[0].tolist():  # one entry per table (its copies / slices share it)
             key = (int(dims[j]), int(kinds[j]))
             m = members.get(key)
@@ -249,7 +264,7 @@ class State:
             if signs[j] < 0:
                 m.pop(table, None)
             else:
-                m[table] = float(parts.compact[rows[j]])
+                m[table] = (float(parts.compact[rows[j]]), float(parts.pooled[rows[j]]))
         return moves, devices, dsum, dmem, sharded, members
 
     def _storage_rows(self, sharded: Mapping[int, np.ndarray], members: Mapping[tuple[int, int], dict]
@@ -257,16 +272,15 @@ class State:
         rows = []
         for dim, arr in sharded.items():
             top = arr.max(axis=1)
-            rows.append(((dim, SHARDED), (SHARDED, dim, top[0], top[1], top[2], 0.0)))
-        for (dim, kind), m in members.items():
-            rows.append(((dim, kind), (kind, dim, 0.0, 0.0, 0.0, min(self.slots_of_dim[dim], sum(m.values())))))
+            rows.append(((dim, SHARDED), (SHARDED, dim, top[0], top[1], top[2], 0.0, top[3])))
+        for key, m in members.items():
+            rows.append((key, member_row(key, m, self.slots_of_dim)))
         return rows
 
     def _storage_costs(self, rows: Sequence[tuple]) -> np.ndarray:
         if not rows:
             return np.zeros(0)
-        a = np.array(rows, float)
-        return self.model.exchange(StorageStats(a[:, 0].astype(int), a[:, 1], a[:, 2], a[:, 3], a[:, 4], a[:, 5]))
+        return self.model.exchange(StorageStats.of_rows(rows))
 
     def apply(self, delta: Mapping[int, Choice | None]) -> None:
         moves, devices, dsum, dmem, sharded, members = self._effects(delta)
@@ -284,7 +298,7 @@ class State:
                 self.mem[d] = 0.0
         self.compute[devices] = self.model.readout(self.sums[devices])
         for dim, arr in sharded.items():
-            if np.any(arr[1] > 1e-9):
+            if np.any(arr[1] > 1e-9) or np.any(arr[3] > 0.5):
                 self.sharded[dim] = arr
             else:
                 self.sharded.pop(dim, None)
@@ -326,12 +340,14 @@ class State:
                 rows.append(row)
             pending.append((devices, slice(count, count + len(devices)), keys, mem))
             count += len(devices)
-        compute = self.model.readout(np.concatenate(new_sums)) if new_sums else np.zeros(0)
+        k = len(self.model.phases)
+        compute = self.model.readout(np.concatenate(new_sums)) if new_sums else np.zeros((0, k))
         storage = self._storage_costs(rows)
-        order = np.argsort(-self.compute, kind="stable")
+        orders = np.argsort(-self.compute, axis=0, kind="stable").T  # [K, n]: each phase's devices, slowest first
         mem_order = np.argsort(-self.mem, kind="stable")
         exchange = self.exchange
-        c_sum, c_sq = float(self.compute.sum()), float((self.compute ** 2).sum())
+        load = self.load
+        c_sum, c_sq = float(load.sum()), float((load ** 2).sum())
         out: list[Outcome | None] = []
         for entry in pending:
             if entry is None:
@@ -339,14 +355,15 @@ class State:
                 continue
             devices, where, keys, mem = entry
             new_x = exchange + sum(storage[r] - self.storage_cost.get(key, 0.0) for key, r in keys)
-            changed = compute[where]
+            changed = compute[where]  # [m, K]
             touched = set(devices.tolist())
-            rest = next((self.compute[d] for d in order if d not in touched), -math.inf)
+            rest = np.array([next((self.compute[d, p] for d in orders[p] if d not in touched), -math.inf)
+                             for p in range(k)])
             rest_mem = next((self.mem[d] for d in mem_order if d not in touched), -math.inf)
-            old = self.compute[devices]
-            s1 = c_sum - old.sum() + changed.sum()
-            s2 = c_sq - (old ** 2).sum() + (changed ** 2).sum()
-            out.append(Outcome(max(rest, changed.max()) + new_x, max(rest_mem, mem.max()),
+            old, new = load[devices], changed.sum(axis=1)
+            s1 = c_sum - old.sum() + new.sum()
+            s2 = c_sq - (old ** 2).sum() + (new ** 2).sum()
+            out.append(Outcome(float(np.maximum(rest, changed.max(axis=0)).sum()) + new_x, max(rest_mem, mem.max()),
                                s1 + self.n * new_x, s2 + 2 * new_x * s1 + self.n * new_x ** 2))
         return out
 
@@ -366,9 +383,9 @@ def standalone_costs(state: State, kind: int = SHARDED) -> np.ndarray:
     """f64[T]: each table's whole-table part alone on an empty device (compute) plus its storage alone (exchange)."""
     parts = state.parts
     ids = np.array([parts.index(t, kind) for t in range(len(state.problem.tables))], np.int64)
-    compute = state.model.readout(state.phi(ids))
+    compute = state.model.readout(state.phi(ids)).sum(axis=1)
     rows = [(kind, parts.dim[i], parts.expected_slots[i], parts.worst_slots[i], parts.requested[i],
-             parts.compact[i]) for i in ids]
+             parts.compact[i], parts.pooled[i]) for i in ids]
     return compute + state._storage_costs(rows)
 
 
@@ -382,8 +399,8 @@ def split_counts(n: int) -> list[int]:
 
 
 def _lowest(state: State, count: int, need: float, exclude: Sequence[int] = ()) -> list[int] | None:
-    """The `count` devices with the lowest compute (then lowest index) that have `need` bytes free."""
-    order = np.lexsort((np.arange(state.n), state.compute))
+    """The `count` devices with the lowest load (then lowest index) that have `need` bytes free."""
+    order = np.lexsort((np.arange(state.n), state.load))
     ok = order[state.mem[order] + need <= state.limit]
     if len(exclude):
         ok = ok[~np.isin(ok, exclude)]
@@ -456,7 +473,7 @@ def _best_choice(state: State, t: int, share: float, remaining: float) -> Choice
     for choice, outcome in zip(others, state.evaluate([{t: c} for c in others]), strict=True):
         if outcome is None:
             continue
-        key = (outcome.max, outcome.fullest, outcome.total)
+        key = (outcome.step, outcome.fullest, outcome.total)
         # A split must lower the step cost by SPLIT_GAIN to be worth its parts (else: fewer parts, simpler plans).
         if best is None or (key[0] < best[0][0] * (1 - SPLIT_GAIN) if best[1].kind == "table" else _better(key,
                                                                                                           best[0])):
@@ -478,28 +495,30 @@ def _best_device(state: State, t: int, pid: int, room: np.ndarray) -> tuple[tupl
     """The whole table on each device of `room` at once (one readout, one exchange call): the best one."""
     parts = state.parts
     dim = int(parts.dim[pid])
-    new_compute = state.model.readout(state.sums[room] + state.phi(np.array([pid]))[0])
+    new_compute = state.model.readout(state.sums[room] + state.phi(np.array([pid]))[0])  # [R, K]
     # The table's storage after it joins each candidate owner: the owner's slot sums grow, the max may too.
-    arr = state.sharded.get(dim, np.zeros((3, state.n)))
-    add = np.array([parts.expected_slots[pid], parts.worst_slots[pid], parts.requested[pid]])
-    padded = np.concatenate([arr, np.full((3, 1), -math.inf)], axis=1)
+    arr = state.sharded.get(dim, np.zeros((4, state.n)))
+    add = np.array([parts.expected_slots[pid], parts.worst_slots[pid], parts.requested[pid], parts.pooled[pid]])
+    padded = np.concatenate([arr, np.full((4, 1), -math.inf)], axis=1)
     top2 = -np.sort(-padded, axis=1)[:, :2]
     arg = arr.argmax(axis=1)
-    excl = np.where(arg[:, None] == room[None, :], top2[:, 1:2], top2[:, 0:1])  # [3, R] max over the other owners
+    excl = np.where(arg[:, None] == room[None, :], top2[:, 1:2], top2[:, 0:1])  # [4, R] max over the other owners
     tops = np.maximum(excl, arr[:, room] + add[:, None])
     stats = StorageStats(np.full(len(room), SHARDED), np.full(len(room), float(dim)), tops[0], tops[1], tops[2],
-                         np.zeros(len(room)))
+                         np.zeros(len(room)), tops[3])
     new_x = state.exchange - state.storage_cost.get((dim, SHARDED), 0.0) + state.model.exchange(stats)
-    comp = state.compute
-    order = np.argsort(-comp, kind="stable")
-    second = comp[order[1]] if state.n > 1 else -math.inf
-    rest = np.where(room == order[0], second, comp[order[0]])
-    top = np.maximum(rest, new_compute) + new_x
+    comp = state.compute  # [n, K]: per phase, the slowest of the devices other than the candidate
+    padded = np.concatenate([comp, np.full((1, comp.shape[1]), -math.inf)])
+    top2 = -np.sort(-padded, axis=0)[:2]  # [2, K]
+    arg = comp.argmax(axis=0)  # [K]
+    rest = np.where(room[:, None] == arg[None, :], top2[1][None, :], top2[0][None, :])  # [R, K]
+    top = np.maximum(rest, new_compute).sum(axis=1) + new_x
     mem_after = state.mem[room] + parts.mem_bytes[pid]
     mem_order = np.argsort(-state.mem, kind="stable")
     m2 = state.mem[mem_order[1]] if state.n > 1 else -math.inf
     fullest = np.maximum(np.where(room == mem_order[0], m2, state.mem[mem_order[0]]), mem_after)
-    total = comp.sum() - comp[room] + new_compute + state.n * new_x
+    load = state.load
+    total = load.sum() - load[room] + new_compute.sum(axis=1) + state.n * new_x
     r = np.lexsort((room, total, fullest, top))[0]
     return (float(top[r]), float(fullest[r]), float(total[r])), Choice("table", (int(room[r]),))
 
@@ -518,8 +537,8 @@ def local_search(state: State, rounds: int = 10_000, targets: int = 4, width: in
             break
         best, best_key = None, current
         for delta, outcome in zip(deltas, state.evaluate(deltas), strict=True):
-            if outcome is not None and _better((outcome.max, outcome.squares), best_key):
-                best, best_key = delta, (outcome.max, outcome.squares)
+            if outcome is not None and _better((outcome.step, outcome.squares), best_key):
+                best, best_key = delta, (outcome.step, outcome.squares)
         if best is None:
             break
         state.apply(best)
@@ -538,30 +557,42 @@ def _moved(choice: Choice, old: int, new: int) -> Choice:
     return Choice(choice.kind, choice.devices[:pos] + (new,) + choice.devices[pos + 1:])
 
 
+def slowest_devices(state: State, count: int = 2) -> list[int]:
+    """The devices that set the step: each phase's slowest (lowest index on ties), the costliest phase's first, at
+    most `count` of them."""
+    n = np.arange(state.n)
+    out: list[int] = []
+    for p in np.argsort(-state.compute.max(axis=0), kind="stable"):
+        d = int(np.lexsort((n, -state.compute[:, p]))[0])
+        if d not in out:
+            out.append(d)
+    return out[:count]
+
+
 def _compute_moves(state: State, targets: int, width: int) -> list[dict[int, Choice]]:
-    worst = int(np.lexsort((np.arange(state.n), -state.compute))[0])
-    light = [int(d) for d in np.lexsort((np.arange(state.n), state.compute)) if d != worst][:targets]
+    hot = slowest_devices(state)
+    light = [int(d) for d in np.lexsort((np.arange(state.n), state.load)) if d not in hot][:targets]
 
     def by_size(d):  # [(compute alone, table)] of the device's movable parts, largest first
         items = _sharded_parts(state, d)
         if not items:
             return []
-        alone = state.model.readout(state.phi(np.array([i for _, i in items])))
+        alone = state.model.readout(state.phi(np.array([i for _, i in items]))).sum(axis=1)
         return sorted(zip(alone.tolist(), [t for t, _ in items], strict=True), key=lambda x: (-x[0], x[1]))
 
-    here = by_size(worst)[:width]
     there = {d: by_size(d) for d in light}
     deltas: list[dict[int, Choice]] = []
-    for size, t in here:
-        ch = state.choices[t]
-        for d in light:
-            if d in ch.devices:
-                continue
-            moved = _moved(ch, worst, d)
-            deltas.append({t: moved})
-            smaller = [t2 for size2, t2 in there[d] if size2 < size and t2 != t
-                       and worst not in state.choices[t2].devices][:width]
-            deltas += [{t: moved, t2: _moved(state.choices[t2], d, worst)} for t2 in smaller]
+    for worst in hot:
+        for size, t in by_size(worst)[:width]:
+            ch = state.choices[t]
+            for d in light:
+                if d in ch.devices:
+                    continue
+                moved = _moved(ch, worst, d)
+                deltas.append({t: moved})
+                smaller = [t2 for size2, t2 in there[d] if size2 < size and t2 != t
+                           and worst not in state.choices[t2].devices][:width]
+                deltas += [{t: moved, t2: _moved(state.choices[t2], d, worst)} for t2 in smaller]
     return deltas
 
 
@@ -584,7 +615,7 @@ def _exchange_moves(state: State, targets: int, width: int) -> list[dict[int, Ch
 def perturb(state: State, rng: np.random.Generator, moves: int) -> None:
     """Move `moves` random whole tables off the most loaded devices to random devices with room."""
     for _ in range(moves):
-        heavy = np.argsort(-state.compute, kind="stable")[:max(1, state.n // 4)]
+        heavy = np.argsort(-state.load, kind="stable")[:max(1, state.n // 4)]
         d = int(rng.choice(heavy))
         tables = sorted(t for t, c in state.choices.items() if c.kind == "table" and c.devices == (d,))
         if not tables:
@@ -645,7 +676,7 @@ def _signature(state: State) -> tuple:
 
 def _split_candidates(state: State, alone: np.ndarray, branch: int) -> list[int]:
     """The tables on the slowest device by decreasing standalone cost, then the costliest of the others."""
-    worst = int(np.argmax(state.compute))
+    worst = slowest_devices(state, 1)[0]
     splittable = [t for t, c in state.choices.items() if c.kind in ("table", "row")]
     on_worst = sorted((t for t in splittable if worst in state.choices[t].devices), key=lambda t: -alone[t])
     rest = sorted((t for t in splittable if worst not in state.choices[t].devices), key=lambda t: -alone[t])
@@ -684,7 +715,7 @@ def plan(problem: Problem, model: CostModel | None = None, *, search: str = "bea
         raise ValueError(f"kinds must be a non-empty subset of {sorted(KINDS_ALL)}, got {list(kinds)}")
     if search not in SEARCHES:
         raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
-    model = model or AnalyticCostModel(problem.topology)
+    model = model or AnalyticCostModel(problem.topology, problem.exchange)
     start = time.perf_counter()
     state = greedy(problem, model, fixed, kinds=frozenset(kinds))
     if search != "greedy":
@@ -789,7 +820,8 @@ def torchrec_greedy(problem: Problem, model: CostModel, parts: PartTable | None 
     ids = np.concatenate([c[3] for c in candidates])
     owner = np.repeat(np.arange(len(candidates)), [len(c[3]) for c in candidates])
     copies = np.array([c[2] if c[1] in ("column", "replicated") else 1 for c in candidates], float)
-    compute = np.bincount(owner, model.readout(probe.phi(ids)), len(candidates)) * copies  # a copy / slice per device
+    alone = model.readout(probe.phi(ids)).sum(axis=1)  # each part alone on a device, its phases summed
+    compute = np.bincount(owner, alone, len(candidates)) * copies  # a copy / slice per device
     exchange = probe._storage_costs([_alone_storage(probe, c[3]) for c in candidates])
     options: list[list[tuple[float, float, str, int]]] = [[] for _ in problem.tables]  # (perf, shard bytes, kind, k)
     for (t, kind, k, rows), perf in zip(candidates, compute + exchange, strict=True):
@@ -817,8 +849,8 @@ def _alone_storage(state: State, ids: np.ndarray) -> tuple:
     kind, dim = int(parts.kind[i]), float(parts.dim[i])
     if kind == SHARDED:
         return (kind, dim, parts.expected_slots[ids].max(), parts.worst_slots[ids].max(), parts.requested[ids].max(),
-                0.0)
-    return (kind, dim, 0.0, 0.0, 0.0, min(state.slots_of_dim[int(dim)], float(parts.compact[i])))
+                0.0, parts.pooled[ids].max())
+    return member_row((int(dim), kind), {0: (float(parts.compact[i]), float(parts.pooled[i]))}, state.slots_of_dim)
 
 
 def _torchrec_partition(problem: Problem, parts: PartTable, options, current, limit: float):
@@ -857,7 +889,7 @@ def _torchrec_partition(problem: Problem, parts: PartTable, options, current, li
 
 def baseline(problem: Problem, name: str, model: CostModel | None = None, seed: int = 0) -> PlannerResult:
     """Run one of BASELINES; its plan scored by `model` (default: the analytic model)."""
-    model = model or AnalyticCostModel(problem.topology)
+    model = model or AnalyticCostModel(problem.topology, problem.exchange)
     start = time.perf_counter()
     if name == "random":
         choices = [Choice("table", (d,)) for d in random_baseline(problem, seed)]
