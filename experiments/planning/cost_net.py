@@ -169,6 +169,17 @@ class NeuralCostModel:
         self.report, self.labels = report or {}, labels
         self.summary_size = sizes.part[-1] + 1
 
+    def for_topology(self, topology: Topology) -> "NeuralCostModel":
+        """This model on `topology` (another device count or memory of the hardware it was trained for)."""
+        differs = {k: (getattr(self.topology, k), getattr(topology, k)) for k in HARDWARE
+                   if not math.isclose(float(getattr(self.topology, k)), float(getattr(topology, k)), rel_tol=1e-9)}
+        if differs:
+            raise ValueError(f"the neural cost model was pre-trained for other hardware: {differs} (trained, asked)")
+        model = NeuralCostModel(topology, self.params, {}, self.sizes, self.phases, self.exchange_kind, self.report,
+                                self.labels)
+        model.norm = self.norm
+        return model
+
     def _embed(self, params, x):
         return _embed(self.sizes, len(self.phases), params, self.norm, x)
 
@@ -608,7 +619,7 @@ class CpuBench:
 
     def exchange(self, stats: StorageStats, r: int, topology: Topology, exchange: str = "rows") -> float:
         """Seconds of storage r's collectives on the local devices (its device count must be theirs): exchange.py's
-        buckets for parts that travel as rows; the pooled parts' collectives are timed empty (their bytes are the
+        buckets for parts that travel as rows (0 for a storage of pooled parts only: their collectives are the
         devices' phases)."""
         n = jax.device_count()
         if topology.devices != n:
@@ -616,11 +627,9 @@ class CpuBench:
                              " set JAX_NUM_CPU_DEVICES or sample plans for this device count")
         kind, dim = int(stats.kind[r]), int(stats.dim[r])
         seconds = 0.0
-        if stats.pooled[r] > 0:  # the ids, the outputs and their gradients: three collectives of one slot each
-            seconds += 3 * self.all_to_all_seconds(4.0 * n, n)
         rows_part = (stats.worst[r] > 0) if kind == SHARDED else (stats.compact[r] > 0)
         if exchange == "pooled" and not (rows_part or kind == REPLICATED):
-            return seconds
+            return seconds  # pooled parts' collectives are their devices' phases
         small = int(bucket_capacity(stats.expected[r:r + 1], stats.worst[r:r + 1], topology.capacity_factor,
                                     topology.capacity_sigmas)[0])
         worst = int(bucket_capacity(stats.expected[r:r + 1], stats.worst[r:r + 1], 0.0, 0.0)[0])

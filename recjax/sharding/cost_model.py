@@ -58,7 +58,7 @@ Analytic compute (per device, per step; B the global batch, n devices, q = B x p
     forward (pooled)  every lookup of its rows read (replicated: its own examples' q / n), then B x width x 4 bytes
                       of pooled outputs written
     update            distinct(q) rows read + written with their optimizer state: 2 (d + s) x 4 bytes each (the
-                      owner dedups before the update); pooled: plus each lookup's gradient read and added (8 x width)
+                      owner dedups before the update); pooled: plus each lookup's output gradient read (4 x width)
   Cache/skew term: each device keeps its most-read rows in `cache_bytes` (an LFU cache), shared by its parts in
   proportion to their lookups; a part's cached rows are its top-ranked ones, so the rows read from the top c
   ranks are served at `cache_bandwidth`, the others at `memory_bandwidth`. Hot tables cost less per lookup than
@@ -79,8 +79,8 @@ Analytic exchange (per storage = the tables of one dim and kind, as exchange.py 
                     every copy dedups n x S ids; S = the fewer of the device's distinct ids and the storage's rows
   column-wise       the ids all-gathered ((n - 1) S x 4), the column slices of the rows and of their gradients
   (rows)            all_to_all'd ((n - 1) S d / n x itemsize each way)
-  pooled parts      only `collective_latency` for the ids, the pooled outputs and their gradients: their bytes are
-                    the per-device phases above
+  pooled parts      nothing here: their bytes are the per-device phases above, and the ids, the outputs and their
+                    gradients of every table cross in one all_to_all each (`collective_latency` in those phases)
   plus `collective_latency` per collective and, with the rows exchange, `kernel_overhead` per storage kernel.
 """
 
@@ -249,10 +249,19 @@ class Problem:
     def mesh_shape(self) -> dict[str, int]:
         return {"data": self.topology.devices, "model": 1}
 
-    def column_allowed(self, t: int) -> bool:
-        """Column-wise over every device: the dim must split evenly and the optimizer state be element-wise."""
+    def column_allowed(self, t: int, k: int | None = None) -> bool:
+        """Column-wise over k devices (default every device): the dim must split evenly and the optimizer state be
+        element-wise."""
         info = self.tables[t].info
-        return info.dim % self.devices == 0 and not 0 < info.state_floats < info.dim
+        return info.dim % (k or self.devices) == 0 and not 0 < info.state_floats < info.dim
+
+    def column_counts(self, t: int) -> list[int]:
+        """The column splits a plan may give table t: over every device with the rows exchange (what
+        recjax/sharding/exchange.py runs); with the pooled exchange each slice is a table of width dim / k of its
+        own, so also over 2, 4, 8, ... devices (NeuroShard's halvings, Zha et al. 2023)."""
+        n = self.devices
+        counts = [n] if self.exchange == "rows" else sorted({*split_counts(n), n})
+        return [k for k in counts if k > 1 and self.column_allowed(t, k)]
 
 
 # -------------------------------------------------------------------------------------------------------- parts
@@ -369,8 +378,17 @@ class PartTable:
             pooled=float(pooled) * full, out_floats=(p.batch_size * width if pooled else 0.0) * full,
             id_bytes=(4.0 * p.batch_size * info.bag_size * share) if pooled else 0.0 * full,
             stream_fwd=(4.0 * examples * width if pooling else 0.0) * full,
-            stream_upd=(8.0 * width * fwd.sum(1)) if pooling else 0.0 * full,
+            stream_upd=(4.0 * width * fwd.sum(1)) if pooling else 0.0 * full,
             slot=np.clip(np.round(2 * np.log2(max(width, 1.0))), 0, WIDTH_SLOTS - 1) * full)
+
+
+def split_counts(n: int) -> list[int]:
+    """Part counts the planner offers for splitting a table over devices: 2, 4, 8, ... and n."""
+    ks, k = [], 2
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return [*ks, n] if n > 1 else []
 
 
 def part_rows_array(rows: int, parts: int, split: str) -> np.ndarray:
@@ -548,9 +566,12 @@ class AnalyticCostModel:
         id_bytes, out_floats, stream_fwd, stream_upd = (sums[:, 1 + 2 * g + c] for c in range(4))
         kernels = (sums[:, 1 + 2 * g + 4:] > 0.5).sum(axis=1) * topo.kernel_overhead
         n = topo.devices
-        ids = self.wire(id_bytes / n)  # of its slots, 1 / n are its own examples'
+        # One all_to_all each for the ids, the pooled outputs and their gradients, every table's together (each
+        # device's buffer holds all its parts'); its own examples' 1 / n stay local.
+        latency = topo.collective_latency if n > 1 else 0.0
+        ids = self.wire(id_bytes / n) + np.where(id_bytes > 0, latency, 0.0)
         forward = at_kappa(1) + stream_fwd / topo.memory_bandwidth + kernels
-        pooled = 2 * self.wire(out_floats * topo.exchange_itemsize / n)  # outputs out, their gradients in
+        pooled = 2 * (self.wire(out_floats * topo.exchange_itemsize / n) + np.where(out_floats > 0, latency, 0.0))
         update = at_kappa(1 + g) + stream_upd / topo.memory_bandwidth + kernels
         return np.stack([ids, forward, pooled, update], axis=1)
 
@@ -625,9 +646,8 @@ class AnalyticCostModel:
             sharded = np.where(stats.worst > 0, sharded, 0.0)
             column = np.where(s > 0, column, 0.0)
         cost = np.select([kind == SHARDED, kind == REPLICATED], [sharded, replicated], column)
-        pooled = np.where(stats.pooled > 0, 3 * topo.collective_latency, 0.0)  # ids, outputs, their gradients
         kernels = 2 * topo.kernel_overhead if rows_exchange else 0.0  # pooled: per device, in its phases
-        return np.where(n > 1, cost + pooled, 0.0) + kernels
+        return np.where(n > 1, cost, 0.0) + kernels
 
 
 def bucket_capacity(expected: np.ndarray, worst: np.ndarray, factor: float, sigmas: float) -> np.ndarray:
@@ -646,12 +666,12 @@ def placement_parts(problem: Problem, parts: PartTable, t: int, p: TablePlacemen
     n = problem.devices
     if p.sharding in ("replicated", "data_parallel"):
         return [(d, parts.index(t, REPLICATED)) for d in range(n)]
-    if p.sharding == "column":
-        return [(d, parts.index(t, COLUMN)) for d in range(n)]
     if p.axes != ("data", "model"):
         raise ValueError(f"table {p.table.name!r}: the planner's cost models cover placements over every device, "
-                         f"not row-wise over {p.axes}")
+                         f"not over {p.axes}")
     k = len(p.devices)
+    if p.sharding == "column":  # a slice of width dim / k on each of its k devices
+        return [(d, parts.index(t, COLUMN, k)) for d in p.devices]
     return [(d, parts.index(t, SHARDED, k, j)) for j, d in enumerate(p.devices)]
 
 
@@ -726,7 +746,7 @@ def device_memory(problem: Problem, placements: Sequence[TablePlacement]) -> np.
         if p.sharding in ("replicated", "data_parallel"):
             used += t.bytes
         elif p.sharding == "column":
-            used += t.rows * t.row_bytes // len(p.devices)
+            used[list(p.devices)] += t.rows * t.row_bytes // len(p.devices)
         else:
             if p.axes != ("data", "model"):
                 raise ValueError(f"table {t.name!r}: placements over {p.axes} are not the planner's")

@@ -28,22 +28,18 @@ Search (deterministic given the seed; every move is checked against every device
      devices is row-wise: with `row_split=mod`, or ids not numbered by frequency, each part sees an even share of the
      lookups, as a column shard does.
 
-Baselines (same module, same cost model; the table-wise heuristics as NeuroShard's paper and code define them):
-  random               each table on a uniformly random device (seeded), memory not consulted (a plan may not fit)
-  size_greedy          tables by decreasing cost, each on the device with the lowest sum of costs among those with
-  dim_greedy           room (ties: the least memory used, then the lowest index); cost = bytes, dim, dim x pooling,
-  lookup_greedy        dim x pooling x log10(rows) respectively
-  size_lookup_greedy
-  torchrec_greedy      TorchRec-like: per table the sharding type (table-wise, row-wise, table-row-wise within a host,
-                       column-wise, data-parallel) with the lowest estimated cost, shards placed largest first on the
-                       device with the lowest accumulated cost; a table whose shard fits nowhere falls back to its next
-                       option (by cost) with smaller shards and the partition starts again
+The TorchRec-like greedy (`torchrec_greedy`, the search's second start; also a baseline in benchmarks/planner.py):
+per table the sharding type (table-wise, row-wise, table-row-wise within a host, column-wise, data-parallel) with
+the lowest estimated cost, shards placed largest first on the device with the lowest accumulated cost; a table whose
+shard fits nowhere falls back to its next option (by cost) with smaller shards and the partition starts again.
+NeuroShard's table-wise heuristics and its own search, the benchmark's other baselines, are research code:
+experiments/planning/baselines.py and neuroshard.py.
 """
 
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -65,6 +61,7 @@ from recjax.sharding.cost_model import (
     device_memory,
     member_row,
     plan_cost,
+    split_counts,
 )
 from recjax.sharding.plan import (
     REPLICATE_BYTES,
@@ -81,15 +78,14 @@ from recjax.sharding.plan import (
 AXES = ("data", "model")
 SEARCHES = ("greedy", "local", "beam")
 KINDS_ALL = frozenset({"table", "row", "column", "replicated"})
-BASELINES = ("random", "size_greedy", "dim_greedy", "lookup_greedy", "size_lookup_greedy", "torchrec_greedy")
 _REL = 1e-9  # objective improvements smaller than this (relative) do not count: no cycling on float noise
 SPLIT_GAIN = 1e-3  # greedy: a split (or replica) must lower the step cost by this share to beat a whole table
 
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """A table's sharding in the search: "table" (devices = (d,)), "row" (part j on devices[j]), "column" or
-    "replicated" (every device)."""
+    """A table's sharding in the search: "table" (devices = (d,)), "row" (part j on devices[j]), "column" (slice j
+    of width dim / k on devices[j]; no devices: every device) or "replicated" (every device)."""
 
     kind: str
     devices: tuple[int, ...] = ()
@@ -100,19 +96,19 @@ class Choice:
         if self.kind == "row":
             return TablePlacement(info, "row", AXES, self.devices, row_split)
         if self.kind == "column":
-            return TablePlacement(info, "column", AXES, tuple(range(n)))
+            return TablePlacement(info, "column", AXES, self.devices or tuple(range(n)))
         return TablePlacement(info, "replicated", (), ())
 
     @classmethod
-    def of(cls, p: TablePlacement) -> "Choice":
+    def of(cls, p: TablePlacement, n: int) -> "Choice":
         if p.sharding in ("replicated", "data_parallel"):
             return cls("replicated")
-        if p.sharding == "column":
+        if p.sharding == "column" and tuple(p.devices) == tuple(range(n)):
             return cls("column")
         if p.axes != AXES:
             raise ValueError(f"table {p.table.name!r}: the planner places row-wise tables over every device, not over "
                              f"{p.axes}")
-        return cls("table" if p.sharding == "table" else "row", tuple(p.devices))
+        return cls({"table": "table", "column": "column"}.get(p.sharding, "row"), tuple(p.devices))
 
 
 @dataclasses.dataclass
@@ -137,10 +133,11 @@ class State:
     and the cost of every storage."""
 
     def __init__(self, problem: Problem, model: CostModel, parts: PartTable | None = None,
-                 kinds: frozenset = KINDS_ALL):
+                 kinds: frozenset = KINDS_ALL, frozen: frozenset = frozenset()):
         check_model(model, problem)
         self.problem, self.model = problem, model
         self.kinds = frozenset(kinds)  # the shardings the search may choose
+        self.frozen = frozenset(frozen)  # tables placed by the caller (pinned): the search never changes them
         self.parts = parts or PartTable(problem)
         n = self.n = problem.devices
         self.limit = float(problem.topology.memory_bytes)
@@ -181,6 +178,9 @@ class State:
         if choice.kind == "row":
             base = index(t, SHARDED, len(choice.devices), 0)  # part j is row base + j
             return [(d, base + j) for j, d in enumerate(choice.devices)]
+        if choice.kind == "column" and choice.devices:  # slices of one width share a part row
+            i = index(t, COLUMN, len(choice.devices))
+            return [(d, i) for d in choice.devices]
         kind = COLUMN if choice.kind == "column" else REPLICATED
         i = index(t, kind)
         return [(d, i) for d in range(self.n)]
@@ -320,9 +320,102 @@ class State:
         for (key, _), cost in zip(rows, self._storage_costs([r for _, r in rows]), strict=True):
             self.storage_cost[key] = float(cost)
 
-    def evaluate(self, deltas: Sequence[Mapping[int, Choice | None]]) -> list[Outcome | None]:
+    def evaluate(self, deltas: Sequence[Mapping[int, Choice | None]], moves: Sequence | None = None
+                 ) -> list[Outcome | None]:
         """The outcome of each delta applied alone to this state (None: a device would exceed its memory, or an
-        already overfull one would grow). One readout call and one exchange call for all of them."""
+        already overfull one would grow). One readout call and one exchange call for all of them. `moves`: each
+        delta's `_as_moves` when the caller knows it (None: worked out here)."""
+        if moves is None:
+            moves = [self._as_moves(delta) for delta in deltas]
+        simple = [m is not None for m in moves]
+        out: list[Outcome | None] = [None] * len(deltas)
+        if any(simple):
+            for j, outcome in zip(np.nonzero(simple)[0], self._evaluate_moves([m for m in moves if m is not None]),
+                                  strict=True):
+                out[j] = outcome
+        if not all(simple):
+            rest = [j for j, ok in enumerate(simple) if not ok]
+            for j, outcome in zip(rest, self._evaluate([deltas[j] for j in rest]), strict=True):
+                out[j] = outcome
+        return out
+
+    def _as_moves(self, delta: Mapping[int, Choice | None]) -> tuple[int, int, list] | None:
+        """(device a, device b, [(part row, from, to)]) when `delta` only moves pooled parts between two devices
+        (moves and swaps of the local search under the pooled exchange: no storage's collectives change); else
+        None."""
+        if self.problem.exchange != "pooled" or len(delta) > 2:
+            return None
+        out, devices = [], set()
+        index = self.parts.index
+        for t, new in delta.items():
+            old = self.choices.get(t)
+            if (old is None or new is None or old.kind != new.kind or not old.devices
+                    or len(old.devices) != len(new.devices)):
+                return None
+            j, moved = -1, 0
+            for q, (x, y) in enumerate(zip(old.devices, new.devices)):  # noqa: B905 (equal lengths, checked)
+                if x != y:
+                    j, moved = q, moved + 1
+            if moved != 1:
+                return None
+            if old.kind == "table":
+                i = index(t, SHARDED)
+            elif old.kind == "row":
+                i = index(t, SHARDED, len(old.devices), 0) + j
+            else:
+                i = index(t, COLUMN, len(old.devices))
+            if not self.parts.pooled[i]:
+                return None
+            out.append((i, old.devices[j], new.devices[j]))
+            devices.add(old.devices[j])
+            devices.add(new.devices[j])
+        if len(devices) != 2:
+            return None
+        a, b = sorted(devices)
+        return a, b, out
+
+    def _evaluate_moves(self, moves: Sequence[tuple[int, int, list]]) -> list[Outcome | None]:
+        """`evaluate` for deltas that move pooled parts between two devices a and b, vectorised over the deltas."""
+        m = len(moves)
+        a = np.array([x[0] for x in moves])
+        b = np.array([x[1] for x in moves])
+        # Each delta moves one or two parts; +1: the part arrives at a, -1: it leaves a (b sees the opposite).
+        part = np.zeros((m, 2), np.int64)
+        sign = np.zeros((m, 2))
+        for j, (da, _, ms) in enumerate(moves):
+            for q, (i, src, dst) in enumerate(ms):
+                part[j, q], sign[j, q] = i, (dst == da) - (src == da)
+        phi = self.phi(part.reshape(-1)).reshape(m, 2, -1)
+        dsum = (sign[:, :, None] * phi).sum(axis=1)  # elementwise, no BLAS call: small and many
+        dmem = (sign * self.parts.mem_bytes[part]).sum(axis=1)
+        new = self.model.readout(np.concatenate([self.sums[a] + dsum, self.sums[b] - dsum]))
+        new_a, new_b = new[:m], new[m:]
+        mem_a, mem_b = self.mem[a] + dmem, self.mem[b] - dmem
+        bad = ((mem_a > self.limit) & (dmem > 0)) | ((mem_b > self.limit) & (dmem < 0))
+
+        def rest_of(values: np.ndarray) -> np.ndarray:  # [m, K]: the max over the devices other than a and b
+            values = values.reshape(self.n, -1)
+            top = np.argsort(-values, axis=0, kind="stable")[:3].T  # [K, 3]
+            keep = (top[None] != a[:, None, None]) & (top[None] != b[:, None, None])  # [m, K, 3]
+            first = np.argmax(keep, axis=2)
+            chosen = np.take_along_axis(np.broadcast_to(top, keep.shape), first[..., None], 2)[..., 0]
+            value = values[chosen, np.arange(values.shape[1])[None, :]]
+            return np.where(keep.any(axis=2), value, -math.inf)
+
+        rest = rest_of(self.compute)
+        rest_mem = rest_of(self.mem)[:, 0]
+        x = self.exchange
+        step = np.maximum(rest, np.maximum(new_a, new_b)).sum(axis=1) + x
+        fullest = np.maximum(rest_mem, np.maximum(mem_a, mem_b))
+        load = self.load
+        la, lb = new_a.sum(axis=1), new_b.sum(axis=1)
+        s1 = load.sum() - load[a] - load[b] + la + lb
+        s2 = (load ** 2).sum() - load[a] ** 2 - load[b] ** 2 + la ** 2 + lb ** 2
+        total, squares = s1 + self.n * x, s2 + 2 * x * s1 + self.n * x ** 2
+        return [None if bad[j] else Outcome(float(step[j]), float(fullest[j]), float(total[j]), float(squares[j]))
+                for j in range(m)]
+
+    def _evaluate(self, deltas: Sequence[Mapping[int, Choice | None]]) -> list[Outcome | None]:
         new_sums: list[np.ndarray] = []
         rows: list[tuple] = []
         pending = []
@@ -389,15 +482,6 @@ def standalone_costs(state: State, kind: int = SHARDED) -> np.ndarray:
     return compute + state._storage_costs(rows)
 
 
-def split_counts(n: int) -> list[int]:
-    """Row-wise part counts the search offers: 2, 4, 8, ... and n."""
-    ks, k = [], 2
-    while k < n:
-        ks.append(k)
-        k *= 2
-    return [*ks, n] if n > 1 else []
-
-
 def _lowest(state: State, count: int, need: float, exclude: Sequence[int] = ()) -> list[int] | None:
     """The `count` devices with the lowest load (then lowest index) that have `need` bytes free."""
     order = np.lexsort((np.arange(state.n), state.load))
@@ -417,12 +501,23 @@ def _row_choice(state: State, t: int, k: int, keep: Sequence[int] = ()) -> Choic
     return None if extra is None else Choice("row", (*keep, *extra))
 
 
+def _column_choice(state: State, t: int, k: int, keep: Sequence[int] = ()) -> Choice | None:
+    """Columns of t in k slices (Problem.column_counts): over every device, or with the pooled exchange on `keep`
+    (its current devices) plus the least loaded with room for a slice."""
+    if k not in state.problem.column_counts(t):
+        return None
+    if k == state.n:
+        return Choice("column")
+    extra = _lowest(state, k - len(keep), state.parts.value("mem_bytes", t, COLUMN, k), keep)
+    return None if extra is None else Choice("column", (*keep, *extra))
+
+
 def greedy(problem: Problem, model: CostModel, fixed: Mapping[int, Choice] | None = None,
            parts: PartTable | None = None, kinds: frozenset = KINDS_ALL) -> State:
     """Step 1 of the module docstring, choosing among `kinds`. Tables that fit nowhere even split over every device
     are split so anyway (the state then does not fit: `State.fits`)."""
-    state = State(problem, model, parts, kinds)
     fixed = dict(fixed or {})
+    state = State(problem, model, parts, kinds, frozen=frozenset(fixed))
     if fixed:
         state.apply(fixed)
     alone = standalone_costs(state)
@@ -463,9 +558,11 @@ def _best_choice(state: State, t: int, share: float, remaining: float) -> Choice
         k = 2 ** math.ceil(math.log2(max(share, 2.0)))
         ks = [c for c in split_counts(n) if c in (k // 2, k, 2 * k, n)] if room.size else split_counts(n)
         others += [c for k in ks if (c := _row_choice(state, t, k)) is not None]
-    column = "column" in kinds and p.column_allowed(t) and n > 1
-    if column and np.all(state.mem + state.parts.value("mem_bytes", t, COLUMN) <= state.limit):
-        others.append(Choice("column"))
+    if "column" in kinds and n > 1:
+        k = 2 ** math.ceil(math.log2(max(share, 2.0)))
+        ks = [c for c in p.column_counts(t) if c in (k // 2, k, 2 * k, n)] if room.size else p.column_counts(t)
+        others += [c for k in ks if (c := _column_choice(state, t, k)) is not None
+                   and (c.devices or np.all(state.mem + state.parts.value("mem_bytes", t, COLUMN) <= state.limit))]
     free_after = (state.limit - state.mem - info.bytes).clip(min=0).sum()
     if ("replicated" in kinds and info.bytes <= replicate_limit(state.limit) and n > 1
             and np.all(state.mem + info.bytes <= state.limit) and free_after >= 1.25 * remaining):
@@ -532,11 +629,13 @@ def local_search(state: State, rounds: int = 10_000, targets: int = 4, width: in
     applied = 0
     for _ in range(rounds):
         current = state.objective()
-        deltas = _compute_moves(state, targets, width) + _exchange_moves(state, targets, width)
+        deltas, moves = _compute_moves(state, targets, width)
+        exchange = _exchange_moves(state, targets, width)
+        deltas, moves = deltas + exchange, moves + [None] * len(exchange)
         if not deltas:
             break
         best, best_key = None, current
-        for delta, outcome in zip(deltas, state.evaluate(deltas), strict=True):
+        for delta, outcome in zip(deltas, state.evaluate(deltas, moves), strict=True):
             if outcome is not None and _better((outcome.step, outcome.squares), best_key):
                 best, best_key = delta, (outcome.step, outcome.squares)
         if best is None:
@@ -547,9 +646,11 @@ def local_search(state: State, rounds: int = 10_000, targets: int = 4, width: in
 
 
 def _sharded_parts(state: State, d: int) -> list[tuple[int, int]]:
-    """[(table, part row)] of the table- and row-wise parts on device d."""
+    """[(table, part row)] of the parts on device d that can move alone: table- and row-wise parts, and column
+    slices of a table split over some of the devices."""
     parts = state.parts
-    return [(int(parts.table[i]), i) for i in state.device_parts[d] if parts.kind[i] == SHARDED]
+    return [(int(parts.table[i]), i) for i in state.device_parts[d] if int(parts.table[i]) not in state.frozen
+            and (parts.kind[i] == SHARDED or (parts.kind[i] == COLUMN and state.choices[int(parts.table[i])].devices))]
 
 
 def _moved(choice: Choice, old: int, new: int) -> Choice:
@@ -569,36 +670,48 @@ def slowest_devices(state: State, count: int = 2) -> list[int]:
     return out[:count]
 
 
-def _compute_moves(state: State, targets: int, width: int) -> list[dict[int, Choice]]:
+def _compute_moves(state: State, targets: int, width: int) -> tuple[list[dict[int, Choice]], list]:
+    """The moves and swaps of `local_search` (its docstring), and each one's `State._as_moves` (None under the rows
+    exchange, or for a part whose storage's buckets it changes)."""
     hot = slowest_devices(state)
     light = [int(d) for d in np.lexsort((np.arange(state.n), state.load)) if d not in hot][:targets]
+    fast = state.problem.exchange == "pooled"
 
-    def by_size(d):  # [(compute alone, table)] of the device's movable parts, largest first
+    def by_size(d):  # [(compute alone, table, part row)] of the device's movable parts, largest first
         items = _sharded_parts(state, d)
         if not items:
             return []
         alone = state.model.readout(state.phi(np.array([i for _, i in items]))).sum(axis=1)
-        return sorted(zip(alone.tolist(), [t for t, _ in items], strict=True), key=lambda x: (-x[0], x[1]))
+        return sorted(((a, t, i) for a, (t, i) in zip(alone.tolist(), items, strict=True)),
+                      key=lambda x: (-x[0], x[1]))
 
     there = {d: by_size(d) for d in light}
     deltas: list[dict[int, Choice]] = []
+    moves: list = []
+    pooled = state.parts.pooled
     for worst in hot:
-        for size, t in by_size(worst)[:width]:
+        for size, t, i in by_size(worst)[:width]:
             ch = state.choices[t]
             for d in light:
                 if d in ch.devices:
                     continue
                 moved = _moved(ch, worst, d)
+                pair = (min(worst, d), max(worst, d))
                 deltas.append({t: moved})
-                smaller = [t2 for size2, t2 in there[d] if size2 < size and t2 != t
-                           and worst not in state.choices[t2].devices][:width]
-                deltas += [{t: moved, t2: _moved(state.choices[t2], d, worst)} for t2 in smaller]
-    return deltas
+                moves.append((*pair, [(i, worst, d)]) if fast and pooled[i] else None)
+                for _, t2, i2 in [x for x in there[d] if x[0] < size and x[1] != t
+                                  and worst not in state.choices[x[1]].devices][:width]:
+                    deltas.append({t: moved, t2: _moved(state.choices[t2], d, worst)})
+                    moves.append((*pair, [(i, worst, d), (i2, d, worst)]) if fast and pooled[i] and pooled[i2]
+                                 else None)
+    return deltas, moves
 
 
 def _exchange_moves(state: State, targets: int, width: int) -> list[dict[int, Choice]]:
     deltas: list[dict[int, Choice]] = []
-    costly = sorted(((c, key) for key, c in state.storage_cost.items() if key[1] == SHARDED), reverse=True)[:2]
+    # Storages whose buckets carry rows (with the pooled exchange, those of tables that cannot pool on the owner).
+    costly = sorted(((c, key) for key, c in state.storage_cost.items()
+                     if key[1] == SHARDED and np.any(state.sharded[key[0]][1] > 0)), reverse=True)[:2]
     parts = state.parts
     for _, (dim, _) in costly:
         expected = state.sharded[dim][0]
@@ -617,7 +730,8 @@ def perturb(state: State, rng: np.random.Generator, moves: int) -> None:
     for _ in range(moves):
         heavy = np.argsort(-state.load, kind="stable")[:max(1, state.n // 4)]
         d = int(rng.choice(heavy))
-        tables = sorted(t for t, c in state.choices.items() if c.kind == "table" and c.devices == (d,))
+        tables = sorted(t for t, c in state.choices.items()
+                        if c.kind == "table" and c.devices == (d,) and t not in state.frozen)
         if not tables:
             continue
         t = int(rng.choice(tables))
@@ -628,17 +742,26 @@ def perturb(state: State, rng: np.random.Generator, moves: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- beam search
-def _next_split(state: State, t: int) -> Choice | None:
-    """Whole -> rows over 2 -> 4 -> ... -> n -> column-wise (when allowed); None when there is nothing further."""
+def _next_splits(state: State, t: int) -> list[Choice]:
+    """Table t split one step further. Rows exchange: whole -> rows over 2 -> 4 -> ... -> n -> column-wise (one
+    chain). Pooled exchange: the next of each chain, whole -> rows over 2 -> ... -> n and whole -> column slices over
+    2 -> 4 -> ... -> n (`Problem.column_counts`)."""
     ch, n = state.choices[t], state.n
-    rows, columns = "row" in state.kinds and n > 1, "column" in state.kinds and state.problem.column_allowed(t)
+    rows = "row" in state.kinds and n > 1
+    counts = state.problem.column_counts(t) if "column" in state.kinds else []
+    row_next = None
     if ch.kind == "table" and rows:
-        return _row_choice(state, t, 2, ch.devices)
-    if ch.kind == "row" and len(ch.devices) < n:
-        return _row_choice(state, t, min(2 * len(ch.devices), n), ch.devices)
-    if ch.kind in ("table", "row") and columns and n > 1:
-        return Choice("column")
-    return None
+        row_next = _row_choice(state, t, 2, ch.devices)
+    elif ch.kind == "row" and len(ch.devices) < n:
+        row_next = _row_choice(state, t, min(2 * len(ch.devices), n), ch.devices)
+    if state.problem.exchange == "rows":
+        if (ch.kind == "table" and rows) or (ch.kind == "row" and len(ch.devices) < n):
+            return [row_next] if row_next is not None else []
+        return [Choice("column")] if ch.kind in ("table", "row") and counts else []
+    now = 1 if ch.kind == "table" else len(ch.devices) if ch.kind == "column" and ch.devices else None
+    bigger = [k for k in counts if now is not None and k > now]
+    column_next = _column_choice(state, t, bigger[0], ch.devices) if bigger else None
+    return [c for c in (row_next, column_next) if c is not None]
 
 
 def beam_search(state: State, width: int = 3, depth: int = 6, branch: int = 6, polish: int = 20) -> State:
@@ -650,17 +773,16 @@ def beam_search(state: State, width: int = 3, depth: int = 6, branch: int = 6, p
         children = []
         for s in beam:
             for t in _split_candidates(s, alone, branch):
-                new = _next_split(s, t)
-                outcome = s.evaluate([{t: new}])[0] if new is not None else None
-                if outcome is None:
-                    continue
-                child = s.copy()
-                child.apply({t: new})
-                local_search(child, rounds=polish)
-                sig = _signature(child)
-                if sig not in seen:
-                    seen.add(sig)
-                    children.append(child)
+                for new in _next_splits(s, t):
+                    if s.evaluate([{t: new}])[0] is None:
+                        continue
+                    child = s.copy()
+                    child.apply({t: new})
+                    local_search(child, rounds=polish, width=4)
+                    sig = _signature(child)
+                    if sig not in seen:
+                        seen.add(sig)
+                        children.append(child)
         if not children:
             break
         children.sort(key=lambda s: s.objective())
@@ -677,7 +799,8 @@ def _signature(state: State) -> tuple:
 def _split_candidates(state: State, alone: np.ndarray, branch: int) -> list[int]:
     """The tables on the slowest device by decreasing standalone cost, then the costliest of the others."""
     worst = slowest_devices(state, 1)[0]
-    splittable = [t for t, c in state.choices.items() if c.kind in ("table", "row")]
+    splittable = [t for t, c in state.choices.items() if t not in state.frozen
+                  and (c.kind in ("table", "row") or (c.kind == "column" and c.devices))]
     on_worst = sorted((t for t in splittable if worst in state.choices[t].devices), key=lambda t: -alone[t])
     rest = sorted((t for t in splittable if worst not in state.choices[t].devices), key=lambda t: -alone[t])
     return (on_worst + rest)[:branch]
@@ -717,33 +840,56 @@ def plan(problem: Problem, model: CostModel | None = None, *, search: str = "bea
         raise ValueError(f"search must be one of {SEARCHES}, got {search!r}")
     model = model or AnalyticCostModel(problem.topology, problem.exchange)
     start = time.perf_counter()
-    state = greedy(problem, model, fixed, kinds=frozenset(kinds))
-    if search != "greedy":
-        # A second start: each table's best sharding on its own (the TorchRec-like construction); search on from
-        # the better. Whole storages change kind at once this way, which single-table moves cannot do: a storage's
-        # fixed costs (latencies, kernels, bucket margins) make the first table of a new kind never pay off alone.
-        choices, _ = torchrec_greedy(problem, model, state.parts, frozenset(kinds))
-        other = State(problem, model, state.parts, frozenset(kinds))
-        other.apply({t: fixed[t] if fixed and t in fixed else c for t, c in enumerate(choices)})
+    kinds = frozenset(kinds)
+    parts = PartTable(problem)
+    state = _local(problem, model, parts, fixed, kinds, search, seed, restarts)
+    starts = [state]
+    if search != "greedy" and "table" in kinds and kinds != {"table"}:
+        # A third start: the whole-table variant's own plan (the same search with kinds={"table"}). Single moves
+        # cannot merge the splits the greedy made early, when a split looked cheap, so the search could end above
+        # the whole-table plans it contains; from the better of the two it never does. The beam search splits
+        # from both (NeuroShard's search splits from whole tables).
+        whole = _local(problem, model, parts, fixed, frozenset({"table"}), search, seed, restarts)
+        whole.kinds = kinds
+        starts.append(whole)
+    if search == "beam":
+        starts = [beam_search(s, beam_width, beam_depth, beam_branch) for s in starts]
+    state = starts[0]
+    for other in starts[1:]:
         if other.fits() and (not state.fits() or _better(other.objective(), state.objective())):
             state = other
-        local_search(state)
-        rng = np.random.default_rng(seed)
-        best = state
-        for _ in range(restarts):
-            trial = best.copy()
-            perturb(trial, rng, moves=max(2, len(problem.tables) // 20))
-            local_search(trial)
-            if _better(trial.objective(), best.objective()):
-                best = trial
-        state = best
-    if search == "beam":
-        state = beam_search(state, beam_width, beam_depth, beam_branch)
     placements = state.placements()
     seconds = time.perf_counter() - start
     if judge is None or judge is model:
         return finish(problem, f"recjax_{search}", placements, None, seconds, state.cost())
     return finish(problem, f"recjax_{search}", placements, judge, seconds)
+
+
+def _local(problem: Problem, model: CostModel, parts: PartTable, fixed: Mapping[int, Choice] | None,
+           kinds: frozenset, search: str, seed: int, restarts: int) -> State:
+    """Steps 1 and 2 of the module docstring over `kinds`: the greedy, then (unless search="greedy") the better of
+    it and the TorchRec-like start, local search and `restarts` seeded perturbations."""
+    state = greedy(problem, model, fixed, parts, kinds)
+    if search == "greedy":
+        return state
+    # A second start: each table's best sharding on its own (the TorchRec-like construction); search on from the
+    # better. Whole storages change kind at once this way, which single-table moves cannot do: a storage's fixed
+    # costs (latencies, kernels, bucket margins) make the first table of a new kind never pay off alone.
+    choices, _ = torchrec_greedy(problem, model, parts, kinds)
+    other = State(problem, model, parts, kinds, frozen=state.frozen)
+    other.apply({t: fixed[t] if fixed and t in fixed else c for t, c in enumerate(choices)})
+    if other.fits() and (not state.fits() or _better(other.objective(), state.objective())):
+        state = other
+    local_search(state)
+    rng = np.random.default_rng(seed)
+    best = state
+    for _ in range(restarts):
+        trial = best.copy()
+        perturb(trial, rng, moves=max(2, len(problem.tables) // 20))
+        local_search(trial)
+        if _better(trial.objective(), best.objective()):
+            best = trial
+    return best
 
 
 def finish(problem: Problem, name: str, placements: Sequence[TablePlacement], model: CostModel | None,
@@ -754,44 +900,7 @@ def finish(problem: Problem, name: str, placements: Sequence[TablePlacement], mo
     return PlannerResult(name, tuple(placements), cost or plan_cost(model, problem, placements), fits, seconds)
 
 
-# --------------------------------------------------------------------------------------------------- baselines
-def _heuristics() -> dict[str, Callable[[PlannerTable], float]]:
-    return {
-        "size_greedy": lambda t: float(t.info.bytes),
-        "dim_greedy": lambda t: float(t.info.dim),
-        "lookup_greedy": lambda t: t.info.dim * t.lookups_per_example,
-        "size_lookup_greedy": lambda t: t.info.dim * t.lookups_per_example * math.log10(max(t.info.rows, 1)),
-    }
-
-
-def greedy_baseline(problem: Problem, heuristic: str) -> tuple[list[int], bool]:
-    """NeuroShard's greedy heuristics: (device per table, every table found room). A table that fits nowhere goes
-    to the device with the most room left (the plan then does not fit)."""
-    cost_of = _heuristics()[heuristic]
-    tables = problem.tables
-    n, limit = problem.devices, problem.topology.memory_bytes
-    cost = [cost_of(t) for t in tables]
-    size = [float(t.info.bytes) for t in tables]
-    order = sorted(range(len(tables)), key=lambda i: (cost[i], size[i], i), reverse=True)
-    sums, used = [0.0] * n, [0.0] * n
-    devices, ok = [0] * len(tables), True
-    for i in order:
-        fits = [d for d in range(n) if used[d] + size[i] <= limit]
-        if fits:
-            d = min(fits, key=lambda d: (sums[d], used[d], d))
-        else:
-            ok, d = False, min(range(n), key=lambda d: (used[d], d))
-        devices[i] = d
-        sums[d] += cost[i]
-        used[d] += size[i]
-    return devices, ok
-
-
-def random_baseline(problem: Problem, seed: int) -> list[int]:
-    """A uniformly random device per table (numpy's default_rng(seed).integers), memory not consulted."""
-    return np.random.default_rng(seed).integers(problem.devices, size=len(problem.tables)).tolist()
-
-
+# ---------------------------------------------------------------------------------------- TorchRec-like start
 def torchrec_greedy(problem: Problem, model: CostModel, parts: PartTable | None = None,
                     allowed: frozenset = KINDS_ALL) -> tuple[list[Choice], bool]:
     """The TorchRec-like baseline (module docstring): (a choice per table, every shard found room)."""
@@ -887,23 +996,6 @@ def _torchrec_partition(problem: Problem, parts: PartTable, options, current, li
     return choices
 
 
-def baseline(problem: Problem, name: str, model: CostModel | None = None, seed: int = 0) -> PlannerResult:
-    """Run one of BASELINES; its plan scored by `model` (default: the analytic model)."""
-    model = model or AnalyticCostModel(problem.topology, problem.exchange)
-    start = time.perf_counter()
-    if name == "random":
-        choices = [Choice("table", (d,)) for d in random_baseline(problem, seed)]
-    elif name == "torchrec_greedy":
-        choices, _ = torchrec_greedy(problem, model)
-    elif name in _heuristics():
-        choices = [Choice("table", (d,)) for d in greedy_baseline(problem, name)[0]]
-    else:
-        raise ValueError(f"unknown baseline {name!r}; the baselines are {BASELINES}")
-    n = problem.devices
-    placements = [c.placement(t.info, n, problem.row_split) for c, t in zip(choices, problem.tables, strict=True)]
-    return finish(problem, name, placements, model, time.perf_counter() - start)
-
-
 # ---------------------------------------------------------------------------------------------- sharding.plan
 def auto_placements(tables: Sequence[TableInfo], fixed: Mapping[str, TablePlacement], mesh_shape: Mapping[str, int],
                     batch_size: int, device_memory_bytes: int, row_split: str, seed: int = 0
@@ -915,7 +1007,7 @@ def auto_placements(tables: Sequence[TableInfo], fixed: Mapping[str, TablePlacem
     problem = Problem(tuple(PlannerTable(t) for t in tables), Topology.cpu_host(n, device_memory_bytes),
                       batch_size, row_split)
     index = {t.name: i for i, t in enumerate(tables)}
-    pinned = {index[name]: Choice.of(p) for name, p in fixed.items()}
+    pinned = {index[name]: Choice.of(p, n) for name, p in fixed.items()}
     result = plan(problem, search="beam", seed=seed, fixed=pinned)
     return {p.table.name: p for p in result.placements if p.table.name not in fixed}
 
