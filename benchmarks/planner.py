@@ -73,8 +73,15 @@ def machine() -> dict[str, Any]:
             "load_average": os.getloadavg()[0]}
 
 
+RESULTS: list[pathlib.Path] = []  # --out/results.jsonl: every line printed, for the notebook
+
+
 def emit(record: dict) -> None:
-    print(json.dumps({**record, "machine": machine()}), flush=True)
+    line = json.dumps({**record, "machine": machine()})
+    print(line, flush=True)
+    for path in RESULTS:
+        with path.open("a") as f:
+            f.write(line + "\n")
 
 
 def _timed(run) -> tuple[Any, float, float]:
@@ -85,10 +92,9 @@ def _timed(run) -> tuple[Any, float, float]:
 
 
 def _record(result, wall: float, cpu: float) -> dict:
-    return {"cost": result.cost.step, "fits": result.fits, "wall": wall, "cpu": cpu,
-            "shardings": result.to_json()["shardings"], "exchange": result.cost.exchange,
-            "phases_ms": result.cost.to_json()["phases_ms"],
-            "compute_mean": float(result.cost.compute.sum(axis=1).mean())}
+    from experiments.planning.neuroshard import record
+
+    return record(result, wall, cpu)
 
 
 def _mean(values) -> float | None:
@@ -125,68 +131,9 @@ def pretrain_neural(args, topology_for, devices, batch: int, tables: tuple[int, 
     return model
 
 
-def ns_planners(problem, seed: int, neural=None) -> dict[str, dict]:
-    """Every planner on one task, scored by the analytic model of the task's exchange."""
-    from experiments.planning import baselines as B
-    from experiments.planning.neuroshard import neuroshard_plan
-    from recjax.sharding import planner as P
-    from recjax.sharding.cost_model import AnalyticCostModel
-
-    analytic = AnalyticCostModel(problem.topology, problem.exchange)
-    runs = [("recjax", lambda: P.plan(problem, analytic, seed=seed)),
-            ("recjax_table", lambda: P.plan(problem, analytic, seed=seed, kinds=("table",))),
-            ("neuroshard", lambda: neuroshard_plan(problem, analytic))]
-    if neural is not None:
-        model = neural.for_topology(problem.topology)
-        runs.append(("recjax_neural", lambda: P.plan(problem, model, seed=seed, judge=analytic)))
-    runs += [(name, lambda name=name: B.baseline(problem, name, analytic, seed=seed)) for name in B.BASELINES]
-    return {name: _record(*_timed(run)) for name, run in runs}
-
-
-HEURISTICS = ("random", "size_greedy", "dim_greedy", "lookup_greedy", "size_lookup_greedy")  # NeuroShard's five
-
-
-def ns_summary(devices: int, runs: list[dict[str, dict]]) -> dict:
-    planners = list(runs[0])
-
-    def ratio(a: str, b: str, r: dict) -> float | None:
-        return r[a]["cost"] / r[b]["cost"] if r[a]["fits"] and r[b]["fits"] else None
-
-    def best_heuristic(r: dict) -> float | None:
-        fitting = [r[h]["cost"] for h in HEURISTICS if r[h]["fits"]]
-        return min(fitting) if fitting else None
-
-    record = {"section": "neuroshard", "devices": devices, "tasks": len(runs),
-              "tables_mean": _mean([r["tables"] for r in runs]),
-              "fit_rate": {p: float(np.mean([r[p]["fits"] for r in runs])) for p in planners if p != "tables"},
-              "step_ms_mean": {p: _mean([1e3 * r[p]["cost"] for r in runs if r[p]["fits"]])
-                               for p in planners if p != "tables"},
-              "plan_wall_s_mean": {p: _mean([r[p]["wall"] for r in runs]) for p in planners if p != "tables"},
-              "plan_wall_s_max": {p: float(max(r[p]["wall"] for r in runs)) for p in planners if p != "tables"},
-              "plan_cpu_s_mean": {p: _mean([r[p]["cpu"] for r in runs]) for p in planners if p != "tables"}}
-    for ours in ("recjax", "recjax_neural", "recjax_table"):
-        if ours not in planners:
-            continue
-        vs = {}
-        for other in ("best_heuristic", "torchrec_greedy", "neuroshard", "recjax_table", *HEURISTICS):
-            if other == ours:
-                continue
-            if other == "best_heuristic":
-                pairs = [(r[ours]["cost"], best_heuristic(r)) for r in runs if r[ours]["fits"]]
-                pairs = [(a, b) for a, b in pairs if b is not None]
-            else:
-                pairs = [(r[ours]["cost"], r[other]["cost"]) for r in runs if r[ours]["fits"] and r[other]["fits"]]
-            if pairs:
-                a, b = np.array(pairs).T
-                vs[other] = {"mean_ratio": float(np.mean(a / b)), "ratio_of_means": float(a.mean() / b.mean()),
-                             "worst_ratio": float(np.max(a / b)), "tasks": len(pairs)}
-        record[f"{ours}_vs"] = vs
-    return record
-
-
 def section_neuroshard(args) -> None:
     from experiments.planning import meta_tables
-    from experiments.planning.neuroshard import neuroshard_tasks
+    from experiments.planning.neuroshard import compare, neuroshard_tasks, summary
     from recjax.sharding import planner as P
     from recjax.sharding.cost_model import AnalyticCostModel, Problem
 
@@ -205,11 +152,11 @@ def section_neuroshard(args) -> None:
         runs = []
         for k, problem in enumerate(tasks):
             _log(f"neuroshard: {devices} devices, task {k + 1}/{len(tasks)} ({len(problem.tables)} tables)")
-            r = {"tables": len(problem.tables), **ns_planners(problem, seed=k, neural=neural)}
+            r = {"tables": len(problem.tables), **compare(problem, seed=k, neural=neural)}
             runs.append(r)
             per_task.write(json.dumps({"devices": devices, "task": k, **r}) + "\n")
             per_task.flush()
-        emit(ns_summary(devices, runs))
+        emit({"section": "neuroshard", **summary(devices, runs)})
     per_task.close()
     if args.full:  # planning time at scale under the pooled model: every table of the set on 128 devices
         tables = tuple(t.planner_table() for t in pool)
@@ -500,7 +447,8 @@ def main(argv=None) -> None:
     parser.add_argument("--bench_batch", type=int, default=1024, help="neural, benchmark labels: the batch")
     parser.add_argument("--bench_repeats", type=int, default=3, help="neural, benchmark labels: timed repeats")
     parser.add_argument("--neural_model", default="", help="rank: a neural cost model pre-trained for this host")
-    parser.add_argument("--out", default="/tmp/recjax_planner", help="where models and per-task records go")
+    parser.add_argument("--out", default="/tmp/recjax_planner",
+                        help="where models, per-task records and results.jsonl (every line printed) go")
     parser.add_argument("--cpu_devices", type=int, default=8, help="rank / measure / benchmark labels: CPU devices")
     parser.add_argument("--mesh", default="data=4,model=2", help="rank: config.mesh.shape")
     parser.add_argument("--vocab_cap", type=int, default=100_000, help="rank: Kaggle rows per table at most")
@@ -513,6 +461,8 @@ def main(argv=None) -> None:
     args.devices = [int(x) for x in args.devices.split(",")]
     args.tables = [int(x) for x in args.tables.split(",")]
     args.ns_devices = [int(x) for x in args.ns_devices.split(",")]
+    pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+    RESULTS.append(pathlib.Path(args.out) / "results.jsonl")
     import jax
 
     jax.config.update("jax_num_cpu_devices", args.cpu_devices)

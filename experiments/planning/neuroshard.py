@@ -21,6 +21,9 @@ Search (`neuroshard_plan`, its neurosharder.py):
 Everything is scored by one CostModel of the problem's exchange (the pooled one in benchmarks/planner.py's
 neuroshard section): a column half is a column slice of its table (`PartTable.index(t, COLUMN, k)`, width d / k).
 recjax's runtime splits columns over every device only, so these plans are a baseline to beat, not plans it runs.
+
+`compare(problem)` runs every planner of benchmarks/planner.py's neuroshard section on one task and `summary(...)`
+reduces many tasks to the section's figures (the notebook experiments/notebooks/sharding_planner.ipynb uses both).
 """
 
 import dataclasses
@@ -29,7 +32,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from experiments.planning import baselines as B
 from experiments.planning.meta_tables import BATCH, DIMS, MetaTable
+from recjax.sharding import planner as P
 from recjax.sharding.cost_model import (
     COLUMN,
     SHARDED,
@@ -46,6 +51,7 @@ from recjax.sharding.cost_model import (
 from recjax.sharding.plan import TableInfo
 
 GIB = 1 << 30
+REDRAWS = 10_000  # draws of a task's tables before giving up on fitting them in total_gib
 COMPUTE_PHASES = ("compute", "forward", "update")  # a model's phases that are not communication
 
 
@@ -60,11 +66,14 @@ def neuroshard_tasks(pool: Sequence[MetaTable], count: int = 100, devices: int =
     out = []
     for _ in range(count):
         size = int(rng.integers(tables[0], tables[1] + 1))
-        while True:  # gen_tasks.py: redraw the whole task until it fits the total
+        for _ in range(REDRAWS):  # gen_tasks.py: redraw the whole task until it fits the total
             chosen = rng.integers(len(pool), size=size)
             dims = rng.choice(DIMS, size=size)
             if (rows[chosen] * dims * 4).sum() <= total * GIB:
                 break
+        else:
+            raise ValueError(f"no draw of {size} tables out of {REDRAWS} fits in {total} GiB; raise total_gib or "
+                             "draw fewer tables")
         task = []
         for j, (i, dim) in enumerate(zip(chosen.tolist(), dims.tolist(), strict=True)):
             t = pool[i]
@@ -214,3 +223,78 @@ def neuroshard_plan(problem: Problem, model: CostModel | None = None, beam: int 
     fits = bool(np.all(used <= problem.topology.memory_bytes))
     return NeuroShardResult("neuroshard", [(t, k, d) for (t, k), d in zip(shards, where, strict=True)], splits,
                             cost, fits, seconds)
+
+
+# ---------------------------------------------------------------------------------------------- comparison
+HEURISTICS = ("random", "size_greedy", "dim_greedy", "lookup_greedy", "size_lookup_greedy")  # NeuroShard's five
+
+
+def record(result, wall: float, cpu: float) -> dict:
+    """What the comparison keeps of a planner's result."""
+    return {"cost": result.cost.step, "fits": result.fits, "wall": wall, "cpu": cpu,
+            "shardings": result.to_json()["shardings"], "exchange": result.cost.exchange,
+            "phases_ms": result.cost.to_json()["phases_ms"],
+            "compute_mean": float(result.cost.compute.sum(axis=1).mean())}
+
+
+def compare(problem: Problem, seed: int = 0, neural=None, keep: dict | None = None) -> dict[str, dict]:
+    """Every planner on one task, each plan scored by the analytic model of the task's exchange: recjax, recjax
+    restricted to whole tables, NeuroShard's search, recjax searched with `neural` (a NeuralCostModel, when given),
+    and experiments/planning/baselines.py's. {name: record}; `keep` receives {name: result} when given."""
+    analytic = AnalyticCostModel(problem.topology, problem.exchange)
+    runs = [("recjax", lambda: P.plan(problem, analytic, seed=seed)),
+            ("recjax_table", lambda: P.plan(problem, analytic, seed=seed, kinds=("table",))),
+            ("neuroshard", lambda: neuroshard_plan(problem, analytic))]
+    if neural is not None:
+        model = neural.for_topology(problem.topology)
+        runs.append(("recjax_neural", lambda: P.plan(problem, model, seed=seed, judge=analytic)))
+    runs += [(name, lambda name=name: B.baseline(problem, name, analytic, seed=seed)) for name in B.BASELINES]
+    out = {}
+    for name, run in runs:
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = run()
+        out[name] = record(result, time.perf_counter() - wall, time.process_time() - cpu)
+        if keep is not None:
+            keep[name] = result
+    return out
+
+
+def summary(devices: int, runs: Sequence[dict]) -> dict:
+    """Many tasks' `compare` records (each with its "tables" count) reduced: fit rates, mean step costs, planning
+    seconds, and recjax's (and its variants') cost against the best of NeuroShard's five heuristics on each task,
+    the TorchRec-like greedy, NeuroShard and the rest (mean of the per-task ratios, ratio of the mean costs, the
+    worst task), over the tasks where both fit."""
+    planners = [p for p in runs[0] if p != "tables"]
+
+    def mean(values) -> float | None:
+        values = [v for v in values if v is not None and np.isfinite(v)]
+        return float(np.mean(values)) if values else None
+
+    def best_heuristic(r: dict) -> float | None:
+        fitting = [r[h]["cost"] for h in HEURISTICS if r[h]["fits"]]
+        return min(fitting) if fitting else None
+
+    out = {"devices": devices, "tasks": len(runs), "tables_mean": mean([r["tables"] for r in runs]),
+           "fit_rate": {p: float(np.mean([r[p]["fits"] for r in runs])) for p in planners},
+           "step_ms_mean": {p: mean([1e3 * r[p]["cost"] for r in runs if r[p]["fits"]]) for p in planners},
+           "plan_wall_s_mean": {p: mean([r[p]["wall"] for r in runs]) for p in planners},
+           "plan_wall_s_max": {p: float(max(r[p]["wall"] for r in runs)) for p in planners},
+           "plan_cpu_s_mean": {p: mean([r[p]["cpu"] for r in runs]) for p in planners}}
+    for ours in ("recjax", "recjax_neural", "recjax_table"):
+        if ours not in planners:
+            continue
+        vs = {}
+        for other in ("best_heuristic", "torchrec_greedy", "neuroshard", "recjax_table", *HEURISTICS):
+            if other == ours:
+                continue
+            if other == "best_heuristic":
+                pairs = [(r[ours]["cost"], best_heuristic(r)) for r in runs if r[ours]["fits"]]
+                pairs = [(a, b) for a, b in pairs if b is not None]
+            else:
+                pairs = [(r[ours]["cost"], r[other]["cost"]) for r in runs if r[ours]["fits"] and r[other]["fits"]]
+            if pairs:
+                a, b = np.array(pairs).T
+                vs[other] = {"mean_ratio": float(np.mean(a / b)), "ratio_of_means": float(a.mean() / b.mean()),
+                             "worst_ratio": float(np.max(a / b)), "tasks": len(pairs)}
+        out[f"{ours}_vs"] = vs
+    return out

@@ -844,14 +844,16 @@ def plan(problem: Problem, model: CostModel | None = None, *, search: str = "bea
     parts = PartTable(problem)
     state = _local(problem, model, parts, fixed, kinds, search, seed, restarts)
     starts = [state]
-    if search != "greedy" and "table" in kinds and kinds != {"table"}:
+    largest = max((t.info.bytes for i, t in enumerate(problem.tables) if not fixed or i not in fixed), default=0)
+    if search != "greedy" and "table" in kinds and kinds != {"table"} and largest <= problem.topology.memory_bytes:
         # A third start: the whole-table variant's own plan (the same search with kinds={"table"}). Single moves
         # cannot merge the splits the greedy made early, when a split looked cheap, so the search could end above
         # the whole-table plans it contains; from the better of the two it never does. The beam search splits
         # from both (NeuroShard's search splits from whole tables).
         whole = _local(problem, model, parts, fixed, frozenset({"table"}), search, seed, restarts)
-        whole.kinds = kinds
-        starts.append(whole)
+        if whole.fits():  # else some table is larger than a device: no whole-table plan to beat
+            whole.kinds = kinds
+            starts.append(whole)
     if search == "beam":
         starts = [beam_search(s, beam_width, beam_depth, beam_branch) for s in starts]
     state = starts[0]
