@@ -1,32 +1,40 @@
-"""The sharding planner: the plan with the lowest step cost (the slowest device's) that fits every device's memory.
+"""The sharding planner: the plan with the lowest step cost that fits every device's memory.
 
     result = plan(Problem(tables, topology, batch_size), model=AnalyticCostModel(topology), seed=0)
     result.placements   # TablePlacement per table: a `ShardingPlan`'s, which recjax/sharding/exchange.py runs
-    result.cost         # PlanCost: per-device compute, the exchange every device pays, the max
+    result.cost         # PlanCost: per device and phase, the exchange every device pays, the step
 
-`sharding.plan=auto` calls `auto_placements` (from `make_plan`, below). Costs come from one interface
-(recjax/sharding/cost_model.py: the analytic model, or the pre-trained neural one of experiments/planning/cost_net.py).
+The step cost (recjax/sharding/cost_model.py) is each phase's slowest device, summed, plus the exchange; for the
+rows exchange of today's runtime there is one phase, so it is the slowest device's. `sharding.plan=auto` calls
+`auto_placements` (from `make_plan`, below) with the rows exchange. Costs come from one interface (the analytic
+model, or the pre-trained neural one of experiments/planning/cost_net.py).
 
 Search (deterministic given the seed; every move is checked against every device's memory first):
   1. greedy: tables by decreasing standalone cost (the LPT order); each goes where the resulting step cost is lowest
      (ties: the fullest device's memory, then the sum of device costs), among: whole on any device with room; rows
      over the k least-loaded devices with room, for k around its share of the work and of its storage's ids (the
-     power of two above it, half and twice that) and k = n; column-wise over all devices (when its dim splits evenly
-     and its optimizer state is element-wise); replicated (tables up to `replicate_limit`, when the copies leave room
-     for the tables still to come). A split or replica has to lower the step cost by SPLIT_GAIN to beat a whole table.
-     The TorchRec-like baseline's plan (below) is a second start: the search goes on from the better of the two, so
-     it never ends above that baseline when the baseline fits.
-  2. local search: moves of a part from the most loaded device to one of the least loaded ones, swaps of a part
-     there with a smaller one, and moves of a part from the owner with the most expected ids of a costly storage to
-     the owners with the fewest, while the step cost (then the sum of squared device costs) falls; then `restarts`
-     seeded perturbations (random moves off the most loaded devices) each followed by local search, keeping the best.
-  3. beam search over split counts (NeuroShard's beam search over column-wise shardings, Zha et al. 2023): a state is
-     the plan above; its children split one of the `branch` costliest tables of the slowest device (or of the whole
-     task) further -- whole -> rows over 2 devices -> 4 -> ... -> n -> column-wise -- each followed by a short local
-     search; the `width` best states are kept for `depth` rounds. NeuroShard halves a table's columns onto two GPUs;
-     recjax's exchange splits columns over every device only (recjax/sharding/exchange.py), so a split onto k < n
-     devices is row-wise: with `row_split=mod`, or ids not numbered by frequency, each part sees an even share of the
-     lookups, as a column shard does.
+     power of two above it, half and twice that) and k = n; column-wise (`Problem.column_counts`: over every device
+     with the rows exchange; with the pooled one also in k slices on the k least-loaded devices, k as for rows) when
+     its dim splits evenly and its optimizer state is element-wise; replicated (tables up to `replicate_limit`, when
+     the copies leave room for the tables still to come). A split or replica has to lower the step cost by
+     SPLIT_GAIN to beat a whole table. The TorchRec-like baseline's plan (below) is a second start: the search goes
+     on from the better of the two, so it never ends above that baseline when the baseline fits.
+  2. local search: moves of a part from a device that sets a phase's cost to one of the least loaded ones, swaps of
+     a part there with a smaller one, and moves of a part from the owner with the most expected ids of a costly
+     storage to the owners with the fewest, while the step cost (then the sum of squared device costs) falls; then
+     `restarts` seeded perturbations (random moves off the most loaded devices) each followed by local search,
+     keeping the best. Under the pooled exchange a move of pooled parts changes no storage's collectives, so the
+     moves of a round are evaluated at once (`State._evaluate_moves`).
+  Steps 1-2 run twice: over the allowed shardings, and over whole tables only (unless some table is larger than a
+  device). The greedy splits early, when a split looks cheap, and single moves cannot merge the splits again, so
+  without the whole-table start the search could end above the whole-table plans it contains (issue 40: 1.008 /
+  1.026 at 4 devices x 100 / 200 tables).
+  3. beam search over split counts (NeuroShard's beam search over column splits, Zha et al. 2023), from both starts:
+     a state is a plan; its children split one of the `branch` costliest tables of the slowest device (or of the
+     whole task) one step further -- whole -> rows over 2 devices -> 4 -> ... -> n, and whole -> column slices over
+     2 -> 4 -> ... -> n devices (the pooled exchange; the rows exchange: column-wise over every device after the
+     rows) -- each followed by a short local search; the `width` best states are kept for `depth` rounds. The best
+     state of either beam is the plan.
 
 The TorchRec-like greedy (`torchrec_greedy`, the search's second start; also a baseline in benchmarks/planner.py):
 per table the sharding type (table-wise, row-wise, table-row-wise within a host, column-wise, data-parallel) with
@@ -1021,7 +1029,8 @@ def make_plan(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_
 
     auto: the planner of recjax/sharding/planner.py (greedy + local search + beam search over split counts, with
     the analytic cost model of recjax/sharding/cost_model.py) places the tables not pinned by `overrides`. With
-    `row_axes="model"` (row-wise tables split over the model axis only) the previous greedy below runs instead,
+    `row_axes="model"` (row-wise tables split over the model axis only, a copy per data row) the previous greedy
+    below runs instead -- the planner's cost models cover placements over every device, not copies along an axis --
     in decreasing order of owner work (the LPT greedy): a table whose own work exceeds a device's fair share
     (all tables' work over n) or that fits on no single device is split row-wise; any other goes whole to the
     device, among those with room, that leaves the lowest maximum per-device cost (`device_costs`), then the lowest
