@@ -257,6 +257,7 @@ def section_neural(args) -> None:
         pool, topology_for, batch, args.neural_plans, seed=args.seed, devices=devices, tables=counts,
         labels=args.neural_labels, exchange=args.exchange, repeats=args.bench_repeats,
         progress=lambda k: _log(f"neural: plan {k + 1}/{args.neural_plans} labelled")))
+    data.save(out / f"samples_{args.neural_labels}_{args.exchange}.npz")  # re-train without measuring again
     _log(f"neural: training on {len(data.compute)} devices / {len(data.exchange)} storages")
     (model, report), train_s, train_cpu = _timed(lambda: cost_net.train(data, steps=args.neural_steps,
                                                                          seed=args.seed))

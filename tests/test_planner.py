@@ -526,6 +526,11 @@ def test_neural_cost_model_save_load_round_trip(tmp_path, exchange):
                                    devices=(2, 4), tables=(4, 8), exchange=exchange)
     phases = AnalyticCostModel(data.topology, exchange).phases
     assert data.phases == phases and data.compute.shape[1] == len(phases)
+    data.save(tmp_path / "samples.npz")  # re-training needs no new samples
+    again = cost_net.Dataset.load(tmp_path / "samples.npz")
+    assert again.topology == data.topology and again.phases == phases and again.exchange_kind == exchange
+    for field in ("parts", "part_start", "compute", "device_plan", "storages", "exchange", "storage_plan"):
+        np.testing.assert_array_equal(getattr(again, field), getattr(data, field))
     model, report = cost_net.train(data, steps=5, seed=0, sizes=cost_net.Sizes((8, 4), (8,), (8,)), batch_devices=8)
     assert report["test_plans"] >= 1 and np.isfinite(report["plan_ape"]["median"])
     assert set(report["phase_ape"]) == set(phases) and model.phases == phases and model.exchange_kind == exchange

@@ -36,6 +36,7 @@ guess.
 
 import dataclasses
 import functools
+import json
 import math
 import pathlib
 import time
@@ -265,6 +266,23 @@ class Dataset:
     plans: int
     phases: tuple[str, ...]
     exchange_kind: str
+
+    def save(self, path: str | pathlib.Path) -> None:
+        """The samples as numpy arrays (np.savez) and the topology, so a model can be re-trained without sampling
+        (or measuring) again."""
+        arrays = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if isinstance(getattr(self, f.name), np.ndarray)}
+        meta = {"topology": dataclasses.asdict(self.topology), "labels": self.labels, "plans": self.plans,
+                "phases": list(self.phases), "exchange_kind": self.exchange_kind}
+        np.savez_compressed(path, meta=np.array(json.dumps(meta)), **arrays)
+
+    @classmethod
+    def load(cls, path: str | pathlib.Path) -> "Dataset":
+        with np.load(path) as f:
+            meta = json.loads(str(f["meta"]))
+            arrays = {k: f[k] for k in f.files if k != "meta"}
+        return cls(**arrays, topology=Topology(**meta["topology"]), labels=meta["labels"], plans=meta["plans"],
+                   phases=tuple(meta["phases"]), exchange_kind=meta["exchange_kind"])
 
 
 def augmented_problem(pool: Sequence[PlannerTable], topology: Topology, batch: int, rng: np.random.Generator,

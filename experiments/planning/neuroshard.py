@@ -264,7 +264,7 @@ def summary(devices: int, runs: Sequence[dict]) -> dict:
     seconds, and recjax's (and its variants') cost against the best of NeuroShard's five heuristics on each task,
     the TorchRec-like greedy, NeuroShard and the rest (mean of the per-task ratios, ratio of the mean costs, the
     worst task), over the tasks where both fit."""
-    planners = [p for p in runs[0] if p != "tables"]
+    planners = [p for p, v in runs[0].items() if isinstance(v, dict)]  # (records may also carry counts)
 
     def mean(values) -> float | None:
         values = [v for v in values if v is not None and np.isfinite(v)]
