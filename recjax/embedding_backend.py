@@ -160,6 +160,10 @@ class EmbeddingBackend(abc.ABC):
         """What `summary.json` records about the placement."""
         return {}
 
+    def finish(self, state) -> None:  # noqa: B027 (a hook: most placements owe nothing at the end)
+        """The run trained its last step (`state`): finish what the tables still owe before the summary is read (a
+        disk tier writes its cache's dirty rows back to the table files it keeps)."""
+
     def close(self) -> None:  # noqa: B027 (a hook: most placements hold nothing open)
         """Release what the placement holds open (threads, files); the trainer calls it once, at the end of a run."""
 

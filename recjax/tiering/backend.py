@@ -783,6 +783,12 @@ class TieredEmbedding(EmbeddingBackend):
                          "bytes_written": store.rows_written * width * 4}
         return {"tiering": {"policy": self.policy, "prefetch": self.prefetch, "groups": groups, **self.stats}}
 
+    def finish(self, state) -> None:
+        """The final write-back (before the summary reads the peak memory): files kept after the run
+        (`tiering.dir`) then hold the final tables; temporary ones are removed unwritten."""
+        if not self.temporary:
+            self.flush(state)
+
     def close(self) -> None:
         """Write the cache's dirty rows back (the files then hold the final tables), stop the writer, close the
         files; a temporary directory is removed."""
