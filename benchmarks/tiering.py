@@ -9,11 +9,14 @@ One JSON line per measurement to stdout (and appended to --out), progress to std
 fresh temporary directory by default), removed at the end. Sections:
 
   engines   random reads / writes of 260-byte records (dim 64 + a row-wise accumulator) in batches of 8192 distinct
-            rows of a 1M-row table, per candidate engine: the file mapped + numpy gathers on a 16-thread pool (what
-            recjax uses), pread / pwrite from the same pool, LMDB, RocksDB (rocksdict), tensorstore (zarr3, 256-row
-            chunks); warm (page cache holding the file) and, where the engine reads a plain file, cold (its pages
-            dropped with posix_fadvise DONTNEED; a mapping's own pages with MADV_DONTNEED first). The two key-value
-            stores and tensorstore keep their own files, so only their warm numbers are comparable.
+            rows of a 1M-row table, per candidate engine: the file mapped + numpy gathers on a 16-thread pool (main's
+            until session 17: SIGBUS on a truncated file), the same mapping copied through by the kernel
+            (process_vm_readv / writev, 1,024 rows a call: a short count instead of SIGBUS), the store itself
+            (recjax/tiering/store.py: pread / pwrite a row per call from its 16-thread pool), LMDB, RocksDB
+            (rocksdict), tensorstore (zarr3, 256-row chunks); warm (page cache holding the file) and, where the engine
+            reads a plain file, cold (its pages dropped with posix_fadvise DONTNEED; a mapping's own pages with
+            MADV_DONTNEED first); for the mappings, what their first batch added to the process's RssFile. The two
+            key-value stores and tensorstore keep their own files, so only their warm numbers are comparable.
   floor     the disk itself: random 4 KiB reads/s one at a time and 16 in flight, sequential read MB/s, with the page
             cache dropped (posix_fadvise DONTNEED; whether O_DIRECT opens is reported too).
   kaggle    the Kaggle shape (26 Criteo Kaggle cardinalities, 33.8M rows, dim 16, bottom 512-256-64-16, top 512-256-1,
@@ -80,6 +83,14 @@ def emit(record: dict) -> None:
             f.write(line + "\n")
 
 
+def rss_file() -> int:
+    """This process's file-backed resident bytes (RssFile in /proc/self/status)."""
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def drop_page_cache(path: pathlib.Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -111,7 +122,9 @@ def engines(directory: pathlib.Path, rows: int = 1_000_000, width: int = 65, bat
     path = directory / "engine.f32"
     data.tofile(path)
 
-    # the mapped file, numpy gathers over the pool (recjax/tiering/store.py)
+    # The file mapped, numpy gathers / scatters over the pool: main's store until a truncated file killed a run with
+    # SIGBUS (a mapped page past the end of the file). RssFile's growth after the first batch: what its 8,192 rows
+    # mapped, against the 32 MiB a page per row would be.
     fd = os.open(path, os.O_RDWR)
     region = mmap.mmap(fd, rows * record_bytes)
     region.madvise(mmap.MADV_RANDOM)
@@ -125,46 +138,88 @@ def engines(directory: pathlib.Path, rows: int = 1_000_000, width: int = 65, bat
     def mapped_write(r):
         list(pool.map(lambda p: mapped.__setitem__(r[p], values[p]), split(len(r))))
 
+    rss0 = rss_file()
     assert np.array_equal(mapped_read(picks[0]), data[picks[0]])
+    first = rss_file() - rss0
     warm_read, write = rate(mapped_read), rate(mapped_write)
     region.flush()
     region.madvise(mmap.MADV_DONTNEED)
     drop_page_cache(path)
     cold = rate(mapped_read, 3)
-    emit({"section": "engines", "engine": "mmap + numpy, 16 threads", "warm_read_rows_s": warm_read,
-          "write_rows_s": write, "cold_read_rows_s": cold, "record_bytes": record_bytes})
+    emit({"section": "engines", "engine": "mmap + numpy, 16 threads (SIGBUS on a truncated file)",
+          "warm_read_rows_s": warm_read, "write_rows_s": write, "cold_read_rows_s": cold,
+          "rss_file_first_batch_bytes": first, "record_bytes": record_bytes})
+
+    # The kernel copying rows through the same mapping: process_vm_readv / writev on this process's own memory,
+    # 1,024 rows a call, over the pool. A fault it cannot serve (a page past the end of a truncated file) ends the
+    # call early instead of raising SIGBUS.
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        calls = [libc.process_vm_readv, libc.process_vm_writev]
+        for call in calls:
+            call.restype = ctypes.c_ssize_t
+            call.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
+                             ctypes.c_ulong]
+        base = mapped.ctypes.data
+
+        def through_kernel(write: bool, r, buffer) -> None:
+            def work(p):
+                for at in range(0, len(p), 1024):
+                    part = p[at: at + 1024]
+                    mine = np.empty((len(part), 2), np.uint64)
+                    mine[:, 0] = buffer.ctypes.data + part.astype(np.uint64) * np.uint64(record_bytes)
+                    mine[:, 1] = record_bytes
+                    theirs = np.empty((len(part), 2), np.uint64)
+                    theirs[:, 0] = base + r[part].astype(np.uint64) * np.uint64(record_bytes)
+                    theirs[:, 1] = record_bytes
+                    done = calls[write](os.getpid(), mine.ctypes.data, len(part), theirs.ctypes.data, len(part), 0)
+                    assert done == len(part) * record_bytes, (done, ctypes.get_errno())
+
+            list(pool.map(work, split(len(r))))
+
+        def vm_read(r):
+            out = np.empty((len(r), width), np.float32)
+            through_kernel(False, r, out)
+            return out
+
+        data.tofile(path)
+        drop_page_cache(path)
+        rss0 = rss_file()
+        assert np.array_equal(vm_read(picks[0]), data[picks[0]])
+        first = rss_file() - rss0
+        warm_read, write = rate(vm_read), rate(lambda r: through_kernel(True, r, values))
+        region.flush()
+        region.madvise(mmap.MADV_DONTNEED)
+        drop_page_cache(path)
+        cold = rate(vm_read, 3)
+        emit({"section": "engines", "engine": "mmap + process_vm_readv / writev, 16 threads", "warm_read_rows_s":
+              warm_read, "write_rows_s": write, "cold_read_rows_s": cold, "rss_file_first_batch_bytes": first,
+              "record_bytes": record_bytes})
     mapped = None  # the mapping cannot close while an array exports it
     region.close()
-
-    # pread / pwrite, one call per row, over the pool
-    def pread_rows(r):
-        out = np.empty((len(r), width), np.float32)
-        view = memoryview(out).cast("B")
-
-        def work(p):
-            for i in p:
-                os.preadv(fd, [view[i * record_bytes:(i + 1) * record_bytes]], int(r[i]) * record_bytes)
-
-        list(pool.map(work, split(len(r))))
-        return out
-
-    def pwrite_rows(r):
-        view = memoryview(values).cast("B")
-
-        def work(p):
-            for i in p:
-                os.pwrite(fd, view[i * record_bytes:(i + 1) * record_bytes], int(r[i]) * record_bytes)
-
-        list(pool.map(work, split(len(r))))
-
-    data.tofile(path)
-    assert np.array_equal(pread_rows(picks[0]), data[picks[0]])
-    warm_read, write = rate(pread_rows), rate(pwrite_rows)
-    drop_page_cache(path)
-    cold = rate(pread_rows, 3)
-    emit({"section": "engines", "engine": "pread / pwrite, 16 threads", "warm_read_rows_s": warm_read,
-          "write_rows_s": write, "cold_read_rows_s": cold, "record_bytes": record_bytes})
     os.close(fd)
+
+    # The store itself (recjax/tiering/store.py): pread / pwrite a row per call over its pool.
+    from recjax.tiering.store import RowStore
+
+    (directory / "store").mkdir(exist_ok=True)
+    store = RowStore([("T", 0, rows, directory / "store")], width, threads)
+    start = time.perf_counter()
+    store.write_initial(0, data)
+    initial_s = time.perf_counter() - start
+    store.open()
+    rss0 = rss_file()
+    assert np.array_equal(store.read(picks[0]), data[picks[0]])
+    warm_read, write = rate(store.read), rate(lambda r: store.write(r, values))
+    drop_page_cache(directory / "store" / "T.f32")
+    cold = rate(store.read, 3)
+    emit({"section": "engines", "engine": f"store: pread / pwrite a row per call, {threads} threads (recjax)",
+          "warm_read_rows_s": warm_read, "write_rows_s": write, "cold_read_rows_s": cold,
+          "rss_file_growth_bytes": rss_file() - rss0, "initial_write_s": initial_s, "record_bytes": record_bytes})
+    store.close()
+    shutil.rmtree(directory / "store")
 
     keys = np.arange(rows, dtype=">u8").tobytes()
 
