@@ -127,9 +127,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
             raise
         raise interrupted(stop.step, checkpointer) from None
     finally:
-        if checkpointer:
-            checkpointer.close()  # waits for a save in flight
-        backend.close()  # a disk tier's writer thread and files
+        try:
+            if checkpointer:
+                checkpointer.close()  # waits for a save in flight
+        finally:
+            backend.close()  # a disk tier's writer thread and files
 
 
 @dataclasses.dataclass

@@ -790,21 +790,18 @@ class TieredEmbedding(EmbeddingBackend):
             self.flush(state)
 
     def close(self) -> None:
-        """Write the cache's dirty rows back (the files then hold the final tables), stop the writer, close the
-        files; a temporary directory is removed."""
+        """Stop the writer (after the write-backs queued), close the files; a temporary directory is removed. The
+        files hold the final tables after `finish` (a run that ended normally); after an error they hold what was
+        written back, and a resume rewrites them from its checkpoint."""
         if self._closed:
             return
         self._closed = True
-        try:
-            if not self.temporary and self._writer_error is None:
-                self.flush()
-        finally:
-            self._writes.put(None)
-            self._writer.join()
-            for store in self.stores.values():
-                store.close()
-            if self.temporary and self.directory is not None:
-                shutil.rmtree(self.directory, ignore_errors=True)
+        self._writes.put(None)
+        self._writer.join()
+        for store in self.stores.values():
+            store.close()
+        if self.temporary and self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 class TieredStep:

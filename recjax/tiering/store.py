@@ -32,13 +32,12 @@ system) is an error naming the file, the bytes and the disk's free space.
 import errno
 import os
 import pathlib
-import shutil
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from recjax.errors import StorageError
+from recjax.errors import StorageError, free_bytes
 
 _MIN_ROWS_PER_TASK = 512  # a thread-pool task reads or writes at least this many rows (below, one thread is cheaper)
 
@@ -160,16 +159,6 @@ class TableFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-
-def free_bytes(path: pathlib.Path) -> int:
-    """Free bytes on the disk holding `path` (its nearest existing parent); 0 if that cannot be read."""
-    for p in (path, *path.parents):
-        try:
-            return shutil.disk_usage(p).free
-        except OSError:
-            continue
-    return 0
 
 
 def _write_error(error: OSError, path: pathlib.Path, name: str, nbytes: int, what: str) -> StorageError:
