@@ -66,6 +66,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     writable_directory(workdir, "--workdir")
     if config.checkpoint.enabled and config.checkpoint.dir:
         writable_directory(pathlib.Path(config.checkpoint.dir).expanduser(), "checkpoint.dir")
+    left = tiering.remove_stale(workdir / tiering.WORKDIR_FOLDER)  # disk-tier files a killed run left here
+    if left:
+        print(f"removed the disk-tier table files ({left / 2**20:,.1f} MiB) a killed run left in {workdir}", flush=True)
     checkpointer = Checkpointer(config, root) if config.checkpoint.enabled else None
     resume = checkpointer.resume_point() if checkpointer else None
     if resume and resume.own and resume.finished and (root / "summary.json").exists():
@@ -95,7 +98,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     # --- where the embedding rows live ------------------------------------------------------------------
     # Tables on disk / in host RAM: a row cache in front of them (recjax/tiering); a mesh: the plan's blocks and
     # collectives (recjax/sharding); else one device: the collection's own engine.
-    backend = tiering.setup(config, task, dataset) or sharding.setup(config, task) or LocalEmbedding(task.collection)
+    backend = (tiering.setup(config, task, dataset, workdir) or sharding.setup(config, task)
+               or LocalEmbedding(task.collection))
     check_memory(config, task, backend)  # before the tables are made (a disk tier: what stays in memory)
     if checkpointer is not None:  # where the tables' rows are, and how to restore a checkpoint saved elsewhere
         checkpointer.layout = sharding.layout(backend)

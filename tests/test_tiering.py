@@ -467,7 +467,8 @@ def test_train_and_evaluate_on_disk_equals_memory(tmp_path, monkeypatch):
     # bytes and C2 (500 rows, 18,000 bytes) is not.
     assert groups["dim8"]["tables"] == {"C1": "disk", "C4": "disk"} and groups["dim8"]["cache_slots"] == 1500
     assert groups["dim8"]["hits"] > 0
-    assert list(tmp_path.glob("recjax-tiering-*")) == []  # the temporary table directory is gone
+    # The temporary table folder, in the workdir, is gone (and none went to the system's temporary directory).
+    assert not (tmp_path / "disk" / tiering.WORKDIR_FOLDER).exists() and list(tmp_path.glob("recjax-tiering-*")) == []
     # The peak RSS and its split, read after the final write-back: each part's peak is at most the whole's.
     assert 0 < tiered["peak_rss_anon_bytes"] <= tiered["peak_rss_bytes"]
     assert 0 < tiered["peak_rss_file_bytes"] <= tiered["peak_rss_bytes"]
@@ -531,4 +532,4 @@ def test_compress_or_offload_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     # The offload arm is the full model (bit-exact), in at most the budget of fast memory; the full model is 4x it.
     assert arms["full, disk tier"]["auc"] == arms["full"]["auc"]
     assert arms["full, disk tier"]["fast_bytes"] <= results["budget_bytes"] < arms["full"]["fast_bytes"]
-    assert list(tmp_path.glob("recjax-tiering-*")) == []  # the run's table files are gone
+    assert list(tmp_path.rglob(tiering.WORKDIR_FOLDER)) == list(tmp_path.glob("recjax-tiering-*")) == []  # files gone

@@ -1,8 +1,10 @@
 """Tables larger than memory: physical tables on local disk (or host RAM) behind an in-RAM cache of hot rows.
 
     tiers.py    which tier each physical table lives in (`tiering.default`, `tiering.tables`, byte rules)
-    store.py    a cached table's rows + optimizer-state rows: a file per table (mapped) or a host array
+    store.py    a cached table's rows + optimizer-state rows: a file per table (pread / pwrite) or a host array
     cache.py    the host-side directory of a group's cache slots and its policies (lru, lfu, static hot set)
+    folders.py  the run's table folder: owned (locked) while used, a temporary one removed at the end, by the next
+                run in the workdir, or by `python -m experiments.clean_tables`
     backend.py  TieredEmbedding: the step's embedding interface over the cache, the prefetch / swap / write-back
                 pipeline (SlottedBatch: the batch with its rows' cache slots)
     mesh.py     MeshTieredEmbedding: the same on a device mesh, each device block's cached rows behind its own cache
@@ -13,7 +15,6 @@
 import math
 import pathlib
 import shutil
-import tempfile
 from collections.abc import Mapping
 
 import jax
@@ -26,14 +27,15 @@ from recjax.sharding.mesh import make_mesh
 from recjax.sharding.plan import parse_overrides
 from recjax.tiering.backend import GroupLayout, SlottedBatch, TieredBatch, TieredEmbedding
 from recjax.tiering.cache import POLICIES, PartitionedRowCache, RowCache
+from recjax.tiering.folders import WORKDIR_FOLDER, FolderInUse, TableFolder, remove_stale
 from recjax.tiering.mesh import MeshTieredEmbedding, plan_mesh_layouts
 from recjax.tiering.store import RowStore
 from recjax.tiering.tiers import TIERS, TableBytes, resolve_tiers
 from recjax.validation import boolean, check_text, choice, get, integer, known_keys, number
 
-__all__ = ["GroupLayout", "MeshTieredEmbedding", "PartitionedRowCache", "RowCache", "RowStore", "SlottedBatch",
-           "TieredBatch", "TieredEmbedding", "check_tiering", "plan_layouts", "plan_mesh_layouts", "setup",
-           "table_bytes"]
+__all__ = ["WORKDIR_FOLDER", "GroupLayout", "MeshTieredEmbedding", "PartitionedRowCache", "RowCache", "RowStore",
+           "SlottedBatch", "TableFolder", "TieredBatch", "TieredEmbedding", "check_tiering", "plan_layouts",
+           "plan_mesh_layouts", "remove_stale", "setup", "table_bytes"]
 
 TIERING_KEYS = {"default", "tables", "disk_over_bytes", "host_over_bytes", "dir", "cache_fraction", "cache_rows",
                 "policy", "profile_batches", "prefetch", "io_threads"}
@@ -125,9 +127,11 @@ def profile_hot_rows(backend_unique, batches, layouts: list[GroupLayout], count:
     return hot
 
 
-def setup(config: ml_collections.ConfigDict, task, dataset=None) -> TieredEmbedding | None:
+def setup(config: ml_collections.ConfigDict, task, dataset=None, workdir: pathlib.Path | None = None
+          ) -> TieredEmbedding | None:
     """The run's tiered backend from `config.tiering`, or None when every table stays in memory. `dataset` gives the
-    static policy's profiling batches."""
+    static policy's profiling batches; `workdir` holds the disk tables' files when `tiering.dir` is "" (without one,
+    a folder in the system's temporary directory; recjax/tiering/folders.py)."""
     tiering = config.get("tiering")
     if not tiering:
         return None
@@ -152,19 +156,31 @@ def setup(config: ml_collections.ConfigDict, task, dataset=None) -> TieredEmbedd
         layouts = plan_mesh_layouts(collection, tiers, meshed.plan, batch_size, fraction, cache_rows)
     else:
         layouts = plan_layouts(collection, tiers, batch_size, fraction, cache_rows)
-    directory, temporary = None, False
+    folder = None
     if any(tier == "disk" for _, _, _, tier in (c for layout in layouts for c in layout.cached)):
-        directory, temporary = _table_directory(str(tiering.get("dir", "")), layouts, task.sparse_optimizer)
+        folder = _table_folder(str(tiering.get("dir", "")), layouts, task.sparse_optimizer, workdir)
+    directory, temporary = (folder.path, folder.temporary) if folder else (None, False)
+    try:
+        if mesh is not None:
+            x = meshed.exchange
+            backend = MeshTieredEmbedding(collection, task.sparse_optimizer, meshed.plan, meshed.mesh, layouts,
+                                          directory, exchange_dtype=x.exchange_dtype,
+                                          capacity_factor=x.capacity_factor, capacity_sigmas=x.capacity_sigmas,
+                                          temporary=temporary, policy=tiering.get("policy", "lru"),
+                                          prefetch=bool(tiering.get("prefetch", True)),
+                                          io_threads=int(tiering.get("io_threads", 16)))
+        else:
+            backend = TieredEmbedding(collection, task.sparse_optimizer, layouts, directory, temporary=temporary,
+                                      policy=tiering.get("policy", "lru"),
+                                      prefetch=bool(tiering.get("prefetch", True)),
+                                      io_threads=int(tiering.get("io_threads", 16)))
+    except BaseException:
+        if folder is not None:
+            folder.release()
+        raise
+    backend.folder = folder  # released (a temporary one removed) when the backend closes
     if mesh is not None:
-        x = meshed.exchange
-        return MeshTieredEmbedding(collection, task.sparse_optimizer, meshed.plan, meshed.mesh, layouts, directory,
-                                   exchange_dtype=x.exchange_dtype, capacity_factor=x.capacity_factor,
-                                   capacity_sigmas=x.capacity_sigmas, temporary=temporary,
-                                   policy=tiering.get("policy", "lru"), prefetch=bool(tiering.get("prefetch", True)),
-                                   io_threads=int(tiering.get("io_threads", 16)))
-    backend = TieredEmbedding(collection, task.sparse_optimizer, layouts, directory, temporary=temporary,
-                              policy=tiering.get("policy", "lru"), prefetch=bool(tiering.get("prefetch", True)),
-                              io_threads=int(tiering.get("io_threads", 16)))
+        return backend
     if backend.policy == "static":
         if dataset is None:
             raise ConfigError("tiering.policy", "'static' needs the training data to profile its hot rows")
@@ -207,23 +223,25 @@ def _cached_tables_row_wise(config: ml_collections.ConfigDict, task, off_memory:
     return config
 
 
-def _table_directory(text: str, layouts: list[GroupLayout], optimizer) -> tuple[pathlib.Path, bool]:
-    """The directory for the disk tables' files (created; "" = a new temporary one) after checking the disk has room
-    for them."""
-    temporary = not text
-    directory = pathlib.Path(tempfile.mkdtemp(prefix="recjax-tiering-")) if temporary else pathlib.Path(text)
+def _table_folder(text: str, layouts: list[GroupLayout], optimizer, workdir: pathlib.Path | None) -> TableFolder:
+    """The folder for the disk tables' files, taken (its owner file locked; recjax/tiering/folders.py): `tiering.dir`,
+    kept after the run, or ("") a temporary one in the workdir -- after checking the disk has room for them."""
+    folder = TableFolder(pathlib.Path(text), temporary=False) if text else TableFolder.temporary_in(workdir)
+    key = "tiering.dir" if text or workdir is None else "--workdir"
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        folder.take()
+    except FolderInUse as error:
+        raise ConfigError(key, f"{error}; wait for it to end, or use another "
+                               + ("tiering.dir" if key == "tiering.dir" else "workdir")) from None
     except OSError as error:
-        raise ConfigError("tiering.dir", f"cannot create {directory}: {error.strerror}") from error
+        raise ConfigError(key, f"cannot create {folder.path}: {error.strerror}") from error
     need = 0
     for layout in layouts:
         width = layout.dim + sum(math.prod(s[1:]) for s in optimizer.state_shapes(1, layout.dim).values())
         need += sum(rows for _, _, rows, tier in layout.cached if tier == "disk") * width * 4
-    free = shutil.disk_usage(directory).free
+    free = shutil.disk_usage(folder.path).free
     if need > free:
-        if temporary:
-            shutil.rmtree(directory, ignore_errors=True)
-        raise ConfigError("tiering.dir", f"the disk tables need {need:,} bytes in {directory} but {free:,} are free; "
+        folder.release()
+        raise ConfigError("tiering.dir", f"the disk tables need {need:,} bytes in {folder.path} but {free:,} are free; "
                                          "free space or point tiering.dir at a larger disk")
-    return directory, temporary
+    return folder

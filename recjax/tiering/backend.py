@@ -264,6 +264,7 @@ class TieredEmbedding(EmbeddingBackend):
         # cache slots change rows with every eviction.
         self.dirty: dict[str, np.ndarray] = {}
         self._closed = False
+        self.folder = None  # the table folder this run holds (recjax/tiering/folders.py), released on `close`
         self._unique_fn = jax.jit(self._unique)
         self._train_route_fn = jax.jit(self._train_route)
         self._fill_fn = jax.jit(self._fill, donate_argnums=(0, 1))
@@ -800,7 +801,9 @@ class TieredEmbedding(EmbeddingBackend):
         self._writer.join()
         for store in self.stores.values():
             store.close()
-        if self.temporary and self.directory is not None:
+        if self.folder is not None:
+            self.folder.release()
+        elif self.temporary and self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
 
 
