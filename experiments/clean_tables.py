@@ -2,14 +2,15 @@ r"""Remove the disk-tier table files that killed runs left behind.
 
     python -m experiments.clean_tables --workdir=runs/kaggle_disk            # one workdir's tables.tmp
     python -m experiments.clean_tables --workdir=runs/a,runs/b
-    python -m experiments.clean_tables                                       # every recjax-tiering-* folder in the
-                                                                             # system's temporary directory
+    python -m experiments.clean_tables                                       # those in the system's temporary
+                                                                             # directory
 
 A run with `tiering.dir` "" keeps its disk tables in <workdir>/tables.tmp and removes them when it ends; a run killed
 (kill -9, a crash of the machine) leaves them, and the next run or resume in the same workdir removes them first. This
-removes them without a run; library callers without a workdir keep theirs in recjax-tiering-* folders in the system's
-temporary directory. A folder a live run holds is kept (its owner is printed); folders named by `tiering.dir` are the
-user's and never touched (recjax/tiering/folders.py).
+removes them without a run. Without --workdir it looks in the system's temporary directory: the tables.tmp of the
+launcher's own temporary workdirs (recjax_*, runs without --workdir) and the recjax-tiering-* folders of library
+callers without a workdir. A folder a live run holds is kept (its owner is printed); folders named by `tiering.dir`
+are the user's and never touched (recjax/tiering/folders.py).
 """
 
 import pathlib
@@ -18,8 +19,8 @@ from absl import flags
 
 from recjax import cli
 
-_WORKDIRS = flags.DEFINE_list("workdir", [], "Workdirs whose left table folder to remove (none: the system's "
-                              "temporary directory's recjax-tiering-* folders).")
+_WORKDIRS = flags.DEFINE_list("workdir", [], "Workdirs whose left table folder to remove (none: those in the "
+                              "system's temporary directory).")
 
 
 def main(argv):

@@ -126,8 +126,10 @@ def remove_stale(path: pathlib.Path) -> int:
 
 
 def stale_folders(workdirs: list[pathlib.Path]) -> list[pathlib.Path]:
-    """The temporary table folders of `workdirs` (none: every recjax-tiering-* folder in the system's temporary
-    directory) that exist, held or not."""
+    """The temporary table folders of `workdirs` that exist, held or not; with none, those in the system's temporary
+    directory: every recjax-tiering-* folder, and the tables.tmp of the launcher's own temporary workdirs (recjax_*,
+    a run without --workdir)."""
     if workdirs:
         return [pathlib.Path(w) / WORKDIR_FOLDER for w in workdirs if (pathlib.Path(w) / WORKDIR_FOLDER).is_dir()]
-    return sorted(p for p in pathlib.Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}*") if p.is_dir())
+    temp = pathlib.Path(tempfile.gettempdir())
+    return sorted(p for p in [*temp.glob(f"{TEMP_PREFIX}*"), *temp.glob(f"recjax_*/{WORKDIR_FOLDER}")] if p.is_dir())
