@@ -90,7 +90,7 @@ def tiering_config() -> ml_collections.ConfigDict:
     tiering.tables = ""  # per-table tiers, e.g. "C3=disk,C4/q=disk" (logical or physical names); these win
     tiering.disk_over_bytes = 0  # rule: a table whose rows + optimizer state exceed this many bytes goes to disk
     tiering.host_over_bytes = 0  # rule: ... to host (0 = neither rule)
-    tiering.dir = ""  # where the disk tables' files go; "" = a temporary directory, removed at the end of the run
+    tiering.dir = ""  # where the disk tables' files go; "" = <workdir>/tables.tmp, removed at the end of the run
     tiering.cache_fraction = 0.1  # in-RAM cache per stacked group: this fraction of its disk / host rows ...
     tiering.cache_rows = 0  # ... or exactly this many rows (0 = use cache_fraction); at least one step's rows
     tiering.policy = "lru"  # which rows leave the cache: "lru", "lfu" or "static" (a profiled hot set pinned + lru)
