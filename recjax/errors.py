@@ -75,7 +75,7 @@ def disk_full(error: BaseException | None) -> bool:
 
 
 def reported(error: BaseException | None) -> bool:
-    """Whether the entry points report `error` themselves, as one line: a UserError (or an error raised from one), or
-    a full disk (the checkpointer turns a save that ran out of space into one). A library's log of it from its own
-    threads only repeats it, with a traceback."""
-    return any(isinstance(e, UserError) for e in _chain(error)) or disk_full(error)
+    """Whether the entry points report `error` themselves, as one line: a UserError (or an error raised from one), a
+    full disk (the checkpointer turns a save that ran out of space into one), Ctrl-C. A library's log of it from its
+    own threads only repeats it, with a traceback."""
+    return any(isinstance(e, UserError | KeyboardInterrupt) for e in _chain(error)) or disk_full(error)

@@ -139,3 +139,37 @@ def test_a_real_full_disk_during_a_save_is_one_error_line_and_a_resume_after_fre
     assert free < need, line
     (small_disk / "filler").unlink()
     assert_resumes_to_the_reference(workdir, reference, 3, ckpt, *flags)
+
+
+def test_which_errors_the_launcher_reports_itself_and_drops_library_logs_of():
+    """`errors.reported` / `disk_full` decide which library log records the launchers drop (recjax/cli.py): those of
+    an error the launcher prints as one line; a bug's log stays."""
+    import errno
+    import logging
+
+    from recjax import cli
+    from recjax.errors import CheckpointError, StorageError, disk_full, reported
+
+    tensorstore = ValueError('RESOURCE_EXHAUSTED: Error writing "tables.dim8/0.0" in OCDBT database: Failed to write '
+                             '562324 bytes to file 9: No space left on device [os_error_code=28]')
+    try:
+        try:
+            raise StorageError("table file t.f32 (table C3) is missing")
+        except StorageError as inner:
+            raise RuntimeError("the save failed") from inner
+    except RuntimeError as error:
+        chained = error
+    assert disk_full(OSError(errno.ENOSPC, "No space left on device")) and disk_full(tensorstore)
+    assert not disk_full(OSError(errno.EIO, "Input/output error")) and not disk_full(RuntimeError("x"))
+    for error in (StorageError("x"), CheckpointError("x"), chained, tensorstore, KeyboardInterrupt()):
+        assert reported(error), error
+    assert not reported(RuntimeError("a bug")) and not reported(None)
+
+    def record(error: BaseException | None, message: str = "failed") -> logging.LogRecord:
+        return logging.LogRecord("absl", logging.ERROR, "future.py", 1, message, (),
+                                 (type(error), error, None) if error else None)
+
+    keep = cli._REPORTED_ERRORS.filter
+    assert not keep(record(StorageError("x"))) and not keep(record(tensorstore))
+    assert not keep(record(None, "Waiting for previous save to complete took 1.2 seconds. If this number is high"))
+    assert keep(record(RuntimeError("a bug"))) and keep(record(None, "Checkpointer failed"))
