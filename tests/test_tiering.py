@@ -195,6 +195,23 @@ def test_a_file_truncated_during_an_access_is_an_error_never_a_sigbus(tmp_path, 
     store.close()
 
 
+def test_an_unreadable_table_file_is_an_error_naming_it_and_the_row(tmp_path, monkeypatch):
+    """A read the disk fails (EIO) names the file, the table and the row, and says how to go on."""
+    store = RowStore([("C1", 0, 100, tmp_path)], width=4, threads=1)
+    store.write_initial(0, np.ones((100, 4), np.float32))
+    store.open()
+
+    def failing(fd, buffers, offset):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "preadv", failing)
+    with pytest.raises(StorageError, match=r"C1\.f32 \(table C1\): cannot read row 42 \(Input/output error\); "
+                                           "rerun the same command to resume"):
+        store.read(np.array([42]))
+    monkeypatch.undo()
+    store.close()
+
+
 def test_numpy_through_a_truncated_mapping_is_a_sigbus(tmp_path):
     """Why the store does not read through a mapping of the file: the read above, by numpy from a mapped array, kills
     the process."""
