@@ -216,19 +216,23 @@ def register_handler() -> None:
             lazy = [i for i, a in enumerate(args) if isinstance(a.restore_type, type)
                     and issubclass(a.restore_type, StoredRows)]
             whole = [i for i in range(len(infos)) if i not in lazy]
-            out = [None] * len(infos)
-            if whole:
-                for i, value in zip(whole, await super().deserialize([infos[i] for i in whole],
-                                                                     [args[i] for i in whole]), strict=True):
-                    out[i] = value
-            opened = []
+            # Each read on its own and all of them awaited before an error is raised: a read still in flight when
+            # a corrupt array's fails would complete into a closed event loop (`_open_and_write`).
+            reads = [ocp.type_handlers.NumpyHandler.deserialize(self, [infos[i]], [args[i]]) for i in whole]
             for i in lazy:
                 await infos[i].await_path_creation()
                 spec = tensorstore_utils.build_array_read_spec(
                     infos[i], use_ocdbt=infos[i].is_ocdbt_checkpoint, metadata_key=self._metadata_key,
                     raise_array_data_missing_error=infos[i].raise_array_data_missing_error)
-                opened.append(ts.open(ts.Spec(spec.json), open=True, context=infos[i].ts_context))
-            for i, store in zip(lazy, await asyncio.gather(*opened), strict=True):
+                reads.append(ts.open(ts.Spec(spec.json), open=True, context=infos[i].ts_context))
+            done = await asyncio.gather(*reads, return_exceptions=True)
+            failed = next((d for d in done if isinstance(d, BaseException)), None)
+            if failed is not None:
+                raise failed
+            out = [None] * len(infos)
+            for i, value in zip(whole, done[: len(whole)], strict=True):
+                out[i] = value[0]
+            for i, store in zip(lazy, done[len(whole):], strict=True):
                 out[i] = StoredRows(store)
             return out
 
