@@ -195,6 +195,29 @@ def test_a_file_truncated_during_an_access_is_an_error_never_a_sigbus(tmp_path, 
     store.close()
 
 
+def test_initial_rows_are_written_a_page_at_a_time(tmp_path, monkeypatch):
+    """No write of the initial rows crosses a page boundary: a larger one fills the page cache with large folios, each
+    of which a row written back later dirties whole (28k random row writes/s against 316k, benchmarks/RESULTS.md).
+    The file holds the rows all the same."""
+    writes = []
+    pwrite = os.pwrite
+
+    def recorded(fd, data, offset):
+        writes.append((offset, len(data)))
+        return pwrite(fd, data, offset)
+
+    reference = np.random.default_rng(0).normal(size=(1000, 65)).astype(np.float32)
+    store = RowStore([("C1", 0, 1000, tmp_path)], width=65, threads=1)
+    monkeypatch.setattr(os, "pwrite", recorded)
+    store.write_initial(0, reference)
+    monkeypatch.undo()
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert all(offset // page == (offset + n - 1) // page for offset, n in writes)
+    assert sum(n for _, n in writes) == reference.nbytes == 260_000
+    np.testing.assert_array_equal(store.read_range(0, 1000), reference)
+    store.close()
+
+
 def test_an_unreadable_table_file_is_an_error_naming_it_and_the_row(tmp_path, monkeypatch):
     """A read the disk fails (EIO) names the file, the table and the row, and says how to go on."""
     store = RowStore([("C1", 0, 100, tmp_path)], width=4, threads=1)

@@ -40,6 +40,7 @@ import numpy as np
 from recjax.errors import StorageError, free_bytes
 
 _MIN_ROWS_PER_TASK = 512  # a thread-pool task reads or writes at least this many rows (below, one thread is cheaper)
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 RESUME = "rerun the same command to resume from the last checkpoint (or start again)"
 
@@ -65,16 +66,21 @@ class TableFile:
         # Whether the file system allocated every block (most do; a compressing one may not): then a file with fewer
         # blocks lost some -- truncated and extended again, by something else or by a pwrite past its new end.
         self.allocated = os.fstat(self.fd).st_blocks * 512 >= self.size
-        # Rows are read at random: no read-ahead around them.
+        # Rows are read at random: no read-ahead around them (whose large folios would make each row written back
+        # later cost its whole folio, `write_block`).
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
 
     def write_block(self, row: int, records: np.ndarray) -> None:
-        """Write records f32[n, width] at rows [row, row + n) (the initial rows, in order)."""
+        """Write records f32[n, width] at rows [row, row + n) (the initial rows, in order), a page per write: a
+        larger write fills the page cache with large folios (up to 2 MiB, ext4 on Linux 6.x), and a row written back
+        later dirties its whole folio, so writing it back costs the folio (measured: 28k random row writes/s against
+        316k on single pages, benchmarks/RESULTS.md "Disk tier: the storage engine")."""
         data = memoryview(np.ascontiguousarray(records, np.float32).reshape(-1).view(np.uint8))
         offset, done = row * self.record_bytes, 0
         while done < len(data):
+            size = min(len(data) - done, _PAGE - (offset + done) % _PAGE)  # up to the next page boundary
             try:
-                done += os.pwrite(self.fd, data[done:], offset + done)
+                done += os.pwrite(self.fd, data[done: done + size], offset + done)
             except OSError as error:
                 raise _write_error(error, self.path, self.name, self.size, "the file") from error
 
