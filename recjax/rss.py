@@ -2,7 +2,7 @@
 arrays on a CPU, the compiled programs) and the file-backed pages it maps (RssFile: the libraries, and any mapped
 file). The kernel keeps the peak of the total only (VmHWM), so `RssSampler` samples both parts on a thread and keeps
 their peaks: a run's summary reports how much of its peak was its own and how much mapped files, which the total
-alone hides (a disk tier's mapped table files once made up 11.4 of a run's 19.7 GiB).
+alone hides (a disk tier that mapped its table files once held more of them than of its own memory).
 
 Linux only; elsewhere the figures are None.
 """

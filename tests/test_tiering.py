@@ -197,8 +197,8 @@ def test_a_file_truncated_during_an_access_is_an_error_never_a_sigbus(tmp_path, 
 
 def test_initial_rows_are_written_a_page_at_a_time(tmp_path, monkeypatch):
     """No write of the initial rows crosses a page boundary: a larger one fills the page cache with large folios, each
-    of which a row written back later dirties whole (28k random row writes/s against 316k, benchmarks/RESULTS.md).
-    The file holds the rows all the same."""
+    of which a row written back later dirties whole (benchmarks/RESULTS.md, "Disk tier: the storage engine"). The
+    file holds the rows all the same."""
     writes = []
     pwrite = os.pwrite
 
@@ -255,8 +255,8 @@ def test_numpy_through_a_truncated_mapping_is_a_sigbus(tmp_path):
 
 def test_reads_and_write_backs_map_nothing_into_the_process(tmp_path):
     """RssFile (the file-backed pages this process maps, /proc/self/status) stays put while the store reads and writes
-    back 12,000 random rows of a 10.4 MB file: its pages stay in the page cache, out of the process's RSS (main's
-    mapped store grew it by up to 2 MiB a row, the large folios a fault maps whole)."""
+    back 12,000 random rows of a 10.4 MB file: its pages stay in the page cache, out of the process's RSS (a mapped
+    store grew it by up to a large folio a row: most of the file here)."""
     rows, width = 40_000, 65
     reference = np.random.default_rng(0).normal(size=(rows, width)).astype(np.float32)
     picks = np.random.default_rng(1).choice(rows, 12_000, replace=False)

@@ -5,21 +5,23 @@ A table's file holds one record per row, f32[rows, width]: the row's values then
 Adagrad accumulator row, lazy Adam's m and v rows, ...), so one read brings everything a step needs of a row.
 
 Rows are read and written with pread / pwrite, a system call per row, split over a thread pool so that the reads of
-rows not in the page cache are in flight together (the disk of the measuring machine served 7.0k random 4 KiB reads/s
-one at a time and 22.5k with 16 in flight). Chosen by measurement (benchmarks/tiering.py --only engines;
-benchmarks/RESULTS.md, "Disk tier: the storage engine") over two ways through a mapping of the file:
-  * numpy gathers / scatters on the mapped array (main's engine until session 17), 5-10x faster on rows the page cache
-    holds, cannot be made safe: a mapped page past the end of a file something outside the run truncated is a SIGBUS,
+rows not in the page cache are in flight together (a disk serves random reads faster with many in flight). Chosen by
+measurement (benchmarks/tiering.py --only engines; benchmarks/RESULTS.md, "Disk tier: the storage engine") over two
+ways through a mapping of the file:
+  * numpy gathers / scatters on the mapped array (the engine until session 17): faster on rows the page cache holds,
+    but it cannot be made safe: a mapped page past the end of a file something outside the run truncated is a SIGBUS,
     which kills the process wherever it happens -- a size check before the access leaves a window (a run died so in
-    its write-back thread, 1 trial in 6).
-  * the kernel copying rows through the mapping (process_vm_readv / writev on this process's own memory, up to 1,024
-    rows a call), where a fault it cannot serve ends the call early instead of raising SIGBUS: as safe, 1.9x faster
-    writes, but 1.8x slower reads, and its pages count in this process's RSS in amounts only the kernel knows -- a
-    fault maps the page cache's neighbours of the page (its 64 KiB fault-around window) or a whole large folio (up to
-    2 MiB), so counting a page per row, as main's cap did, let 11.4 GiB of table pages be mapped under a 1 GiB cap.
-    A row read and written back costs about the same either way; pread / pwrite map nothing, so the table files'
-    pages stay in the page cache and out of the process's RSS, and there is no cap to hold.
-Rows the page cache does not hold cost the disk's random reads whichever way they are asked for.
+    its write-back thread).
+  * the kernel copying rows through the mapping (process_vm_readv / writev on this process's own memory), where a
+    fault it cannot serve ends the call early instead of raising SIGBUS: as safe, slower than pread / pwrite there,
+    and its pages count in this process's RSS in amounts only the kernel knows -- a fault maps the page cache's
+    neighbours of the page (its fault-around window) or a whole large folio, so counting a page per row, as the old
+    cap did, let many times the cap be mapped.
+pread / pwrite map nothing: the table files' pages stay in the page cache, out of the process's RSS, and there is no
+cap to hold. Rows the page cache does not hold cost the disk's random reads whichever way they are asked for.
+
+The page cache is kept to single pages (the initial rows written a page at a time, rows read without read-ahead): a
+row written back dirties its whole folio, and a large one (up to 2 MiB) made each write-back many times dearer.
 
 A truncated, removed or replaced file is a `StorageError` naming it, never a wrong row: each access checks the file
 first (fstat: its size and its allocated blocks; stat: its path still names it), a read that comes back short checks
@@ -73,8 +75,8 @@ class TableFile:
     def write_block(self, row: int, records: np.ndarray) -> None:
         """Write records f32[n, width] at rows [row, row + n) (the initial rows, in order), a page per write: a
         larger write fills the page cache with large folios (up to 2 MiB, ext4 on Linux 6.x), and a row written back
-        later dirties its whole folio, so writing it back costs the folio (measured: 28k random row writes/s against
-        316k on single pages, benchmarks/RESULTS.md "Disk tier: the storage engine")."""
+        later dirties its whole folio, so writing it back costs the folio (benchmarks/RESULTS.md, "Disk tier: the
+        storage engine")."""
         data = memoryview(np.ascontiguousarray(records, np.float32).reshape(-1).view(np.uint8))
         offset, done = row * self.record_bytes, 0
         while done < len(data):
