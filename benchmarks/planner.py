@@ -220,7 +220,7 @@ def _sharding_benchmark():
 def section_rank(args) -> None:
     import jax
 
-    from recjax import sharding
+    from recjax import placement, sharding
     from recjax.sharding import cost_model as C
     from recjax.step import init_state, make_train_step
 
@@ -234,7 +234,7 @@ def section_rank(args) -> None:
     runs = {}
     for name in plans:
         config.sharding.plan = name
-        sharded = sharding.setup(config, task)
+        sharded = placement.build(config, task)
         state = sharded.place_state(host_state)
         device_batch = sharded.put_batch(batch)
         compiled = make_train_step(task, sharded, state).lower(state, device_batch).compile()
@@ -242,12 +242,12 @@ def section_rank(args) -> None:
         jax.block_until_ready(metrics)
         infos = sharding.table_infos(task.collection, task.sparse_optimizer)
         problem = C.Problem(tuple(C.PlannerTable(i) for i in infos),
-                            C.Topology.cpu_host(sharded.mesh.size, sharded.plan.device_memory_bytes),
-                            int(config.train.batch_size), config.sharding.get("row_split", "range"))
-        predicted = C.plan_cost(C.AnalyticCostModel(problem.topology), problem, sharded.plan.placements)
+                            C.Topology.cpu_host(sharded.layout.mesh.size, sharded.layout.plan.device_memory_bytes),
+                            int(config.train.batch_size), config.sharding.row_split)
+        predicted = C.plan_cost(C.AnalyticCostModel(problem.topology), problem, sharded.layout.plan.placements)
         runs[name] = {"state": state, "step": compiled, "batch": device_batch, "times": [],
                       "predicted_ms": 1e3 * predicted.max, "predicted_sum_ms": 1e3 * float(predicted.devices.sum()),
-                      "shardings": sorted({p.sharding for p in sharded.plan.placements})}
+                      "shardings": sorted({p.sharding for p in sharded.layout.plan.placements})}
         _log(f"rank: {name} compiled, predicted {runs[name]['predicted_ms']:.2f} ms")
     for _ in range(args.repeats):  # round robin: a burst of load on the shared machine hits every plan alike
         for name in plans:
