@@ -294,11 +294,9 @@ class Layout(abc.ABC):
         """What a checkpoint records of where the tables' rows are (None: one device, tables keyed by group)."""
         return None
 
+    @abc.abstractmethod
     def relayout(self) -> Callable:
         """(by_key, saved layout) -> by_key in this layout's checkpoint layout (recjax/sharding/relayout.py)."""
-        from recjax.sharding.relayout import relayout
-
-        return relayout(self.collection, None)
 
     def rebuilt(self, collection: EmbeddingCollection, optimizer: SparseOptimizer) -> "Layout":
         """This layout for a collection whose tables changed shape (a dynamic table's compaction)."""

@@ -6,7 +6,6 @@ from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from recjax.embedding import Routes
 from recjax.embedding_backend import Layout
@@ -80,12 +79,20 @@ class OneDevice(Layout):
     def compile_train(self, train_step: Callable, state, batch) -> Callable:
         return jax.jit(train_step, donate_argnums=(0,))
 
+    def relayout(self) -> Callable:
+        from recjax.sharding.relayout import relayout
+
+        return relayout(self.collection, None)
+
     def compile_predict(self, predict_step: Callable, state, batch) -> Callable:
         return jax.jit(predict_step)
 
     def _sharding(self, group: str):
         kind = self.storage_of[group].memory_kind
         return None if kind is None else jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+
+    def gather_dense(self, state):
+        return state  # on the device already
 
     def place_tables(self, tables, opt_state, dirty_rows, groups):
         out_tables, out_opt, out_dirty = {}, {}, {}
@@ -99,9 +106,9 @@ class OneDevice(Layout):
         return out_tables, out_opt, out_dirty
 
     def gather_tables(self, tables, opt_state, dirty_rows, groups):
-        return ({g: np.asarray(tables[g]) for g in groups},
-                {g: {k: np.asarray(v) for k, v in opt_state[g].items()} for g in groups},
-                {g: np.asarray(dirty_rows[g]) for g in groups if g in dirty_rows})
+        """The arrays as they are (a checkpoint copies them to the host itself)."""
+        return ({g: tables[g] for g in groups}, {g: dict(opt_state[g]) for g in groups},
+                {g: dirty_rows[g] for g in groups if g in dirty_rows})
 
     # ------------------------------------------------------------------------------------- a storage's cache
     def cache_layouts(self, cached, batch_size, cache_fraction, cache_rows):

@@ -43,6 +43,7 @@ from recjax.embedding import EmbeddingCollection, EmbeddingGlue
 from recjax.embedding_backend import EmbeddingBackend
 from recjax.errors import CheckpointError, ConfigError, DataError
 from recjax.evaluation import resolve_budget
+from recjax.sections import CheckpointSection, read_section
 from recjax.serving import loader
 from recjax.serving.tables import FORMATS, encode_tables, group_formats, slot_rows, stored_bytes
 from recjax.specs import DatasetSpec
@@ -80,7 +81,7 @@ def _checkpoints_of(workdir: pathlib.Path) -> pathlib.Path:
     if not config_path.is_file():
         raise CheckpointError(f"{workdir} is not a run's workdir: it has no config.json (give the --workdir a "
                               "python -m experiments.train run wrote)")
-    directory = json.loads(config_path.read_text()).get("checkpoint", {}).get("dir", "")
+    directory = read_section(json.loads(config_path.read_text()), "checkpoint", CheckpointSection).dir
     return pathlib.Path(directory).expanduser() if directory else workdir / "checkpoints"
 
 
@@ -152,7 +153,7 @@ def _movielens_input(config: ml_collections.ConfigDict, spec: DatasetSpec) -> tu
     from recjax.data.movielens import prepare_examples, read_movielens
 
     data = config.data
-    tables = read_movielens(data.dir, data.get("variant", "auto"))
+    tables = read_movielens(data.dir, data.variant)
     rebuilt, batch, vocabularies = prepare_examples(tables, rating_threshold=float(data.rating_threshold),
                                                     zip_prefix_length=int(data.zip_prefix_length))
     _check_spec(rebuilt, spec, str(data.dir))
