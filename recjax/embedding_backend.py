@@ -399,9 +399,6 @@ class Storage:
         return routes
 
     # --------------------------------------------------------------------------------------------- host side
-    def check(self, layout) -> None:  # noqa: B027 (a hook)
-        """A ConfigError when this storage cannot run on `layout` (checked when the placement is built)."""
-
     def tables(self) -> frozenset[str]:
         """The physical tables of this storage's groups."""
         return frozenset(p.table.name for p in self.collection.physical_tables() if p.group in self.groups)
