@@ -43,9 +43,9 @@ def run_steps(kernel: str, sparse: str, pooling: str, pool_from: str = "auto", s
     ("pallas_gpu", "lazy_adam", "mean", "table"),
     ("pallas_gpu", "rowwise_adagrad", "sum", "distinct_rows")])
 def test_pallas_step_equals_xla_step(kernel, sparse, pooling, pool_from):
-    """The Pallas step (pooling from the tables: d loss / d lookups summed into the distinct rows, the update kernel
-    reading the rows itself; or from the gathered distinct rows) = the XLA step on the distinct rows, whose
-    gradient autodiff sums. Asserts which kernels the step traced, so a mislabelled path fails."""
+    """The Pallas step (pooling from the tables: d loss / d lookups summed into each distinct row's gradient by its
+    segment of the sorted ids -- in the GPU update kernel itself --, the update kernel reading the rows itself; or
+    from the gathered distinct rows) = the XLA step on the distinct rows, whose gradient autodiff sums. Asserts which kernels the step traced, so a mislabelled path fails."""
     _, xla_state, xla_losses = run_steps("xla", sparse, pooling)
     task, pallas_state, pallas_losses = run_steps(kernel, sparse, pooling, pool_from)
     assert task.collection.pool_from == pool_from
@@ -61,7 +61,9 @@ def test_pallas_step_equals_xla_step(kernel, sparse, pooling, pool_from):
     traced = pallas_calls(make_train_step(task), init_state(task, jax.random.key(0), batch), batch)
     assert {f for _, f in traced} == {family}, traced
     names = [name for name, _ in traced]
-    assert names.count(f"fused_row_update_{suffix}") == 1  # one stacked group
+    # One update per stacked group; on the GPU the table path's update sums each row's gradient in the same kernel.
+    update = "fused_backward_update_gpu" if (suffix, pool_from) == ("gpu", "table") else f"fused_row_update_{suffix}"
+    assert names.count(update) == 1 and sum("update" in name for name in names) == 1, names
     assert sum(name.startswith("gather_reduce_") for name in names) == 3  # one pool batch per bag size
     # Only the distinct-rows path gathers the batch's distinct rows (one per group) before pooling them.
     assert sum(name in ("gather_mosaic", "gather_triton") for name in names) == (pool_from == "distinct_rows")
