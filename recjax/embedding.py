@@ -43,7 +43,7 @@ from pallas_kernels.gather_reduce import mosaic_fallback_reason, triton_fallback
 from pallas_kernels.traffic import training_pass_bytes
 from recjax.sparse_optim import SparseOptimizer, scatter_apply, sparse_apply
 from recjax.specs import DatasetSpec
-from recjax.validation import choice, get, integer
+from recjax.validation import check_text, choice, get, integer
 
 POOLINGS = ("sum", "mean")
 # What a jitted step does with an id outside [0, vocab_size) of a feature whose method does not hash (the host
@@ -52,11 +52,16 @@ POOLINGS = ("sum", "mean")
 #           WARNING bounds-check mode); "error" also raises on the host, naming the feature and the count; "off"
 #           trusts the caller (an out-of-range id then reads another feature's rows).
 BOUNDS_CHECKS = ("zero", "error", "off")
-# Which implementation the gather-reduce and the sparse update use (pallas_kernels/dispatch.py): "auto" (Pallas
-# kernels on TPU / GPU, the XLA path on CPU), "xla", "pallas" (the platform's kernels), or one named kernel family,
-# "pallas_tpu" (Mosaic) / "pallas_gpu" (Triton). On a CPU the Pallas ones run in Pallas's interpreter ("pallas": the
-# Mosaic kernels) -- slow, for tests.
+# Which implementation the gather-reduce and the sparse update use (pallas_kernels/dispatch.py): "xla", "pallas" (the
+# platform's kernels, decided when the step is lowered), or one named kernel family, "pallas_tpu" (Mosaic) /
+# "pallas_gpu" (Triton) -- on a CPU the Pallas ones run in Pallas's interpreter ("pallas": the Mosaic kernels), slow,
+# for tests -- or "auto": chosen by measurement per device kind and step shape, never slower than XLA
+# (recjax/kernel_choice.py, which `task.build_task` runs before building the collection). A collection built directly
+# with "auto" has had no measurement and runs XLA.
 KERNELS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
+# When `embedding.kernel="auto"` measures (recjax/kernel_choice.py): "auto" (when neither the cache nor the shipped
+# table has a choice for the device kind and step shape), "always" (measure again, rewrite the cache entry), "never".
+KERNEL_MEASURE = ("auto", "always", "never")
 # Where a deduplicated training step's forward pools its bags from: "distinct_rows" (the batch's distinct rows,
 # gathered first), "table" (straight from the tables, inside the kernel), or "auto" (`resolve_pool_from`).
 POOL_FROM = ("auto", "distinct_rows", "table")
@@ -74,6 +79,10 @@ def check_embedding(config: Mapping) -> None:
         choice(config, "embedding.bounds_check", BOUNDS_CHECKS)
     if "kernel" in get(config, "embedding"):
         choice(config, "embedding.kernel", KERNELS)
+    if "kernel_measure" in get(config, "embedding"):
+        choice(config, "embedding.kernel_measure", KERNEL_MEASURE)
+    if "kernel_cache" in get(config, "embedding"):
+        check_text("embedding.kernel_cache", get(config, "embedding.kernel_cache"))
     if "pool_from" in get(config, "embedding"):
         choice(config, "embedding.pool_from", POOL_FROM)
     if "dedup" in get(config, "embedding"):
@@ -205,7 +214,8 @@ class EmbeddingCollection:
     """All sparse features of a model, compiled to stacked physical tables."""
 
     def __init__(self, spec: DatasetSpec, tables: Sequence[TableSpec], pooling: str = "sum",
-                 bounds_check: str = "zero", kernel: str = "auto", dedup: bool = True, pool_from: str = "auto"):
+                 bounds_check: str = "zero", kernel: str = "auto", dedup: bool = True, pool_from: str = "auto",
+                 kernel_choice: Mapping | None = None):
         if pooling not in POOLINGS:
             raise ValueError(f"unknown pooling '{pooling}'; use one of {POOLINGS}")
         if bounds_check not in BOUNDS_CHECKS:
@@ -213,8 +223,12 @@ class EmbeddingCollection:
         self.bounds_check = bounds_check
         if kernel not in KERNELS:
             raise ValueError(f"unknown kernel '{kernel}'; use one of {KERNELS}")
+        if kernel == "auto" and not kernel_choice:  # not chosen by kernel_choice.choose_kernel (KERNELS): XLA
+            kernel_choice = {"requested": "auto", "kernel": "xla", "source": "default",
+                             "reason": "no measured choice (recjax/kernel_choice.py): the XLA path"}
+            kernel = "xla"
         self.kernel = kernel
-        # Pallas kernels run interpreted on a CPU.
+        # Pallas kernels run interpreted on a CPU (a test exporting the accelerator step from a CPU host sets it off).
         self.interpret = kernel.startswith("pallas") and jax.default_backend() == "cpu"
         self.dedup = dedup  # the training route's default; see the module docstring
         by_name = {t.name: t for t in tables}
@@ -248,10 +262,17 @@ class EmbeddingCollection:
             if rows >= np.iinfo(np.int32).max:
                 raise ValueError(f"stacked group {group} has {rows} rows, more than int32 row ids can address")
         # What the deduplicated training route's forward pools from (module docstring); resolved once, here.
-        lookups = {("reduce" if self.methods[p.feature].pools_before_combine else "gather", self.group_rows[p.group],
-                    p.table.dim, self.spec.features[self.spec.feature_names.index(p.feature)].bag_size)
-                   for placed in self.placements.values() for p in placed}
-        self.pool_from = resolve_pool_from(pool_from, kernel, sorted(lookups))
+        self.pool_from = resolve_pool_from(pool_from, kernel, self.lookup_cases())
+        # How `kernel` was chosen (recjax/kernel_choice.py; the run's summary reports it).
+        self.kernel_choice = dict(kernel_choice) if kernel_choice else {"requested": kernel, "kernel": kernel,
+                                                                        "source": "config"}
+
+    def lookup_cases(self) -> list[tuple[str, int, int, int]]:
+        """(kind "reduce" / "gather", group rows, dim, bag size) of every distinct lookup the kernels would run."""
+        return sorted({("reduce" if self.methods[p.feature].pools_before_combine else "gather",
+                        self.group_rows[p.group], p.table.dim,
+                        self.spec.features[self.spec.feature_names.index(p.feature)].bag_size)
+                       for placed in self.placements.values() for p in placed})
 
     # ----------------------------------------------------------------------------------------- accounting
     @property
@@ -499,7 +520,8 @@ class EmbeddingCollection:
         for group, unique in routes.unique.items():
             new_tables[group], new_state[group] = sparse_apply(
                 self.group_optimizer(optimizer, group), tables[group], state[group], unique,
-                None if table_path else rows[group], grads[group], lr, step, kernel=self.kernel)
+                None if table_path else rows[group], grads[group], lr, step, kernel=self.kernel,
+                interpret=self.interpret)
         return new_tables, new_state
 
     def segment_grads(self, routes: Routes, grads: Lookups) -> dict[str, SegmentGrads]:
