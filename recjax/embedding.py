@@ -223,9 +223,9 @@ class EmbeddingCollection:
         self.bounds_check = bounds_check
         if kernel not in KERNELS:
             raise ValueError(f"unknown kernel '{kernel}'; use one of {KERNELS}")
-        if kernel == "auto" and not kernel_choice:  # not chosen by kernel_choice.choose_kernel (KERNELS): XLA
-            kernel_choice = {"requested": "auto", "kernel": "xla", "source": "default",
-                             "reason": "no measured choice (recjax/kernel_choice.py): the XLA path"}
+        if kernel == "auto":  # not chosen by kernel_choice.choose_kernel (see KERNELS): XLA
+            kernel_choice = kernel_choice or {"requested": "auto", "kernel": "xla", "source": "default",
+                                              "reason": "no measured choice (recjax/kernel_choice.py): the XLA path"}
             kernel = "xla"
         self.kernel = kernel
         # Pallas kernels run interpreted on a CPU (a test exporting the accelerator step from a CPU host sets it off).

@@ -161,7 +161,7 @@ def test_build_task_uses_the_choice_and_validates_the_keys(tmp_path, monkeypatch
 
 
 def test_timing_runs_each_call_in_a_loop_per_host_sync():
-    """Every call of the body runs -- its carry counts them: the warm-up call, one calibration loop, then the timed
+    """Every call of the body runs -- its carry counts them: two warm-up calls, one calibration loop, then the timed
     loops of `iterations` calls per host sync each -- and the loop index reaches the body. (A target no loop reaches
     makes the iterations the cap: deterministic.)"""
     def body(i, carry):
@@ -172,7 +172,7 @@ def test_timing_runs_each_call_in_a_loop_per_host_sync():
                                       max_iterations=16)
     t = timings["count"]
     assert t.iterations == 16 and len(t.repeats) == 3 and t.seconds == np.median(t.repeats) > 0
-    assert int(carries["count"][0]) == 1 + 1 + 3 * 16
+    assert int(carries["count"][0]) == 2 + 1 + 3 * 16
     assert int(carries["count"][1]) == 3 * sum(range(16))
     rate, copy = timing.copy_bandwidth(1 << 16, repeats=1, min_seconds=1e9, max_iterations=4)
     assert copy.iterations == 4 and rate == pytest.approx(2 * (1 << 16) / copy.seconds)
@@ -206,3 +206,25 @@ def test_the_measured_stage_is_the_embedding_step(variants):
                                              {n: kernel_choice.VARIANTS[n] for n in variants}, batches=2, repeats=1,
                                              min_seconds=1e-3, max_iterations=2)
     assert set(seconds) == set(variants) and all(np.isfinite(s) and s > 0 for s in seconds.values())
+
+
+def test_hbm_spec_by_device_kind():
+    """NVIDIA's data-sheet bandwidth by device kind (as jax names the devices); TPUs from jax's chip info (a v5e is
+    819 GB/s, a v4 1.2 TB/s by Google's spec); none for a CPU or an unknown GPU."""
+    import types
+
+    from pallas_kernels.hardware import for_tpu_chip, hbm_spec_bytes_per_second
+
+    def spec(platform, kind):
+        return hbm_spec_bytes_per_second(types.SimpleNamespace(platform=platform, device_kind=kind))[0]
+
+    for kind, rate in (("NVIDIA H200", 4.8e12), ("NVIDIA H100 80GB HBM3", 3.35e12), ("NVIDIA H100 PCIe", 2.0e12),
+                       ("NVIDIA H100 NVL", 3.9e12), ("NVIDIA A100-SXM4-80GB", 2.039e12),
+                       ("NVIDIA A100 80GB PCIe", 1.935e12), ("NVIDIA A100-SXM4-40GB", 1.555e12)):
+        assert spec("gpu", kind) == rate, kind
+    assert spec("gpu", "NVIDIA GH200 480GB") is None and spec("gpu", "NVIDIA L4") is None
+    assert hbm_spec_bytes_per_second(jax.devices()[0]) == (None, "no HBM on a cpu device")
+    with for_tpu_chip("TPU v5 lite"):
+        assert spec("tpu", "TPU v5 lite") == pytest.approx(819e9, rel=0.01)
+    with for_tpu_chip("TPU v4", num_cores=2):
+        assert spec("tpu", "TPU v4") == pytest.approx(1.2e12, rel=0.03)
