@@ -468,7 +468,7 @@ DRY_RUN_SHAPES = {
 # Seconds each section may start work in, on an H100 / H200 (per shape for the last three): with jax's start-up the
 # whole run stays under 4 minutes. A section that runs out skips what is left (a "skipped" line says what); a section
 # still running at twice its budget dumps every thread's stack to stderr (a stall shows where it is).
-SECTION_BUDGETS = {"check": 35, "bandwidth": 8, "kernels": 25, "auto": 15, "steps": 25}
+SECTION_BUDGETS = {"check": 30, "bandwidth": 8, "kernels": 30, "auto": 15, "steps": 25}
 RUN_BUDGET_S = 200
 # What a timed loop takes per repeat (`pallas_kernels.timing`).
 LOOP_SECONDS = 0.03
@@ -604,7 +604,8 @@ def _update_case(optimizer, dim: int, mode: str, rng: np.random.Generator, dry_r
 
     impl, interpret = _accelerator_target(dry_run)
     num_rows, count, bag = (500, 300, 4) if dry_run else (1_000_000, 200_000, 4)
-    table = jax.random.normal(jax.random.key(dim), (num_rows, dim), jnp.float32)
+    keys = jax.random.split(jax.random.key(dim), 3)  # random values drawn on the device: host RNG is slow here
+    table = jax.random.normal(keys[0], (num_rows, dim), jnp.float32)
     state = {k: v + 0.1 for k, v in optimizer.init(num_rows, dim).items()}
     if mode == "segments":
         occurrences = rng.integers(0, num_rows + 1, count)  # num_rows: padding
@@ -612,13 +613,13 @@ def _update_case(optimizer, dim: int, mode: str, rng: np.random.Generator, dry_r
                                                                           num_rows)
         bags = count // bag + 1
         grads = SegmentGrads(starts, (order // bag).astype(jnp.int32),
-                             jnp.asarray(rng.normal(size=count), jnp.float32)[order],
-                             jnp.asarray(rng.normal(size=(bags, dim)), jnp.float32))
+                             jax.random.normal(keys[1], (count,), jnp.float32)[order],
+                             jax.random.normal(keys[2], (bags, dim), jnp.float32))
         current = None
     else:
         ids = np.unique(rng.integers(0, num_rows, count))
         ids = jnp.asarray(np.pad(ids, (0, 17), constant_values=num_rows), jnp.int32)
-        grads = jnp.asarray(rng.normal(size=(ids.shape[0], dim)), jnp.float32)
+        grads = jax.random.normal(keys[1], (ids.shape[0], dim), jnp.float32)
         current = jnp.take(table, ids, axis=0, mode="fill", fill_value=0) if mode == "given" else None
 
     def rule(rows, state_rows, grads, lr, step):
@@ -706,7 +707,7 @@ def accelerator_timings(section: Section, shape_name: str, shape: dict, bandwidt
         pooled_grads = jnp.full((ids[0].size // bag, dim), 1e-3, jnp.float32)
         for name, optimizer in (("sgd", SGD(0.01)), ("rowwise_adagrad", RowwiseAdagrad(0.01))):
             state_row = sum(int(np.prod(s[1:], dtype=np.int64)) for s in optimizer.state_shapes(1, dim).values())
-            for mode in ("given", "read", "segments"):
+            for mode in ("segments", "given", "read"):  # the fused backward + update first (the newest kernel)
                 def body(i, carry, impl, mode=mode, optimizer=optimizer):
                     b = i % batches
                     if mode == "segments":  # occurrence k reads its bag's pooled gradient, weight 1
@@ -768,6 +769,7 @@ def accelerator_auto(section: Section, shape_name: str, shape: dict, dry_run: bo
         with contextlib.redirect_stdout(sys.stderr):  # its progress lines; stdout carries the JSON lines only
             chosen = kernel_choice.choose_kernel(embedding, probe, task.sparse_optimizer, shape["batch"],
                                                  device=device, measure=measure)
+    _log(f"{shape_name}: {kernel_choice.describe(chosen)}")
     shipped = kernel_choice.shipped_choice(device.kind, chosen.get("shape_class", ""))
     section.emit({"name": "accelerator_auto", "shape": shape_name, **chosen, "measure_s": time.monotonic() - start,
                   "shipped_variant": shipped and shipped[0], "device": jax.devices()[0].device_kind, "config": shape})
