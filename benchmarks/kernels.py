@@ -43,8 +43,9 @@ Measurements
                     ratios against this run's embedding_stage.
   pool_from_bytes   analytic, no timing: the HBM bytes one training step's embedding pass moves on the two
                     deduplicated paths (pallas_kernels/traffic.py) -- "distinct_rows" (gather the distinct rows, pool
-                    from them) and "table" (pool from the table in the kernel, the update reads its rows) -- for the
-                    shape's batch of uniform ids (the distinct count measured on it), per sparse optimizer.
+                    from them) and "table" (pool from the table in the kernel, the update reads its rows; and with
+                    the GPU's fused backward + update) -- for the shape's batch of uniform ids (the distinct count
+                    measured on it), per sparse optimizer.
 
 Accelerator (`--accelerator`; README, Benchmarks): the one command of a GPU / TPU session, bounded: sections with
 budgets (SECTION_BUDGETS, RUN_BUDGET_S: under 4 minutes on an H100 / H200 with jax's start-up), a progress line per
@@ -330,9 +331,12 @@ def pool_from_bytes(shape_name: str, shape: dict, seed: int = 0) -> list[dict[st
     for sparse, state_floats in (("sgd", 0), ("rowwise_adagrad", 1), ("lazy_adam", 2 * dim)):
         counts = {path: training_pass_bytes(path, ids=ids, distinct=distinct, bags=bags, dim=dim,
                                             state_floats_per_row=state_floats) for path in ("distinct_rows", "table")}
+        counts["table_fused_backward"] = training_pass_bytes("table", ids=ids, distinct=distinct, bags=bags, dim=dim,
+                                                             state_floats_per_row=state_floats, fused_backward=True)
         records.append({"name": "pool_from_bytes", "shape": shape_name, "sparse_optimizer": sparse, "ids": ids,
                         "distinct_rows": int(distinct), "bags": bags, **{f"{k}_bytes": v for k, v in counts.items()},
-                        "table_over_distinct_rows": counts["table"] / counts["distinct_rows"]})
+                        "table_over_distinct_rows": counts["table"] / counts["distinct_rows"],
+                        "fused_over_distinct_rows": counts["table_fused_backward"] / counts["distinct_rows"]})
     return records
 
 
