@@ -163,8 +163,9 @@ def choose_kernel(embedding: Mapping, collection: EmbeddingCollection, optimizer
 
     def chosen(variant: str, source: str, reason: str, **extra) -> dict:
         kernel, variant_pool_from = VARIANTS[variant]
-        return {**record, "variant": variant, "kernel": kernel, "pool_from": variant_pool_from or pool_from,
-                "source": source, "reason": reason, **extra}
+        where = resolve_pool_from(variant_pool_from or pool_from, kernel, collection.lookup_cases())
+        return {**record, "variant": variant, "kernel": kernel, "pool_from": where, "source": source,
+                "reason": reason, **extra}
 
     if device.platform not in ("gpu", "tpu"):
         return chosen("xla", "platform", f"no Pallas kernels run on {device.platform}")
