@@ -371,7 +371,7 @@ class Exchange:
             current = jnp.take(table, distinct, axis=0, mode="fill", fill_value=0)
             new_tables[s.name], new_state[s.name] = sparse_apply(
                 self.collection.group_optimizer(optimizer, s.group), table, state[s.name], distinct, current, summed,
-                lr, step, kernel=self.collection.kernel)
+                lr, step, kernel=self.collection.kernel, interpret=self.collection.interpret)
             touched[s.name] = distinct
         return new_tables, new_state, touched
 
