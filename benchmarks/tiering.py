@@ -29,11 +29,11 @@ fresh temporary directory by default), removed at the end. Sections:
             (the speed goal's reference) and the full table set compressed with QR (--qr_collisions) to fit in memory
             (the "compress or offload" row): examples/s, test AUC, hit rate, peak RSS of each run (each in its own
             process: `python -m experiments.train`).
-  mesh      the disk tier on a mesh (recjax/tiering/slots.py `BlockSlots`): the synthetic default (26 tables, dim 16) on 8 CPU
-            devices (data=4 x model=2), every table row-wise, trained by the launcher in memory and with every table
-            on disk behind a cache of --mesh_cache of the rows the fullest device owns, on each device: examples/s of
-            both and their ratio, AUC and logloss of both (equal: the runs are bit-identical), hit rate, rows read
-            and written (each run in its own process: `python -m experiments.train --cpu_devices=8`).
+  mesh      the disk tier on a mesh (recjax/tiering/slots.py `BlockSlots`): the synthetic default (26 tables, dim 16)
+            on 8 CPU devices (data=4 x model=2), every table row-wise, trained by the launcher in memory and with every
+            table on disk behind a cache of --mesh_cache of the rows the fullest device owns, on each device:
+            examples/s of both and their ratio, AUC and logloss of both (equal: the runs are bit-identical), hit rate,
+            rows read and written (each run in its own process: `python -m experiments.train --cpu_devices=8`).
   plot      tiering.png beside --out: step-time ratio and hit rate against cache size, one line per Zipf exponent.
 """
 

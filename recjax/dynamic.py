@@ -222,7 +222,7 @@ class DynamicTables:
         specs = [dataclasses.replace(s, options={**s.options, "capacity": int(capacities[f])})
                  if f in capacities else s for f, s in old.table_specs.items()]
         new = EmbeddingCollection(old.spec, specs, old.pooling, old.bounds_check, old.kernel, old.dedup,
-                                  old.pool_from)
+                                  old.pool_from, old.kernel_choice)
         return dataclasses.replace(task, collection=new, glue=EmbeddingGlue(new))
 
     # ------------------------------------------------------------------------------------- checkpoints

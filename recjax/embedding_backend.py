@@ -380,12 +380,13 @@ class Storage:
         raise NotImplementedError(f"the {self.name} storage's arrays are read in place")
 
     def apply(self, group: str, optimizer: SparseOptimizer, array: jax.Array, state: Mapping[str, jax.Array],
-              ids: jax.Array, current: jax.Array | None, grads: jax.Array, lr: jax.Array, step: jax.Array,
-              kernel: str) -> tuple[jax.Array, dict]:
+              ids: jax.Array, current: jax.Array | None, grads, lr: jax.Array, step: jax.Array, kernel: str,
+              interpret: bool | None = None) -> tuple[jax.Array, dict]:
         """The optimizer's row rule applied to the distinct rows `ids` i32[n] (out of range: padding) of `array` and
         their `state`, in place; `current` f32[n, d] their values (None: read them), `grads` f32[n, d] their summed
-        gradients."""
-        return sparse_apply(optimizer, array, state, ids, current, grads, lr, step, kernel=kernel)
+        gradients (or the `SegmentGrads` summing them: pool_from="table"); `kernel` / `interpret` as the
+        collection's."""
+        return sparse_apply(optimizer, array, state, ids, current, grads, lr, step, kernel=kernel, interpret=interpret)
 
     def scatter_add(self, group: str, optimizer: SparseOptimizer, array: jax.Array, ids: jax.Array,
                     grads: jax.Array, lr: jax.Array, step: jax.Array) -> jax.Array:

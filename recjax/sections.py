@@ -83,10 +83,15 @@ class EmbeddingSection:
     # An id outside [0, vocab) inside a jitted step (the trainer validates batches on the host first): "zero"
     # (reads zeros, no update, counted), "error" (raises naming the feature) or "off" (recjax/embedding.py).
     bounds_check: str = "zero"
-    # Gather-reduce and sparse-update implementation: "auto" (Pallas kernels on TPU / GPU, XLA on CPU), "xla",
-    # "pallas" (the platform's kernels), "pallas_tpu" / "pallas_gpu" (on a CPU: those kernels in Pallas's
-    # interpreter, slow; for tests).
+    # Gather-reduce and sparse-update implementation: "auto" (XLA on CPU; on a GPU / TPU the kernels only where
+    # measured faster than XLA for this device kind and step shape: recjax/kernel_choice.py), "xla", "pallas" (the
+    # platform's kernels), "pallas_tpu" / "pallas_gpu" (on a CPU: those kernels in Pallas's interpreter, slow; tests).
     kernel: str = "auto"
+    # "auto"'s measurements: "auto" (measure when neither the cache nor the shipped table has a choice), "always"
+    # (measure again and rewrite the cache entry) or "never"; and the JSON cache of measured choices ("" =
+    # $RECJAX_CACHE_DIR or ~/.cache/recjax/kernel_choices.json, "none" = no cache).
+    kernel_measure: str = "auto"
+    kernel_cache: str = ""
     # What a deduplicated training step pools bags from: "distinct_rows" (gathered first), "table" (straight from
     # the tables inside the kernel; the update kernel reads the rows it writes), or "auto" ("table" wherever the
     # step runs Pallas kernels that take every lookup; recjax/embedding.py:resolve_pool_from).

@@ -17,6 +17,7 @@ from compression import TableSpec
 from compression.plan import load_id_counts, plan_tables
 from recjax.embedding import EmbeddingCollection, EmbeddingGlue, resolve_dedup
 from recjax.errors import ConfigError
+from recjax.kernel_choice import choose_kernel
 from recjax.models import embedding_dim, make_model
 from recjax.sections import EmbeddingSection, OptimizerSection, read_section, read_sections
 from recjax.sparse_optim import SPARSE_OPTIMIZERS, SparseOptimizer, make_sparse_optimizer
@@ -120,11 +121,17 @@ def build_task(config: ml_collections.ConfigDict, spec: DatasetSpec, dataset=Non
         sparse_optimizer = make_sparse_optimizer(optimizer.sparse)
     with config_errors("embedding"):
         examples = total_steps * sections.train.batch_size
-        collection = EmbeddingCollection(spec, table_specs(spec, config, dataset, examples), embedding.pooling,
-                                         embedding.bounds_check, embedding.kernel,
-                                         resolve_dedup(embedding.dedup, embedding.kernel, sparse_optimizer,
+        tables = table_specs(spec, config, dataset, examples)
+        # embedding.kernel="auto" is chosen for this device kind and step shape (recjax/kernel_choice.py): from the
+        # XLA collection's structure, before the run's collection is built with the chosen kernel and pool_from.
+        probe = EmbeddingCollection(spec, tables, embedding.pooling, embedding.bounds_check, "xla")
+        chosen = choose_kernel(embedding, probe, sparse_optimizer, sections.train.batch_size)
+        kernel = chosen["kernel"]
+        collection = EmbeddingCollection(spec, tables, embedding.pooling, embedding.bounds_check, kernel,
+                                         resolve_dedup(embedding.dedup, kernel, sparse_optimizer,
                                                        multi_hot=any(f.bag_size > 1 for f in spec.features)),
-                                         embedding.pool_from)
+                                         chosen["pool_from"], chosen)
+        collection.kernel_choice.update(pool_from=collection.pool_from, dedup=collection.dedup)
     with config_errors("model"):
         model = make_model(config.model, embedding_dim(config))
     return Task(

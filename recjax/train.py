@@ -468,6 +468,8 @@ class Run:
             "epochs": step * batch_size / budget.examples_per_epoch if budget.examples_per_epoch else None,
             "final_train_loss": self.loop.loss,
             "tables": accounting["tables"],
+            # What embedding.kernel ran and why (recjax/kernel_choice.py: "auto" measured, cached or shipped).
+            "embedding_kernel": self.task.collection.kernel_choice,
             **({} if self.dynamic is None else {"dynamic_tables": self.dynamic.summary()}),
             **self.backend.summary(),
         }

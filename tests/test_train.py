@@ -46,6 +46,7 @@ def test_short_run_learns_and_writes_outputs(tmp_path):
                 "examples_per_sec", "bayes_auc", "train_flops_per_example"):
         assert np.isfinite(saved[key]), key
     assert saved["diverged"] is None  # a normal run (its first windows noisy) is not taken for a diverging one
+    assert saved["embedding_kernel"]["kernel"] == "xla" and saved["embedding_kernel"]["source"] == "platform"  # CPU
     assert saved["embedding_bytes"] == 4 * 8 * (200 + 50 + 1000 + 8 + 3000 + 20)
     assert saved["flops_per_example"] > 2 * (13 * 32 + 32 * 8)  # at least the bottom MLP's multiply-adds
     csv_lines = (tmp_path / "metrics.csv").read_text().splitlines()

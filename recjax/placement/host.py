@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.compute_on import compute_on
 
+from pallas_kernels import SegmentGrads, segment_grads_reference
 from recjax.embedding_backend import Storage
 from recjax.errors import ConfigError
 from recjax.sparse_optim import row_rule, scatter_delta
@@ -69,7 +70,9 @@ class HostStorage(Storage):
         with compute_on("device_host"):
             return array.at[ids].set(values, mode="drop")
 
-    def apply(self, group, optimizer, array, state, ids, current, grads, lr, step, kernel):
+    def apply(self, group, optimizer, array, state, ids, current, grads, lr, step, kernel, interpret=None):
+        if isinstance(grads, SegmentGrads):  # pool_from="table": each row's occurrences summed first, as XLA does
+            grads = segment_grads_reference(grads, ids.shape[0])
         if current is None:
             current = self.bring(group, array, ids)
         state_rows = {k: self.bring(group, v, ids) for k, v in state.items()}

@@ -262,7 +262,7 @@ class ServingStorage(Storage):
         decoded = decode_rows(stored, self.formats[group], self.collection.group_dims[group])
         return jnp.where(_in_table(ids, rows)[:, None], decoded, 0.0)
 
-    def apply(self, group, optimizer, array, state, ids, current, grads, lr, step, kernel):
+    def apply(self, group, optimizer, array, state, ids, current, grads, lr, step, kernel, interpret=None):
         raise TypeError("serving tables are read-only: they take no sparse update")
 
     def scatter_add(self, group, optimizer, array, ids, grads, lr, step):

@@ -308,12 +308,11 @@ class Exchange:
         return lambda ids: jnp.take(table, ids, axis=0, mode="fill", fill_value=0)
 
     def _apply(self, s: MeshArray, optimizer, table, state, distinct, current, summed, lr, step):
-        storage = self.storage_of.get(s.group)
+        storage, kernel, interpret = self.storage_of.get(s.group), self.collection.kernel, self.collection.interpret
         if storage is None:
-            return sparse_apply(optimizer, table, state, distinct, current, summed, lr, step,
-                                kernel=self.collection.kernel)
-        return storage.apply(s.group, optimizer, table, state, distinct, current, summed, lr, step,
-                             self.collection.kernel)
+            return sparse_apply(optimizer, table, state, distinct, current, summed, lr, step, kernel=kernel,
+                                interpret=interpret)
+        return storage.apply(s.group, optimizer, table, state, distinct, current, summed, lr, step, kernel, interpret)
 
     # ------------------------------------------------------------------------------------------- device side
     def fetch(self, tables: Mapping[str, jax.Array], unique: Mapping[str, jax.Array], local_batch: int
