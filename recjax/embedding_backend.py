@@ -207,8 +207,8 @@ class Layout(abc.ABC):
     shards: int = 1
     # The trainer waits for the step dispatched this many steps earlier (None: never waits).
     steps_in_flight: int | None = None
-    # The routes of a step made on one device (and `put_batch` can make a train step's route ahead of it).
-    local_routes: bool = True
+    # The state's arrays are the single-device layout's ({group: rows}; a storage may keep them in another memory).
+    single_device_state: bool = True
 
     collection: EmbeddingCollection
     storage_of: Mapping
@@ -370,8 +370,6 @@ class Storage:
         self.groups = tuple(groups)
         self.context = context
 
-    def bind(self, layout) -> None:  # noqa: B027 (a hook)
-        """Called once the layout knows every group's storage (`PlacedEmbedding`)."""
 
     # ------------------------------------------------------------------------------------------- device side
     def bring(self, group: str, array: jax.Array, ids: jax.Array) -> jax.Array:

@@ -54,8 +54,6 @@ class PlacedEmbedding(EmbeddingBackend):
         missing = sorted(set(collection.group_rows) - set(self.storage_of))
         assert not missing and len(self.storage_of) == sum(len(s.groups) for s in self.storages), missing
         layout.bind(collection, self.storage_of)
-        for s in self.storages:
-            s.bind(layout)
         self.shards = layout.shards
         limits = [n for n in (layout.steps_in_flight, *(s.steps_in_flight for s in self.storages)) if n is not None]
         self.steps_in_flight = min(limits) if limits else None
@@ -139,14 +137,14 @@ class PlacedEmbedding(EmbeddingBackend):
 
     def _plain(self) -> bool:
         """The state is already the single-device one (one device, every group in device memory)."""
-        return self.layout.local_routes and all(s.resident and s.memory_kind is None and not s.places
+        return self.layout.single_device_state and all(s.resident and s.memory_kind is None and not s.places
                                                 for s in self.storages)
 
     def checkpoint_state(self, state):
         """`state` as a checkpoint records it: as it is in the layout's checkpoint layout (a mesh's arrays); else
         the single-device layout, self-placing storages' groups as they give them (a disk tier's rows read where
         they live, `RowBlocks`), the others gathered to the host."""
-        if self.checkpoint_layout() is not None or (self.layout.local_routes and not self.placing):
+        if self.checkpoint_layout() is not None or (self.layout.single_device_state and not self.placing):
             return state
         tables, opt_state, dirty = {}, {}, {}
         for s in self.placing:

@@ -49,7 +49,7 @@ class MeshLayout(Layout):
     changed shape (a dynamic table's compaction)."""
 
     steps_in_flight = MESH_STEPS_IN_FLIGHT
-    local_routes = False
+    single_device_state = False
 
     def __init__(self, plan: ShardingPlan, mesh: Mesh, exchange_dtype: str = "float32", capacity_factor: float = 0.0,
                  capacity_sigmas: float = 0.0, replan: Replan | None = None):
