@@ -1,9 +1,9 @@
 """`embedding.kernel = "auto"`: the kernels a run uses, chosen by measurement on its device kind, never slower than XLA.
 
-The first accelerator run (one H200, issue 41) found the Pallas kernels correct but slower than XLA there, and the
-old `auto` (the platform's kernels wherever they exist) picked the slower path: 1.11x the XLA step on
-reference_random, 1.52x on Kaggle at batch 2048. Now `auto` is decided per device kind and step shape, before the
-collection is built (`task.build_task` calls `choose_kernel`), in this order:
+The first accelerator run (one H200) found the Pallas kernels correct but slower than XLA there, and the old `auto`
+(the platform's kernels wherever they exist) picked the slower path (figures: pallas_kernels/README.md). Now `auto`
+is decided per device kind and step shape, before the collection is built (`task.build_task` calls
+`choose_kernel`), in this order:
 
   1. a kernel the config names (`xla`, `pallas`, `pallas_tpu`, `pallas_gpu`) is used as named ("config");
   2. on a platform without Pallas kernels (CPU): XLA, nothing measured, nothing changes ("platform");
