@@ -29,11 +29,11 @@ fresh temporary directory by default), removed at the end. Sections:
             (the speed goal's reference) and the full table set compressed with QR (--qr_collisions) to fit in memory
             (the "compress or offload" row): examples/s, test AUC, hit rate, peak RSS of each run (each in its own
             process: `python -m experiments.train`).
-  mesh      the disk tier on a mesh (recjax/tiering/mesh.py): the synthetic default (26 tables, dim 16) on 8 CPU
-            devices (data=4 x model=2), every table row-wise, trained by the launcher in memory and with every table
-            on disk behind a cache of --mesh_cache of the rows the fullest device owns, on each device: examples/s of
-            both and their ratio, AUC and logloss of both (equal: the runs are bit-identical), hit rate, rows read
-            and written (each run in its own process: `python -m experiments.train --cpu_devices=8`).
+  mesh      the disk tier on a mesh (recjax/tiering/slots.py `BlockSlots`): the synthetic default (26 tables, dim 16)
+            on 8 CPU devices (data=4 x model=2), every table row-wise, trained by the launcher in memory and with every
+            table on disk behind a cache of --mesh_cache of the rows the fullest device owns, on each device:
+            examples/s of both and their ratio, AUC and logloss of both (equal: the runs are bit-identical), hit rate,
+            rows read and written (each run in its own process: `python -m experiments.train --cpu_devices=8`).
   plot      tiering.png beside --out: step-time ratio and hit rate against cache size, one line per Zipf exponent.
 """
 
@@ -308,9 +308,8 @@ def time_steps(config, directory: pathlib.Path, host_batches, warmup: int, fill=
     training steps leave it in, at the cost of the host's I/O alone."""
     import jax
 
-    from recjax import tiering
+    from recjax import placement
     from recjax.data.pipeline import DevicePrefetcher
-    from recjax.embedding_backend import LocalEmbedding
     from recjax.specs import DatasetSpec, FeatureSpec
     from recjax.step import init_state, make_train_step
     from recjax.task import build_task
@@ -319,7 +318,8 @@ def time_steps(config, directory: pathlib.Path, host_batches, warmup: int, fill=
                                                     for i, v in enumerate(config.data.vocab_sizes)))
     task = build_task(config, spec)
     config.tiering.dir = str(directory)
-    backend = tiering.setup(config, task) or LocalEmbedding(task.collection)
+    backend = placement.build(config, task)
+    disk = next((s for s in backend.storages if s.name == "disk"), None)
     try:
         t0 = time.perf_counter()
         with DevicePrefetcher(iter(host_batches), lambda b, w: None, put=backend.put_batch) as batches:
@@ -327,10 +327,10 @@ def time_steps(config, directory: pathlib.Path, host_batches, warmup: int, fill=
             state = backend.place_state(init_state(task, jax.random.key(0), host_batches[0], backend))
             init_s = time.perf_counter() - t0
             filled, fill_s = 0, 0.0
-            if fill is not None and hasattr(backend, "caches"):
+            if fill is not None and disk is not None:
                 t1 = time.perf_counter()
                 for b in fill:
-                    state, _ = backend.prepare_train(state, backend.put_batch(b))
+                    state, _ = disk.prepare_train(state, backend.put_batch(b))
                     filled += 1
                     if filled % 50 == 0:  # keep the queued swaps few
                         jax.block_until_ready(state.tables)
@@ -357,7 +357,7 @@ def time_steps(config, directory: pathlib.Path, host_batches, warmup: int, fill=
         summary = backend.summary()
         if "tiering" in summary:
             (g0, before), = stats_at["tiering"]["groups"].items()
-            occupied = int((backend.caches[g0].row_of_slot >= 0).sum())
+            occupied = int((disk.caches[g0].row_of_slot >= 0).sum())
             out.update({"fill_steps": filled, "fill_s": fill_s, "cache_full": occupied / before["cache_slots"]})
             after = summary["tiering"]["groups"][g0]
             lookups = after["lookups"] - before["lookups"]

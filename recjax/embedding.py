@@ -504,24 +504,28 @@ class EmbeddingCollection:
     # ------------------------------------------------------------------------------------ sparse update
     def sparse_update(self, optimizer: SparseOptimizer, tables: dict[str, jax.Array],
                       state: dict[str, dict[str, jax.Array]], routes: Routes, rows: "Mapping[str, jax.Array] | Lookups",
-                      row_grads: Mapping[str, jax.Array], lr: jax.Array, step: jax.Array) -> tuple[dict, dict]:
+                      row_grads: Mapping[str, jax.Array], lr: jax.Array, step: jax.Array,
+                      apply: Mapping | None = None, scatter: Mapping | None = None) -> tuple[dict, dict]:
         """Apply the optimizer to the distinct rows of each group, given d loss / d rows (what `gather` returned).
 
         Without dedup, `row_grads` are d loss / d lookups: each occurrence's gradient (times its pooling weight)
         is scatter-added by the optimizer's rule into its row (`scatter_apply`; duplicates sum, as in SGD). With
         `pool_from="table"` they are too, and the update sums each distinct row's exact gradient from them itself
         (`segment_grads`: the fused backward + update) and reads the rows' current values itself (`rows` is
-        unused)."""
+        unused). `apply` / `scatter` ({group: fn}, default `sparse_apply` / `scatter_apply`) update a group where its
+        rows live (recjax/embedding_backend.py `Storage`: host memory updates its rows on the host)."""
         if not routes.deduplicated:
-            return self._scatter_update(optimizer, tables, state, routes.features, row_grads, lr, step)
+            return self._scatter_update(optimizer, tables, state, routes.features, row_grads, lr, step, scatter)
         table_path = routes.pools_from_tables
         grads = self.segment_grads(routes, row_grads) if table_path else row_grads
         new_tables, new_state = dict(tables), dict(state)
         for group, unique in routes.unique.items():
-            new_tables[group], new_state[group] = sparse_apply(
-                self.group_optimizer(optimizer, group), tables[group], state[group], unique,
-                None if table_path else rows[group], grads[group], lr, step, kernel=self.kernel,
-                interpret=self.interpret)
+            args = (self.group_optimizer(optimizer, group), tables[group], state[group], unique,
+                    None if table_path else rows[group], grads[group], lr, step)
+            if apply is None:
+                new_tables[group], new_state[group] = sparse_apply(*args, kernel=self.kernel, interpret=self.interpret)
+            else:
+                new_tables[group], new_state[group] = apply[group](*args, self.kernel, self.interpret)
         return new_tables, new_state
 
     def segment_grads(self, routes: Routes, grads: Lookups) -> dict[str, SegmentGrads]:
@@ -572,9 +576,10 @@ class EmbeddingCollection:
                                                                 weight_decay=optimizer.weight_decay * scale)
 
     def _scatter_update(self, optimizer: SparseOptimizer, tables: dict[str, jax.Array], state: dict,
-                        features: Mapping[str, FeatureRoute], grads: Lookups, lr: jax.Array, step: jax.Array
-                        ) -> tuple[dict, dict]:
+                        features: Mapping[str, FeatureRoute], grads: Lookups, lr: jax.Array, step: jax.Array,
+                        scatter: Mapping | None = None) -> tuple[dict, dict]:
         new_tables = dict(tables)
+        add = (lambda group: scatter_apply) if scatter is None else scatter.__getitem__  # noqa: E731
         for key, members in self.pool_batches(features).items():
             # One scatter per member: XLA materialises a scatter's updates, and per member that temporary is
             # [B, L, d] rather than [K, B, L, d] (the scatters update the donated table in place, one after another).
@@ -582,12 +587,12 @@ class EmbeddingCollection:
                 group = self.placements[name][index].group
                 ids = features[name].slots[index].reshape(-1)
                 per_id = features[name].weights[..., None] * grads.pooled[key][k][:, None, :]  # [B, L, d]
-                new_tables[group] = scatter_apply(optimizer, new_tables[group], ids,
-                                                  per_id.reshape(-1, per_id.shape[-1]), lr, step)
+                new_tables[group] = add(group)(optimizer, new_tables[group], ids,
+                                               per_id.reshape(-1, per_id.shape[-1]), lr, step)
         for name, per_table in grads.per_id.items():
             for p, slots, g in zip(self.placements[name], features[name].slots, per_table, strict=True):
-                new_tables[p.group] = scatter_apply(optimizer, new_tables[p.group], slots.reshape(-1),
-                                                    g.reshape(-1, g.shape[-1]), lr, step)
+                new_tables[p.group] = add(p.group)(optimizer, new_tables[p.group], slots.reshape(-1),
+                                                   g.reshape(-1, g.shape[-1]), lr, step)
         return new_tables, dict(state)
 
 

@@ -50,6 +50,7 @@ from recjax.embedding import (
     resolve_dedup,
     resolve_pool_from,
 )
+from recjax.sections import EmbeddingSection
 from recjax.sparse_optim import SparseOptimizer
 from recjax.specs import DatasetSpec
 
@@ -134,22 +135,21 @@ def shipped_choice(device_kind: str, klass: str) -> tuple[str, str] | None:
     return None
 
 
-def choose_kernel(embedding: Mapping, collection: EmbeddingCollection, optimizer: SparseOptimizer, batch_size: int,
-                  *, device: Device | None = None, measure: Measure | None = None) -> dict:
+def choose_kernel(embedding: EmbeddingSection, collection: EmbeddingCollection, optimizer: SparseOptimizer,
+                  batch_size: int, *, device: Device | None = None, measure: Measure | None = None) -> dict:
     """The record of the kernel choice for a run (module docstring): {"requested", "variant", "kernel", "pool_from",
     "source", "reason", "device_kind", "shape_class", and "ms" (per variant) when measured}.
 
     Args:
-      embedding: the config's `embedding` section (kernel, pool_from, dedup, kernel_cache, kernel_measure).
+      embedding: the config's `embedding` section (recjax/sections.py `EmbeddingSection`: kernel, pool_from, dedup,
+        kernel_cache, kernel_measure).
       collection: the run's collection built with kernel "xla" (its structure gives the shape class; a measurement
         builds one collection per variant from its specs).
       device: where the run executes (default: `current_device()`); measure: the timer of the variants (default:
         `measure_variants` on this device) -- both replaceable so the choice can be tested on a CPU.
     """
-    requested = embedding.get("kernel", "auto")
-    pool_from = embedding.get("pool_from", "auto")
-    dedup_mode = embedding.get("dedup", "auto")
-    mode = embedding.get("kernel_measure", "auto")
+    requested, pool_from, dedup_mode, mode = (embedding.kernel, embedding.pool_from, embedding.dedup,
+                                               embedding.kernel_measure)
     if requested not in KERNELS:
         raise ValueError(f"unknown kernel '{requested}'; use one of {KERNELS}")
     if mode not in KERNEL_MEASURE:
@@ -177,7 +177,7 @@ def choose_kernel(embedding: Mapping, collection: EmbeddingCollection, optimizer
             return chosen(shipped[0], "shipped", shipped[1])
         return chosen("xla", "default", f"a run on {device.devices} devices: the choice is never measured there "
                                         "(set embedding.kernel to use the kernels)")
-    path = cache_path(embedding.get("kernel_cache", ""))
+    path = cache_path(embedding.kernel_cache)
     key = f"{device.kind}|jax {jax.__version__}|{KERNELS_REVISION}|{klass}"
     if mode != "always":
         cached = read_cache(path).get(key) if path else None

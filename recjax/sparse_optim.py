@@ -217,6 +217,16 @@ def sparse_apply(optimizer: SparseOptimizer, table: jax.Array, state: State, uni
       interpret: run the Pallas kernel interpreted; None: on a CPU (the caller's collection says, see
         `EmbeddingCollection.interpret`).
     """
+    rule = row_rule(optimizer)
+    if interpret is None:  # kernels run interpreted on a CPU
+        interpret = kernel.startswith("pallas") and jax.default_backend() == "cpu"
+    return fused_row_update(table, state, unique_rows, current, grads, rule, lr, step, impl=kernel,
+                            interpret=interpret)
+
+
+def row_rule(optimizer: SparseOptimizer):
+    """`rule(rows, state_rows, grads, lr, step) -> (rows, state_rows)`: the optimizer's row rule with its weight decay
+    folded into the gradient, as the fused update applies it to a block of distinct rows."""
     decay = optimizer.weight_decay
 
     def rule(rows, state_rows, grads, lr, step):
@@ -224,10 +234,7 @@ def sparse_apply(optimizer: SparseOptimizer, table: jax.Array, state: State, uni
         # accumulators too).
         return optimizer.update_rows(rows, state_rows, grads + decay * rows if decay else grads, lr, step)
 
-    if interpret is None:  # kernels run interpreted on a CPU
-        interpret = kernel.startswith("pallas") and jax.default_backend() == "cpu"
-    return fused_row_update(table, state, unique_rows, current, grads, rule, lr, step, impl=kernel,
-                            interpret=interpret)
+    return rule
 
 
 def scatter_apply(optimizer: SparseOptimizer, table: jax.Array, ids: jax.Array, grads: jax.Array, lr: jax.Array,
@@ -242,8 +249,14 @@ def scatter_apply(optimizer: SparseOptimizer, table: jax.Array, ids: jax.Array, 
       ids: int [N] row ids, duplicates allowed; ids >= R (the padding sentinel) are dropped.
       grads: f32[N, D] the gradient of each occurrence.
     """
+    return table.at[ids].add(scatter_delta(optimizer, grads, lr, step).astype(table.dtype), mode="drop")
+
+
+def scatter_delta(optimizer: SparseOptimizer, grads: jax.Array, lr: jax.Array, step: jax.Array) -> jax.Array:
+    """Each occurrence's row update f32[N, D] from its gradient, for a rule that sums over duplicates (`scatter_apply`
+    adds them into the table; host memory adds them on the host): the optimizer's rule on a zero row."""
     if not optimizer.sums_duplicates:
         raise ValueError(f"sparse optimizer '{optimizer.name}' (weight_decay={optimizer.weight_decay}) needs "
                          "distinct rows; use sparse_apply")
     delta, _ = optimizer.update_rows(jnp.zeros((), grads.dtype), {}, grads, lr, step)
-    return table.at[ids].add(delta.astype(table.dtype), mode="drop")
+    return delta

@@ -15,6 +15,7 @@ from recjax import kernel_choice
 from recjax.embedding import EmbeddingCollection, resolve_dedup
 from recjax.errors import ConfigError
 from recjax.kernel_choice import Device, choose_kernel, shape_class
+from recjax.sections import EmbeddingSection
 from recjax.sparse_optim import SGD, LazyAdam, RowwiseAdagrad
 from recjax.specs import DatasetSpec, FeatureSpec
 from recjax.task import build_task, table_specs
@@ -42,8 +43,8 @@ class FakeTimer:
 
 
 def embedding(tmp_path, **keys):
-    return {"kernel": "auto", "pool_from": "auto", "dedup": "auto", "kernel_measure": "auto",
-            "kernel_cache": str(tmp_path / "choices.json"), **keys}
+    """The `embedding` section as the runtime reads it (recjax/sections.py), its defaults but the kernel cache."""
+    return EmbeddingSection(dim=8, **{"kernel_cache": str(tmp_path / "choices.json"), **keys})
 
 
 def test_shape_class_names_what_the_timing_depends_on():

@@ -9,7 +9,7 @@ task is rebuilt from that config exactly as the trainer built it (dataset spec, 
 checkpoint's capacities), and the state restored into it (a mesh run's tables through the single-device layout).
 
 What it writes (the layout is in loader.py's docstring): the scoring function -- the trainer's own predict step
-(recjax/step.py) over `ServingEmbedding` tables of the chosen format -- serialized with `jax.export` for CPU (and
+(recjax/step.py) over `ServingStorage` tables of the chosen format -- serialized with `jax.export` for CPU (and
 cuda / tpu on request) with a symbolic batch dimension; the tables in their stored format and the dense params, one
 .npy each; and the input spec the dataset builders used to turn raw rows into ids, fitted again from the run's data
 files and checked against the spec the run trained on:
@@ -34,24 +34,18 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from recjax import sharding
+from recjax import placement, sharding
 from recjax.batch import Batch
 from recjax.checkpoint import ResumePoint, open_checkpoint, restore_state, table_record
 from recjax.data import make_dataset
 from recjax.dynamic import DynamicTables
 from recjax.embedding import EmbeddingCollection, EmbeddingGlue
-from recjax.embedding_backend import LocalEmbedding
+from recjax.embedding_backend import EmbeddingBackend
 from recjax.errors import CheckpointError, ConfigError, DataError
 from recjax.evaluation import resolve_budget
+from recjax.sections import CheckpointSection, read_section
 from recjax.serving import loader
-from recjax.serving.tables import (
-    FORMATS,
-    GatheredEmbedding,
-    ServingEmbedding,
-    encode_tables,
-    group_formats,
-    stored_bytes,
-)
+from recjax.serving.tables import FORMATS, encode_tables, group_formats, slot_rows, stored_bytes
 from recjax.specs import DatasetSpec
 from recjax.step import TrainState, init_state, make_predict_step
 from recjax.task import Task, build_task
@@ -87,7 +81,7 @@ def _checkpoints_of(workdir: pathlib.Path) -> pathlib.Path:
     if not config_path.is_file():
         raise CheckpointError(f"{workdir} is not a run's workdir: it has no config.json (give the --workdir a "
                               "python -m experiments.train run wrote)")
-    directory = json.loads(config_path.read_text()).get("checkpoint", {}).get("dir", "")
+    directory = read_section(json.loads(config_path.read_text()), "checkpoint", CheckpointSection).dir
     return pathlib.Path(directory).expanduser() if directory else workdir / "checkpoints"
 
 
@@ -138,7 +132,7 @@ def load_run(workdir: str | pathlib.Path, step: int | None = None, log=print) ->
         task = dynamic.resume(task, point.meta["loop"]["dynamic"])
     like = jax.eval_shape(lambda b: init_state(task, jax.random.key(int(config.seed)), b),
                           _example_batch(dataset.spec))
-    state = restore_state(point, like, sharding.relayout(task.collection, LocalEmbedding(task.collection)),
+    state = restore_state(point, like, sharding.relayout(task.collection, None),
                           record=table_record(task.collection, task.sparse_optimizer, like))
     return TrainedRun(workdir, config, dataset, task, state, point)
 
@@ -159,7 +153,7 @@ def _movielens_input(config: ml_collections.ConfigDict, spec: DatasetSpec) -> tu
     from recjax.data.movielens import prepare_examples, read_movielens
 
     data = config.data
-    tables = read_movielens(data.dir, data.get("variant", "auto"))
+    tables = read_movielens(data.dir, data.variant)
     rebuilt, batch, vocabularies = prepare_examples(tables, rating_threshold=float(data.rating_threshold),
                                                     zip_prefix_length=int(data.zip_prefix_length))
     _check_spec(rebuilt, spec, str(data.dir))
@@ -274,7 +268,7 @@ def scoring_function(task: Task, table_format: str):
     step over serving tables of `table_format`. Its lookups are XLA's (`embedding.kernel="xla"`): the Pallas kernels
     size their grids from the batch, which the export leaves symbolic."""
     task = _xla_task(task)
-    return _score_with(task, ServingEmbedding(task.collection, table_format))
+    return _score_with(task, placement.serving(task.collection, table_format))
 
 
 def _xla_task(task: Task) -> Task:
@@ -284,7 +278,7 @@ def _xla_task(task: Task) -> Task:
     return dataclasses.replace(task, collection=xla, glue=EmbeddingGlue(xla))
 
 
-def _score_with(task: Task, backend: ServingEmbedding):
+def _score_with(task: Task, backend: EmbeddingBackend):
     predict = make_predict_step(task, backend)
 
     def score(tables, params, aux, dense, ids, lengths):
@@ -302,12 +296,11 @@ def gathered_functions(task: Task, table_format: str, rows: dict[str, int]):
     reads; and (those rows {group: [M_g, width]} in the stored format, dense params, routing arrays, dense, ids,
     lengths) -> probabilities f32[B], the lookup decoding and pooling them as `scoring_function`'s does."""
     task = _xla_task(task)
-    gathered = GatheredEmbedding(task.collection, table_format, rows)
 
-    def slot_rows(aux, ids, lengths):
-        return gathered.slot_rows(task.collection.route(ids, lengths, aux=aux, dedup=False))
+    def slot_rows_of(aux, ids, lengths):
+        return slot_rows(task.collection, task.collection.route(ids, lengths, aux=aux, dedup=False))
 
-    return slot_rows, _score_with(task, gathered)
+    return slot_rows_of, _score_with(task, placement.serving(task.collection, table_format, gathered=rows))
 
 
 def _save_tree(tree, directory: pathlib.Path, prefix: str) -> dict:

@@ -31,7 +31,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 def format_quality(run, formats: Sequence[str] = tuple(FORMATS), split: str = "test") -> list[dict[str, Any]]:
     """Per format: the run's tables' stored bytes and the test AUC / logloss of the model scoring with the rows those
-    tables decode to (what ServingEmbedding's lookup reads), with the change against f32. `run` is a
+    tables decode to (what ServingStorage's lookup reads), with the change against f32. `run` is a
     recjax.serving.export.TrainedRun."""
     tables = {g: np.asarray(t) for g, t in run.state.tables.items()}
     dims = {g: t.shape[1] for g, t in tables.items()}

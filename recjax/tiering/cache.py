@@ -76,10 +76,6 @@ class RowCache:
     def pinned_rows(self) -> np.ndarray:
         return self.row_of_slot[self.pinned]
 
-    @property
-    def evictable(self) -> int:
-        return self.size - int(self.pinned.sum())
-
     def plan(self, rows: np.ndarray, dirty: bool) -> Plan:
         """Slots for the distinct rows i64[N] a step asks for (a training step updates them: `dirty`)."""
         rows = np.asarray(rows, np.int64)
