@@ -40,8 +40,9 @@ _BODY_TIMEOUT = flags.DEFINE_float("body_timeout_seconds", 30.0, "A request's bo
                                    "seconds of its headers: else 408.")
 _IDLE_TIMEOUT = flags.DEFINE_float("idle_timeout_seconds", 75.0, "A kept-alive connection without a request this "
                                    "long is closed.")
-_MAX_CONNECTIONS = flags.DEFINE_integer("max_connections", 1024, "Open connections at most: a request on a "
-                                        "connection past it is answered 503 + Retry-After at once.")
+_MAX_CONNECTIONS = flags.DEFINE_integer("max_connections", 4096, "Open connections at most: a connection past it "
+                                        "is answered 503 + Retry-After at once (lowered, with a note, where the "
+                                        "open-file limit allows fewer).")
 _TIER = flags.DEFINE_string("tier", "memory", "Where the tables are: memory (all in RAM), or disk (left in the "
                             "export's files behind a RAM row cache; recjax/serving/tiered.py).")
 _CACHE = flags.DEFINE_float("cache", 0.1, "--tier=disk: the share of each table's rows the RAM cache holds, (0, 1].")

@@ -57,10 +57,16 @@ async def _closed(reader: asyncio.StreamReader) -> bool:
 
 
 async def _metric(port: int, name: str) -> float:
-    reader, writer = await _connect(port)
-    writer.write(b"GET /metrics HTTP/1.1\r\nHost: test\r\n\r\n")
-    status, _, body = await _answer(reader)
-    writer.close()
+    """A /metrics value, read on a new connection: again, while the server is at its connection cap (a connection
+    the test closed is not yet closed on the server's side)."""
+    while True:
+        reader, writer = await _connect(port)
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: test\r\n\r\n")
+        status, _, body = await _answer(reader)
+        writer.close()
+        if status != 503 or b"too many open connections" not in body:
+            break
+        await asyncio.sleep(0.02)
     assert status == 200, body
     return sum(float(line.split()[-1]) for line in body.decode().splitlines() if line.startswith(name))
 
@@ -287,11 +293,18 @@ async def _open_connections_at_most(port: int, count: int) -> bool:
 
 
 def test_connection_cap_refuses_at_once_and_a_vanishing_client_counts_499(tiny):
-    """--max_connections=3: a request on a fourth connection is answered 503 + Retry-After at once while three
-    connections sit open; once one closes, a new connection is served. A client that hangs up mid-body is counted
-    under code 499, not as a server error."""
+    """A cap of 3 connections (the open-file limit lowers the default cap to it, and says so): a fourth connection
+    is answered 503 + Retry-After at once while three sit open; once one closes, a new connection is served. A client
+    that hangs up mid-body is counted under code 499, not as a server error."""
+    from recjax.serving.server import FILES_KEPT
+
     export, rows = tiny
-    server = Server(export, "--max_connections=3")
+    limit = FILES_KEPT + 3
+    limited = (f"import resource, runpy\nresource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit}))\n"
+               "runpy.run_module('experiments.serve', run_name='__main__')")  # `ulimit -n`, without a fork
+    server = Server(export, program=("-c", limited))
+    assert (f"note: the open-file limit ({limit}; ulimit -n) leaves room for 3 connections, fewer than "
+            "--max_connections=4096: serving at most 3") in "".join(server.output)
     score = b"".join(_request(json.dumps({"rows": rows[:2]}).encode()))
 
     async def run() -> None:
@@ -314,6 +327,7 @@ def test_connection_cap_refuses_at_once_and_a_vanishing_client_counts_499(tiny):
             return status == 200
 
         await _until(served, "a connection under the cap")
+        assert await _metric(server.port, 'recjax_serving_requests_total{code="503",path="other"}') >= 1
         vanishing = await _connect(server.port)
         vanishing[1].write(b"POST /v1/score HTTP/1.1\r\nHost: test\r\nContent-Length: 1000\r\n\r\n{\"rows\": [")
         await _until(lambda: _in_flight(server.port, 1), "the vanishing client's request in flight")

@@ -51,10 +51,10 @@ def tiny(tmp_path_factory) -> tuple[pathlib.Path, list[dict]]:
 class Server:
     """`python -m experiments.serve` on port 0; `url` once it printed its address."""
 
-    def __init__(self, model: pathlib.Path, *flags: str):
+    def __init__(self, model: pathlib.Path, *flags: str, program: tuple[str, ...] = ("-m", "experiments.serve")):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "experiments.serve", f"--model={model}", "--port=0", f"--max_batch={MAX_BATCH}",
-             *flags], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [sys.executable, *program, f"--model={model}", "--port=0", f"--max_batch={MAX_BATCH}", *flags], cwd=REPO,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.output: list[str] = []
         self.terminated = False
         for line in self.process.stdout:  # blocks until the server is ready (or has died)
@@ -93,6 +93,7 @@ class Server:
     def stop(self) -> str:
         self.terminate()
         rest = self.process.stdout.read()
+        self.process.stdout.close()
         self.process.wait()
         return "".join(self.output) + rest
 

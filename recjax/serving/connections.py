@@ -10,8 +10,10 @@ ever. Here, per connection (`ServerOptions` in server.py, the `experiments.serve
   body     its body within `body_timeout_seconds` of its headers (the score handler's read), else 408 and close;
   idle     a kept-alive connection without a request for `idle_timeout_seconds` is closed (aiohttp's
            keepalive_timeout);
-  cap      past `max_connections` open connections, a new connection's request is answered 503 with Retry-After
-           as soon as its headers arrive, and the connection closes: refused at once, never queued;
+  cap      past `max_connections` open connections, a new connection is answered 503 with Retry-After as soon as
+           its first bytes arrive, and closed: refused at once, never queued, and without reading the request (no
+           parser, no handler), so that refusing under overload frees the CPU the accepted requests need rather
+           than taking as much as answering them;
   gone     a client that hangs up before its answer (mid-body, or while its rows are scored) is counted under
            code 499 (nginx's "client closed request"), not as the server's 500.
 
@@ -145,13 +147,10 @@ class Gate:
         self.metrics.in_flight.set(len(self.requests))
         return request
 
-    def refusal(self, connection: Any) -> str | None:
+    def refusal(self) -> str | None:
         """Why a request just read must be refused (503 + Retry-After), or None to answer it."""
         if self.draining:
             return "the server is shutting down; send the request again (to another replica)"
-        if getattr(connection, "over_cap", False):
-            return (f"too many open connections (--max_connections={self.options.max_connections}); send the "
-                    "request again later")
         return None
 
     def end(self, request: InFlight, gone: bool) -> None:
@@ -250,7 +249,8 @@ class Connection(web_protocol.RequestHandler):
     def __init__(self, manager: Any, gate: Gate, **kwargs: Any):
         super().__init__(manager, **kwargs)
         self.gate = gate
-        self.over_cap = False
+        self.over_cap = False  # opened past the cap: refused at its first bytes
+        self.refused = False  # answered on the socket (refuse): nothing more is written or read
         self.waiting_headers = True  # between requests: the next request's headers are not all here
         self.head_started = False  # ... and some of its bytes are
         self.requests_read = 0  # requests whose headers were read
@@ -285,6 +285,12 @@ class Connection(web_protocol.RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.over_cap or self.refused:
+            if data and not self.refused:
+                self.refuse(503, "Service Unavailable", "too many open connections (--max_connections="
+                            f"{self.gate.options.max_connections}); send the request again later",
+                            RETRY_AFTER_SECONDS, read_rest=True)
+            return  # the rest of what it sends is dropped
         if data and self.waiting_headers and not self.head_started:
             self.head_started = True
             if self.head_timer is None:  # on a kept-alive connection: from the request's first byte
@@ -311,13 +317,25 @@ class Connection(web_protocol.RequestHandler):
         would only hold the connection longer)."""
         self._lingering_time = 0.0
 
-    def refuse(self, status: int, reason: str, message: str, retry_after: int | None = None) -> None:
-        """Answer `status` straight on the socket and close (no request is being answered on it)."""
+    def refuse(self, status: int, reason: str, message: str, retry_after: int | None = None,
+               read_rest: bool = False) -> None:
+        """Answer `status` straight on the socket (no request is being answered on it) and close: at once, or with
+        `read_rest` after the client closes (our side is shut for writing; what it still sends is dropped, since
+        closing with its bytes unread would reset the connection and could lose the answer), or when the header
+        timeout comes."""
         if self.transport is None:
             return
+        if self.refused:
+            self.force_close()
+            return
+        self.refused = True
         self.transport.write(raw_response(status, reason, message, retry_after))
         self.gate.metrics.requests.labels("other", str(status)).inc()
-        self.force_close()  # the transport closes once the answer is flushed
+        if read_rest and self.transport.can_write_eof():
+            self.transport.write_eof()
+            self._arm_head_timer()  # the client has this long to close
+        else:
+            self.force_close()  # the transport closes once the answer is flushed
 
     def _arm_head_timer(self) -> None:
         self._disarm_head_timer()
@@ -330,6 +348,8 @@ class Connection(web_protocol.RequestHandler):
 
     def _head_timed_out(self) -> None:
         self.head_timer = None
-        if self.waiting_headers and not self._messages:
+        if self.refused:  # answered already: the client did not close
+            self.force_close()
+        elif self.waiting_headers and not self._messages:
             self.refuse(408, "Request Timeout", "the request's headers did not arrive within "
                         f"--header_timeout_seconds={self.gate.options.header_timeout_seconds:g}")

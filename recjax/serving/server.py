@@ -47,6 +47,7 @@ Tiered tables (rows in RAM + disk, issue 26) plug in as another model object wit
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import json
@@ -81,11 +82,13 @@ class ServerOptions:
     p99_target_ms: float = 20.0  # the adaptive scheduler's target
     drain_seconds: float = 30.0  # on SIGTERM, wait this long at most for requests in flight
     # Per connection (connections.py). The defaults leave a slow but live client room (a 4 MiB body at ~150 KB/s)
-    # and cut a stalled one within seconds; the idle timeout is nginx's keepalive_timeout default.
+    # and cut a stalled one within seconds; the idle timeout is nginx's keepalive_timeout default. The cap bounds
+    # the sockets (file descriptors) and memory connections hold, a few KB each idle, above the thousands an
+    # open-loop client opens against a saturated 2-core server (benchmarks/RESULTS.md, the server's connections).
     header_timeout_seconds: float = 10.0  # a request's headers within this of its connection (or first byte): else 408
     body_timeout_seconds: float = 30.0  # its body within this of its headers: else 408
     idle_timeout_seconds: float = 75.0  # a kept-alive connection without a request this long is closed
-    max_connections: int = 1024  # open connections at most; a request on one past it: 503 + Retry-After at once
+    max_connections: int = 4096  # open connections at most; one past it: 503 + Retry-After at once
 
     def check(self) -> None:
         for name in ("max_batch", "max_rows", "max_body_bytes", "max_connections"):
@@ -410,7 +413,7 @@ def make_app(model: Any, options: ServerOptions | None = None) -> web.Applicatio
         in_flight = gate.begin()
         gone = False
         try:
-            refusal = gate.refusal(request.protocol)
+            refusal = gate.refusal()
             if refusal is not None:
                 response = _unavailable(refusal)
             else:
@@ -428,7 +431,7 @@ def make_app(model: Any, options: ServerOptions | None = None) -> web.Applicatio
                                             f"{options.drain_seconds:g}); send the request again")
                 except Exception as error:  # a bug must not take the server down; the client gets a 500
                     response = _json_error(500, f"internal error: {type(error).__name__}")
-            if refusal is not None or gate.draining:  # a refused connection, and any during the drain, closes
+            if gate.draining:  # no connection outlives its answer during the drain
                 response.force_close()
             gone = request.transport is None  # the client hung up (mid-body, or while its rows were scored)
             path = request.path if request.path in ("/v1/score", "/healthz", "/metrics") else "other"
@@ -528,6 +531,32 @@ def make_app(model: Any, options: ServerOptions | None = None) -> web.Applicatio
     return app
 
 
+FILES_KEPT = 256  # open files the process keeps for itself beside its connections (libraries, the export's files)
+
+
+def _room_for_connections(options: ServerOptions, log) -> ServerOptions:
+    """`options` with a connection cap the open-file limit (RLIMIT_NOFILE) allows: the soft limit is raised toward
+    the hard one as far as the cap needs (past the limit, accept() fails and asyncio stops accepting for a while,
+    logging errors); if even the hard limit is too low, the cap is lowered to fit it, and said."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return options
+    need = options.max_connections + FILES_KEPT
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return options
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need if hard == resource.RLIM_INFINITY else min(need, hard), hard))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft >= need:
+        return options
+    cap = max(1, soft - FILES_KEPT)
+    log(f"note: the open-file limit ({soft}; ulimit -n) leaves room for {cap} connections, fewer than "
+        f"--max_connections={options.max_connections}: serving at most {cap}; raise the limit to serve more")
+    return dataclasses.replace(options, max_connections=cap)
+
+
 def _bind(host: str, port: int) -> list[socket.socket]:
     """Sockets bound to every address of `host` (not yet listening), as asyncio's create_server binds them; bound
     here, before the model compiles, so a taken port fails at once, and kept so the drain can accept their backlog."""
@@ -557,7 +586,8 @@ def _bind(host: str, port: int) -> list[socket.socket]:
 async def serve(model: Any, host: str, port: int, options: ServerOptions, log=print) -> DrainReport:
     """Serve until SIGTERM / SIGINT, then drain (connections.py); returns the drain's report. Logs the bound address
     once ready to answer."""
-    app = make_app(model, options)
+    options.check()
+    app = make_app(model, _room_for_connections(options, log))
     gate = app[GATE]
     sockets = _bind(host, port)
     # aiohttp's runner runs the application (its startup: the batcher, every batch shape compiled; its cleanup) and
@@ -572,7 +602,7 @@ async def serve(model: Any, host: str, port: int, options: ServerOptions, log=pr
     loop = asyncio.get_running_loop()
     protocol = functools.partial(Connection, runner.server, gate, loop=loop,
                                  keepalive_timeout=options.idle_timeout_seconds, access_log=None)
-    backlog = min(socket.SOMAXCONN, max(128, options.max_connections))
+    backlog = min(socket.SOMAXCONN, max(128, gate.options.max_connections))
     listeners = [(await loop.create_server(protocol, sock=sock, backlog=backlog), sock) for sock in sockets]
     bound = sockets[0].getsockname()[1]  # the port the OS chose for --port=0
     stop = asyncio.Event()
