@@ -12,6 +12,7 @@ http://HOST:PORT ..."). SIGTERM / Ctrl-C drain: the requests in flight are answe
 some got a 503 instead. Needs the serve extra: pip install -e ".[serve]".
 """
 
+import signal
 import sys
 
 from absl import flags
@@ -54,6 +55,9 @@ def main(argv):
         cli.fail(f"unexpected arguments: {argv[1:]}")
     if not _MODEL.value:
         cli.fail("--model is required: an export directory (python -m experiments.export --out=DIR)")
+    # SIGTERM while the model loads: noted, and the server stops before it serves (exit 0) instead of dying.
+    terminated: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: terminated.append(signum))
     import asyncio
 
     try:
@@ -82,7 +86,8 @@ def main(argv):
     except (OSError, ValueError, KeyError) as error:
         cli.fail(f"--model={_MODEL.value}: cannot load the export: {error}")
     print(f"model: {model.describe()}", flush=True)
-    report = asyncio.run(serve(model, _HOST.value, _PORT.value, options, log=lambda m: print(m, flush=True)))
+    report = asyncio.run(serve(model, _HOST.value, _PORT.value, options, log=lambda m: print(m, flush=True),
+                               signalled=lambda: bool(terminated)))
     if not report.complete:
         sys.exit(EXIT_UNANSWERED)
 

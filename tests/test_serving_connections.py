@@ -10,6 +10,7 @@ Nothing is timed: the servers' limits are short, and the tests wait for outcomes
 import asyncio
 import collections
 import json
+import signal
 import subprocess
 import sys
 
@@ -345,6 +346,21 @@ def test_connection_cap_refuses_at_once_and_a_vanishing_client_counts_499(tiny):
 
 async def _counted(port: int, code: str) -> bool:
     return await _metric(port, f'recjax_serving_requests_total{{code="{code}",path="/v1/score"}}') == 1
+
+
+def test_sigterm_while_the_model_compiles_stops_cleanly(tiny):
+    """SIGTERM once the model is loaded, while its batch shapes compile (or just after): exit 0, no traceback."""
+    export, _ = tiny
+    process = subprocess.Popen([sys.executable, "-m", "experiments.serve", f"--model={export}", "--port=0",
+                                "--batch_shapes=pow2", "--max_batch=256"], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    output = [process.stdout.readline()]
+    assert output[0].startswith("model: "), output
+    process.send_signal(signal.SIGTERM)
+    output += process.stdout.readlines()
+    process.stdout.close()
+    assert process.wait() == 0 and "Traceback" not in "".join(output), output
+    assert output[-1].rstrip().endswith("bye"), output
 
 
 def test_serve_without_the_serve_extra_names_the_install_command():

@@ -55,6 +55,7 @@ import math
 import signal
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -583,41 +584,52 @@ def _bind(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
-async def serve(model: Any, host: str, port: int, options: ServerOptions, log=print) -> DrainReport:
+async def serve(model: Any, host: str, port: int, options: ServerOptions, log=print,
+                signalled: Callable[[], bool] = lambda: False) -> DrainReport:
     """Serve until SIGTERM / SIGINT, then drain (connections.py); returns the drain's report. Logs the bound address
-    once ready to answer."""
+    once ready to answer. A signal while the model compiles -- or before, when `signalled()` says one came while the
+    caller loaded the model -- stops it before it serves (nothing was accepted)."""
     options.check()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)  # a second signal while draining changes nothing
+    if signalled():
+        stop.set()
     app = make_app(model, _room_for_connections(options, log))
     gate = app[GATE]
-    sockets = _bind(host, port)
+    sockets: list[socket.socket] = []
     # aiohttp's runner runs the application (its startup: the batcher, every batch shape compiled; its cleanup) and
     # makes the request handler; the listening sockets and their connections' protocol are ours (connections.py).
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=CLOSE_GRACE_SECONDS, access_log=None)
     try:
+        if stop.is_set():  # while the model loaded
+            log("stopped before serving (a signal while the model loaded); bye")
+            return gate.report
+        sockets = _bind(host, port)
         await runner.setup()
-    except BaseException:
-        for sock in sockets:
+        if stop.is_set():
+            await runner.cleanup()
+            log("stopped before serving (a signal while the model compiled); bye")
+            return gate.report
+        protocol = functools.partial(Connection, runner.server, gate, loop=loop,
+                                     keepalive_timeout=options.idle_timeout_seconds, access_log=None)
+        backlog = min(socket.SOMAXCONN, max(128, gate.options.max_connections))
+        listeners = [(await loop.create_server(protocol, sock=sock, backlog=backlog), sock) for sock in sockets]
+        bound = sockets[0].getsockname()[1]  # the port the OS chose for --port=0
+        log(f"serving on http://{host}:{bound} (max_batch {options.max_batch}, max_wait_ms {options.max_wait_ms:g}, "
+            f"batch shapes {options.batch_shapes}, scheduler {options.scheduler})")
+        await stop.wait()
+        await gate.stop_accepting(listeners, protocol)
+        log(f"draining: no new connections; answering the {gate.report.in_flight} requests in flight (at most "
+            f"--drain_seconds={options.drain_seconds:g})")
+        report = await gate.drain()
+        await runner.cleanup()  # the idle connections, then the application (the batcher's task and worker)
+        await gate.closed_all()
+    finally:
+        for sock in sockets:  # closed already unless serving never began
             sock.close()
-        raise
-    loop = asyncio.get_running_loop()
-    protocol = functools.partial(Connection, runner.server, gate, loop=loop,
-                                 keepalive_timeout=options.idle_timeout_seconds, access_log=None)
-    backlog = min(socket.SOMAXCONN, max(128, gate.options.max_connections))
-    listeners = [(await loop.create_server(protocol, sock=sock, backlog=backlog), sock) for sock in sockets]
-    bound = sockets[0].getsockname()[1]  # the port the OS chose for --port=0
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)  # a second signal while draining changes nothing
-    log(f"serving on http://{host}:{bound} (max_batch {options.max_batch}, max_wait_ms {options.max_wait_ms:g}, "
-        f"batch shapes {options.batch_shapes}, scheduler {options.scheduler})")
-    await stop.wait()
-    await gate.stop_accepting(listeners, protocol)
-    log(f"draining: no new connections; answering the {gate.report.in_flight} requests in flight (at most "
-        f"--drain_seconds={options.drain_seconds:g})")
-    report = await gate.drain()
-    await runner.cleanup()  # the idle connections, then the application (the batcher's task and worker)
-    await gate.closed_all()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.remove_signal_handler(sig)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
     log(f"{report.describe(options.drain_seconds)}; bye")
     return report
