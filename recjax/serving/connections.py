@@ -55,6 +55,7 @@ RETRY_AFTER_SECONDS = 1  # the Retry-After of a 503: another replica (or this on
 # How long the end of a drain waits for the answers already written to leave (sockets flushed and closed) and for
 # aiohttp's cleanup of connections that are lingering; a client that stops reading cannot hold the exit longer.
 CLOSE_GRACE_SECONDS = 5.0
+SWEEP_SECONDS = 0.25  # how often header deadlines are checked: a 408 comes at most this late
 
 
 @dataclasses.dataclass
@@ -111,7 +112,8 @@ def raw_response(status: int, reason: str, message: str, retry_after: int | None
 class Gate:
     """The server's open connections and requests in flight: the connection cap, the refusals, the drain.
 
-    `metrics` is the server's Metrics (its `requests` counter and `connections` / `in_flight` gauges);
+    `metrics` is the server's Metrics (its `requests` counter and `connections` / `in_flight` gauges, which read
+    this gate);
     `on_drain` callbacks run when a drain begins (the server's status, the batcher's stop-waiting)."""
 
     def __init__(self, options: Any, metrics: Any):
@@ -122,18 +124,19 @@ class Gate:
         self.report = DrainReport()
         self.on_drain: list[Callable[[], None]] = []
         self._changed: asyncio.Event | None = None  # made in the loop, when a drain waits on it
+        # Read when /metrics is scraped, not set on every change (a request and a connection each changed them twice).
+        metrics.connections.set_function(lambda: len(self.connections))
+        metrics.in_flight.set_function(lambda: len(self.requests))
         self.drain_start = 0.0  # the loop's time when the drain began
 
     # -- connections
     def opened(self, connection: "Connection") -> bool:
         """Register a new connection; True when it is past the cap (its request is refused)."""
         self.connections.add(connection)
-        self.metrics.connections.set(len(self.connections))
         return len(self.connections) > self.options.max_connections
 
     def closed(self, connection: "Connection") -> None:
         self.connections.discard(connection)
-        self.metrics.connections.set(len(self.connections))
         self.changed()
 
     def changed(self) -> None:
@@ -144,7 +147,6 @@ class Gate:
     def begin(self) -> InFlight:
         request = InFlight(asyncio.current_task(), accepted=not self.draining)
         self.requests.add(request)
-        self.metrics.in_flight.set(len(self.requests))
         return request
 
     def refusal(self) -> str | None:
@@ -155,7 +157,6 @@ class Gate:
 
     def end(self, request: InFlight, gone: bool) -> None:
         self.requests.discard(request)
-        self.metrics.in_flight.set(len(self.requests))
         if self.draining:
             if not request.accepted:
                 self.report.refused += 1
@@ -166,6 +167,19 @@ class Gate:
             else:
                 self.report.answered += 1
         self.changed()
+
+    async def sweep(self) -> None:
+        """Every SWEEP_SECONDS (or a quarter of the header timeout, if less), the connections past their header
+        deadline get their 408. One sweep for all rather than a timer per connection: arming and cancelling an
+        asyncio timer with every request costs microseconds; a look at a connection's deadline, a fraction of one."""
+        loop = asyncio.get_running_loop()
+        period = min(SWEEP_SECONDS, self.options.header_timeout_seconds / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = loop.time()
+            for connection in [c for c in self.connections if c.head_deadline is not None and now >= c.head_deadline]:
+                connection.head_deadline = None
+                connection.head_timed_out()
 
     # -- the drain (module doc)
     def settled(self) -> bool:
@@ -254,7 +268,7 @@ class Connection(web_protocol.RequestHandler):
         self.waiting_headers = True  # between requests: the next request's headers are not all here
         self.head_started = False  # ... and some of its bytes are
         self.requests_read = 0  # requests whose headers were read
-        self.head_timer: asyncio.TimerHandle | None = None
+        self.head_deadline: float | None = None  # the loop's time by which the awaited headers must be here
 
     # -- state the drain reads
     @property
@@ -277,10 +291,10 @@ class Connection(web_protocol.RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self.over_cap = self.gate.opened(self)
-        self._arm_head_timer()  # a new connection's first request: its headers within the timeout
+        self._start_head_clock()  # a new connection's first request: its headers within the timeout
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._disarm_head_timer()
+        self._stop_head_clock()
         self.gate.closed(self)
         super().connection_lost(exc)
 
@@ -293,14 +307,14 @@ class Connection(web_protocol.RequestHandler):
             return  # the rest of what it sends is dropped
         if data and self.waiting_headers and not self.head_started:
             self.head_started = True
-            if self.head_timer is None:  # on a kept-alive connection: from the request's first byte
-                self._arm_head_timer()
+            if self.head_deadline is None:  # on a kept-alive connection: from the request's first byte
+                self._start_head_clock()
         parsed = self._request_count
         super().data_received(data)
         if self._request_count != parsed:  # a request's headers are complete: its handler takes over
             self.requests_read += self._request_count - parsed
             self.waiting_headers = self.head_started = False
-            self._disarm_head_timer()
+            self._stop_head_clock()
 
     async def finish_response(self, request: Any, resp: Any, start_time: float | None) -> tuple[Any, bool]:
         answered = await super().finish_response(request, resp, start_time)
@@ -333,21 +347,17 @@ class Connection(web_protocol.RequestHandler):
         self.gate.metrics.requests.labels("other", str(status)).inc()
         if read_rest and self.transport.can_write_eof():
             self.transport.write_eof()
-            self._arm_head_timer()  # the client has this long to close
+            self._start_head_clock()  # the client has this long to close
         else:
             self.force_close()  # the transport closes once the answer is flushed
 
-    def _arm_head_timer(self) -> None:
-        self._disarm_head_timer()
-        self.head_timer = self._loop.call_later(self.gate.options.header_timeout_seconds, self._head_timed_out)
+    def _start_head_clock(self) -> None:
+        self.head_deadline = self._loop.time() + self.gate.options.header_timeout_seconds  # Gate.sweep checks it
 
-    def _disarm_head_timer(self) -> None:
-        if self.head_timer is not None:
-            self.head_timer.cancel()
-            self.head_timer = None
+    def _stop_head_clock(self) -> None:
+        self.head_deadline = None
 
-    def _head_timed_out(self) -> None:
-        self.head_timer = None
+    def head_timed_out(self) -> None:
         if self.refused:  # answered already: the client did not close
             self.force_close()
         elif self.waiting_headers and not self._messages:

@@ -448,8 +448,11 @@ def make_app(model: Any, options: ServerOptions | None = None) -> web.Applicatio
         if state["status"] != "ok":
             return _json_error(503, f"the server is {state['status']}")
         try:
-            async with asyncio.timeout(options.body_timeout_seconds):
+            if request.content.is_eof():  # the whole body came with the headers (most requests): no clock to arm
                 body = await request.read()
+            else:
+                async with asyncio.timeout(options.body_timeout_seconds):
+                    body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return _json_error(413, f"the body is larger than {options.max_body_bytes} bytes (--max_body_bytes); "
                                     "send fewer rows per request")
@@ -616,6 +619,7 @@ async def serve(model: Any, host: str, port: int, options: ServerOptions, log=pr
                                      keepalive_timeout=options.idle_timeout_seconds, access_log=None)
         backlog = min(socket.SOMAXCONN, max(128, gate.options.max_connections))
         listeners = [(await loop.create_server(protocol, sock=sock, backlog=backlog), sock) for sock in sockets]
+        sweeper = asyncio.create_task(gate.sweep())
         bound = sockets[0].getsockname()[1]  # the port the OS chose for --port=0
         log(f"serving on http://{host}:{bound} (max_batch {options.max_batch}, max_wait_ms {options.max_wait_ms:g}, "
             f"batch shapes {options.batch_shapes}, scheduler {options.scheduler})")
@@ -626,6 +630,7 @@ async def serve(model: Any, host: str, port: int, options: ServerOptions, log=pr
         report = await gate.drain()
         await runner.cleanup()  # the idle connections, then the application (the batcher's task and worker)
         await gate.closed_all()
+        sweeper.cancel()
     finally:
         for sock in sockets:  # closed already unless serving never began
             sock.close()
