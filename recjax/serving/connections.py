@@ -29,8 +29,8 @@ connections:
   2. answer the requests in flight -- every request whose headers were read before the signal, its body still
      arriving or not -- and let every connection finish what it is doing (writing an answer, or reading the rest of
      a refused request's body so that its client reads the answer rather than a reset), within `drain_seconds`;
-  3. past `drain_seconds`, a request still unanswered gets 503 (its handler is cancelled) and a connection still
-     sending headers gets 503; the report counts them;
+  3. past `drain_seconds`, a request still unanswered gets 503 (its handler is cancelled), and so does a connection
+     whose request's headers have not all arrived; the report counts them;
   4. then close the idle connections and the application (the batcher), and wait until the answers have left.
 Every response during the drain says Connection: close, so no connection outlives its answer. The report says how
 many requests in flight were answered and how many were not; `python -m experiments.serve` exits 0 only when all
@@ -273,14 +273,16 @@ class Connection(web_protocol.RequestHandler):
     # -- state the drain reads
     @property
     def awaiting_request(self) -> bool:
-        """A request's headers are arriving, or the connection is new: its client connected to send one."""
-        return (self.transport is not None and self.waiting_headers and not self._messages
+        """A request's headers are arriving, or the connection is new: its client connected to send one (and was not
+        refused already)."""
+        return (self.transport is not None and not self.refused and self.waiting_headers and not self._messages
                 and (self.head_started or self.requests_read == 0))
 
     @property
     def idle(self) -> bool:
         """Kept alive after an answer, waiting for a request, no byte of one here: a connection the drain may close
-        (the race with a client sending on it just then is HTTP/1.1's own, which clients retry)."""
+        (a client sending on it just then loses the race every HTTP/1.1 client must expect on a kept-alive
+        connection)."""
         if self.transport is None:
             return True
         waiter = self._waiter
