@@ -38,11 +38,11 @@ fresh temporary directory by default), removed at the end. Sections:
             process): examples/s and its ratio to the capped arm's, hit rate, rows read / written and evictions /
             write-backs per step, the peaks of RssAnon and RssFile over the window and the process. --vocab_cap and
             --disk_over shrink the preset for a smoke run.
-  mesh      the disk tier on a mesh (recjax/tiering/mesh.py): the synthetic default (26 tables, dim 16) on 8 CPU
-            devices (data=4 x model=2), every table row-wise, trained by the launcher in memory and with every table
-            on disk behind a cache of --mesh_cache of the rows the fullest device owns, on each device: examples/s of
-            both and their ratio, AUC and logloss of both (equal: the runs are bit-identical), hit rate, rows read
-            and written (each run in its own process: `python -m experiments.train --cpu_devices=8`).
+  mesh      the disk tier on a mesh (recjax/tiering/slots.py `BlockSlots`): the synthetic default (26 tables, dim 16)
+            on 8 CPU devices (data=4 x model=2), every table row-wise, trained by the launcher in memory and with every
+            table on disk behind a cache of --mesh_cache of the rows the fullest device owns, on each device:
+            examples/s of both and their ratio, AUC and logloss of both (equal: the runs are bit-identical), hit rate,
+            rows read and written (each run in its own process: `python -m experiments.train --cpu_devices=8`).
   plot      tiering.png beside --out: step-time ratio and hit rate against cache size, one line per Zipf exponent.
 """
 
@@ -369,9 +369,8 @@ def time_steps(config, directory: pathlib.Path, host_batches, warmup: int, fill=
     training steps leave it in, at the cost of the host's I/O alone."""
     import jax
 
-    from recjax import tiering
+    from recjax import placement
     from recjax.data.pipeline import DevicePrefetcher
-    from recjax.embedding_backend import LocalEmbedding
     from recjax.specs import DatasetSpec, FeatureSpec
     from recjax.step import init_state, make_train_step
     from recjax.task import build_task
@@ -380,7 +379,8 @@ def time_steps(config, directory: pathlib.Path, host_batches, warmup: int, fill=
                                                     for i, v in enumerate(config.data.vocab_sizes)))
     task = build_task(config, spec)
     config.tiering.dir = str(directory)
-    backend = tiering.setup(config, task) or LocalEmbedding(task.collection)
+    backend = placement.build(config, task)
+    disk = next((s for s in backend.storages if s.name == "disk"), None)
     try:
         t0 = time.perf_counter()
         with DevicePrefetcher(iter(host_batches), lambda b, w: None, put=backend.put_batch) as batches:
@@ -388,10 +388,10 @@ def time_steps(config, directory: pathlib.Path, host_batches, warmup: int, fill=
             state = backend.place_state(init_state(task, jax.random.key(0), host_batches[0], backend))
             init_s = time.perf_counter() - t0
             filled, fill_s = 0, 0.0
-            if fill is not None and hasattr(backend, "caches"):
+            if fill is not None and disk is not None:
                 t1 = time.perf_counter()
                 for b in fill:
-                    state, _ = backend.prepare_train(state, backend.put_batch(b))
+                    state, _ = disk.prepare_train(state, backend.put_batch(b))
                     filled += 1
                     if filled % 50 == 0:  # keep the queued swaps few
                         jax.block_until_ready(state.tables)
@@ -418,7 +418,7 @@ def time_steps(config, directory: pathlib.Path, host_batches, warmup: int, fill=
         summary = backend.summary()
         if "tiering" in summary:
             (g0, before), = stats_at["tiering"]["groups"].items()
-            occupied = int((backend.caches[g0].row_of_slot >= 0).sum())
+            occupied = int((disk.caches[g0].row_of_slot >= 0).sum())
             out.update({"fill_steps": filled, "fill_s": fill_s, "cache_full": occupied / before["cache_slots"]})
             after = summary["tiering"]["groups"][g0]
             lookups = after["lookups"] - before["lookups"]
@@ -551,10 +551,9 @@ def steady_window(arm: str, cap: int, vocab_cap: int, disk_over: int, window: in
     import jax
 
     from experiments.configs.dlrm_synthetic import get_config
-    from recjax import tiering
+    from recjax import placement
     from recjax.data.pipeline import DevicePrefetcher
     from recjax.data.synthetic import SyntheticDataset
-    from recjax.embedding_backend import LocalEmbedding
     from recjax.rss import RssSampler, resident
     from recjax.specs import DatasetSpec, FeatureSpec
     from recjax.step import init_state, make_train_step
@@ -577,7 +576,8 @@ def steady_window(arm: str, cap: int, vocab_cap: int, disk_over: int, window: in
     data = SyntheticDataset(vocab_sizes=config.data.vocab_sizes, zipf_exponent=config.data.zipf_exponent,
                             eval_examples=16, seed=0)
     stream = data.train_batches(batch_size)
-    backend = tiering.setup(config, task) or LocalEmbedding(task.collection)
+    backend = placement.build(config, task)
+    disk = next((s for s in backend.storages if s.name == "disk"), None)
     try:
         t0 = time.perf_counter()
         first = next(stream)
@@ -585,11 +585,11 @@ def steady_window(arm: str, cap: int, vocab_cap: int, disk_over: int, window: in
         jax.block_until_ready(state)
         out = {"init_s": time.perf_counter() - t0, "batch_size": batch_size, "window_steps": window,
                "embedding_rows": int(sum(config.data.vocab_sizes))}
-        caches = getattr(backend, "caches", {})
+        caches = disk.caches if disk is not None else {}
         if caches:
             t0, filled = time.perf_counter(), 0
             for batch in stream:
-                state, _ = backend.prepare_train(state, backend.put_batch(batch))
+                state, _ = disk.prepare_train(state, backend.put_batch(batch))
                 filled += 1
                 if filled % 20 == 0 or filled >= fill:
                     jax.block_until_ready(state.tables)  # keep the queued swaps few
@@ -597,11 +597,11 @@ def steady_window(arm: str, cap: int, vocab_cap: int, disk_over: int, window: in
                     if full or filled >= fill:
                         break
             jax.block_until_ready(state.tables)
-            backend.write_back()  # the replay's pending write-backs done before the window
+            disk.write_back(state)  # the replay's pending write-backs done before the window
             out.update({"fill_steps": filled, "fill_s": time.perf_counter() - t0,
                         "cache_full": min(1 - c.free / c.size for c in caches.values()),
                         "cache_slots": sum(c.size for c in caches.values()),
-                        "cached_rows": sum(backend.layouts[g].cached_rows for g in caches)})
+                        "cached_rows": sum(disk.layouts[g].cached_rows for g in caches)})
         host = [next(stream) for _ in range(warmup + window)]
         with DevicePrefetcher(iter(host), lambda b, w: None, put=backend.put_batch) as batches:
             batch = next(batches)

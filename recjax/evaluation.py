@@ -20,8 +20,9 @@ import numpy as np
 
 from recjax import metrics
 from recjax.batch import pad_batch, validate_batch
-from recjax.embedding_backend import EmbeddingBackend, LocalEmbedding
+from recjax.embedding_backend import EmbeddingBackend
 from recjax.errors import ConfigError
+from recjax.placement.embedding import one_device
 from recjax.step import TrainState
 from recjax.task import Task
 from recjax.validation import boolean, choice, get, integer, known_keys, number
@@ -143,7 +144,7 @@ def evaluate(task: Task, predict_step, state: TrainState, dataset, batch_size: i
     """Exact metrics over the whole `split` (short last batch padded, padding dropped); `backend` places each batch
     (a mesh run splits it over the devices). Multi-host, each process reads only its share of every batch
     (`backend.process_rows`), and every process computes the metrics over all processes' rows, each row once."""
-    backend = backend or LocalEmbedding(task.collection)
+    backend = backend or one_device(task.collection)
     put, rows = backend.put_batch, backend.process_rows(batch_size)
     labels, probs = [], []
     share = {} if rows is None else {"rows": rows}

@@ -2,7 +2,8 @@
 checkpoints and the outputs, then runs the loop.
 
 What is trained is a `Task` (recjax/task.py); the one train / predict step is recjax/step.py, written against the
-embedding backend (`LocalEmbedding` on one device, `MeshEmbedding` on a mesh); budget, evaluation and selection are
+embedding interface, which `recjax.placement.build` composes from a layout (one device, a mesh) and a storage per
+table group (device memory, host memory, disk behind a RAM cache); budget, evaluation and selection are
 recjax/evaluation.py; what the run writes as it goes is recjax/metric_log.py. The loop:
 
     for each step: train step -> (dynamic tables: adjust) -> at log points: loss and the divergence check, at eval
@@ -31,14 +32,14 @@ import ml_collections
 import numpy as np
 import tqdm
 
-from recjax import sharding, tiering
+from recjax import placement, sharding
 from recjax.batch import pad_batch, validate_batch
 from recjax.checkpoint import Checkpointer, ResumePoint
 from recjax.config_check import validate_config
 from recjax.data import make_dataset
 from recjax.data.pipeline import DevicePrefetcher
 from recjax.dynamic import DynamicTables
-from recjax.embedding_backend import EmbeddingBackend, LocalEmbedding
+from recjax.embedding_backend import EmbeddingBackend
 from recjax.errors import ConfigError, Interrupted
 from recjax.evaluation import Budget, Selection, evaluate, resolve_budget
 from recjax.guards import (
@@ -54,11 +55,12 @@ from recjax.metrics import METRICS
 from recjax.rss import RssSampler
 from recjax.step import init_state, make_predict_step, make_train_step
 from recjax.task import Task, build_task
+from recjax.tiering.folders import WORKDIR_FOLDER, remove_stale
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
     """Train per `config`, select the best step on validation, write the workdir outputs, return the summary."""
-    validate_config(config)  # every config mistake is a ConfigError naming its key, before any work
+    sections = validate_config(config)  # every config mistake is a ConfigError naming its key, before any work
 
     # --- workdir and checkpoints ----------------------------------------------------------------------
     root = pathlib.Path(workdir)  # process 0's workdir: the summary and the checkpoints every process shares
@@ -66,7 +68,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     writable_directory(workdir, "--workdir")
     if config.checkpoint.enabled and config.checkpoint.dir:
         writable_directory(pathlib.Path(config.checkpoint.dir).expanduser(), "checkpoint.dir")
-    left = tiering.remove_stale(workdir / tiering.WORKDIR_FOLDER)  # disk-tier files a killed run left here
+    left = remove_stale(workdir / WORKDIR_FOLDER)  # the disk-tier table files a killed run left here
     if left:
         print(f"removed the disk-tier table files ({left / 2**20:,.1f} MiB) a killed run left in {workdir}", flush=True)
     checkpointer = Checkpointer(config, root) if config.checkpoint.enabled else None
@@ -96,14 +98,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                 else dynamic.with_capacities(task, saved_dynamic["capacities"]))
 
     # --- where the embedding rows live ------------------------------------------------------------------
-    # Tables on disk / in host RAM: a row cache in front of them (recjax/tiering); a mesh: the plan's blocks and
-    # collectives (recjax/sharding); else one device: the collection's own engine.
-    backend = (tiering.setup(config, task, dataset, workdir) or sharding.setup(config, task)
-               or LocalEmbedding(task.collection))
-    check_memory(config, task, backend)  # before the tables are made (a disk tier: what stays in memory)
+    # A layout (one device, or the mesh's plan) x a storage per table group (device memory, host memory, disk
+    # behind a RAM cache): recjax/placement.
+    backend = placement.build(sections, task, dataset, workdir)
+    check_memory(config, task, backend)  # before the tables are made (device and host memory, apart)
     if checkpointer is not None:  # where the tables' rows are, and how to restore a checkpoint saved elsewhere
-        checkpointer.layout = sharding.layout(backend)
-        checkpointer.relayout = sharding.relayout(task.collection, backend)
+        checkpointer.layout = backend.checkpoint_layout()
+        checkpointer.relayout = backend.relayout()
         checkpointer.task = task  # what the tables hold: checked on restore
         checkpointer.backend = backend  # what a save writes of the tables (a disk tier reads them from its files)
 
@@ -198,8 +199,7 @@ class Run:
                               batch_size if rows is None else rows.stop - rows.start)
         if backend.describe():
             print(backend.describe(), flush=True)
-        if isinstance(backend, sharding.MeshEmbedding):
-            sharding.save_plan(backend.plan, self.workdir)
+        backend.save_plan(self.workdir)  # a mesh's sharding_plan.txt / .json, whatever its storages
         init = lambda batch: init_state(task, jax.random.key(self.config.seed), batch, backend)  # noqa: E731
         if resume and backend.restores_single_device:  # restored into: no need to initialise the tables
             like = jax.eval_shape(lambda b: init_state(task, jax.random.key(self.config.seed), b), eval_host)
@@ -358,8 +358,8 @@ class Run:
             self.checkpointer.task = self.task  # a compaction re-sized the pools
         if recompile:  # a pool was compacted: new shapes (a mesh made a new plan for them)
             if self.checkpointer is not None:
-                self.checkpointer.layout = sharding.layout(self.backend)
-                self.checkpointer.relayout = sharding.relayout(self.task.collection, self.backend)
+                self.checkpointer.layout = self.backend.checkpoint_layout()
+                self.checkpointer.relayout = self.backend.relayout()
             t0 = time.perf_counter()
             self._compile()
             dynamic.timings["recompile_s"] += time.perf_counter() - t0
@@ -433,6 +433,7 @@ class Run:
         test = selection.test or no_metrics
         # The tables as they end (dynamic pools compacted to their budget).
         accounting = self.task.collection.accounting(self.task.sparse_optimizer)
+        memory = self.backend.memory_bytes(self.task.sparse_optimizer)  # where this process holds them
         restored = self.loop.restored_from["step"] if self.loop.restored_from else 0
         return {
             # Headline metrics: the test split at the step with the best validation metric.
@@ -457,6 +458,10 @@ class Run:
             "embedding_params": accounting["params"],
             "embedding_bytes": accounting["bytes"],
             "embedding_optimizer_bytes": accounting["optimizer_bytes"],
+            # Of those (and a disk tier's caches), what this process holds in device memory and in host memory (a
+            # disk tier's files count in neither): what the memory check compared with each memory.
+            "embedding_device_bytes": memory.device,
+            "embedding_host_bytes": memory.host,
             "compression_ratio": accounting["full_bytes"] / accounting["bytes"],
             "flops_per_example": self.forward_flops,
             "train_flops_per_example": self.train_flops,
@@ -474,6 +479,8 @@ class Run:
             "epochs": step * batch_size / budget.examples_per_epoch if budget.examples_per_epoch else None,
             "final_train_loss": self.loop.loss,
             "tables": accounting["tables"],
+            # What embedding.kernel ran and why (recjax/kernel_choice.py: "auto" measured, cached or shipped).
+            "embedding_kernel": self.task.collection.kernel_choice,
             **({} if self.dynamic is None else {"dynamic_tables": self.dynamic.summary()}),
             **self.backend.summary(),
         }

@@ -57,7 +57,7 @@ class Fault:
 
 def install(fault: Fault) -> None:
     from recjax import checkpoint
-    from recjax.tiering import backend, store
+    from recjax.tiering import storage, store
 
     save = checkpoint.Checkpointer.save
 
@@ -78,13 +78,13 @@ def install(fault: Fault) -> None:
 
     checkpoint.Checkpointer.save = saving
 
-    read_misses = backend.TieredEmbedding._read_misses
+    read_misses = storage.DiskStorage._read_misses
 
     def reading(self, group, rows):
         fault.fire("read", self.stores[group].files)
         return read_misses(self, group, rows)
 
-    backend.TieredEmbedding._read_misses = reading
+    storage.DiskStorage._read_misses = reading
 
     write = store.RowStore.write
 
@@ -106,16 +106,16 @@ def install(fault: Fault) -> None:
 
     store.RowStore.write = writing
 
-    block = backend.CheckpointRows.block
+    block = storage.CheckpointRows.block
 
     def reading_block(self, start, stop):
-        if (fault.fire("save", [f for s in self.backend.stores.values() for f in s.files])
+        if (fault.fire("save", [f for s in self.storage.stores.values() for f in s.files])
                 and fault.name.endswith("enospc")):  # as tensorstore words a write the disk refused
             raise ValueError("RESOURCE_EXHAUSTED: Error writing the checkpoint's table block: Failed to write "
                              f"{(stop - start) * 4:,} bytes: No space left on device [os_error_code=28]")
         return block(self, start, stop)
 
-    backend.CheckpointRows.block = reading_block
+    storage.CheckpointRows.block = reading_block
 
 
 def main() -> None:

@@ -109,6 +109,40 @@ def test_each_bad_value_is_a_config_error_naming_its_key(tmp_path, factory, key,
     assert text in str(error.value), str(error.value)
 
 
+def test_typed_sections_take_their_defaults_and_name_bad_keys():
+    """recjax/sections.py: a config without its optional sections (mesh, sharding, tiering), or a section without one
+    of its keys, runs with the dataclasses' defaults -- the ones experiments/configs/common.py builds its sections
+    from, so nothing downstream repeats them; a value of the wrong type or a key the section lacks is a one-line
+    ConfigError naming the dotted key."""
+    import ml_collections
+
+    from recjax.sections import MeshSection, ShardingSection, TieringSection, read_sections
+
+    config = synthetic()
+    assert read_sections(config).tiering == TieringSection() and read_sections(config).sharding == ShardingSection()
+    with config.unlocked():
+        del config["tiering"]
+        del config["mesh"]
+        del config.sharding["capacity_sigmas"]
+    sections = validate_config(config)
+    assert sections.tiering == TieringSection() and sections.mesh == MeshSection()
+    assert sections.sharding.capacity_sigmas == ShardingSection().capacity_sigmas == 7.0
+    for section, fields, key, text in [
+        ("tiering", {"cache_rows": "many"}, "tiering.cache_rows", "must be a whole number, got 'many'"),
+        ("tiering", {"prefetch": 1}, "tiering.prefetch", "must be True or False, got 1"),
+        ("sharding", {"capacity_factor": "big"}, "sharding.capacity_factor", "must be a number, got 'big'"),
+        ("tiering", {"cache_size": 3}, "tiering.cache_size", "is not a known field; tiering has ["),
+        ("mesh", {"shape": 4}, "mesh.shape", "must be a string"),
+    ]:
+        config = synthetic()
+        with config.unlocked():
+            config[section] = ml_collections.ConfigDict(fields)
+        with pytest.raises(ConfigError) as error:
+            validate_config(config)
+        assert error.value.key == key and str(error.value).startswith(f"{key}: ") and text in str(error.value), \
+            str(error.value)
+
+
 def test_unknown_fields_and_missing_files_are_named(tmp_path):
     config = synthetic()
     config.train.stepz = 10

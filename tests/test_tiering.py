@@ -1,4 +1,4 @@
-"""The disk / host tier (recjax/tiering): the cache directory against a brute-force LRU, the table files' errors,
+"""The disk storage (recjax/tiering): the cache directory against a brute-force LRU, the table files' errors,
 bit-exact equality with the in-memory run for every sparse optimizer and QR, the prefetch race, and the config."""
 
 import errno
@@ -10,14 +10,15 @@ import pytest
 from conftest import random_batch
 
 from experiments.configs.dlrm_synthetic import get_config
-from recjax import tiering
+from recjax import placement, tiering
 from recjax.errors import ConfigError, StorageError
+from recjax.placement.tiers import TableBytes, resolve_tiers
 from recjax.rss import resident
+from recjax.sections import TieringSection
 from recjax.specs import DatasetSpec, FeatureSpec
 from recjax.step import init_state, make_predict_step, make_train_step
 from recjax.task import build_task
 from recjax.tiering import RowCache, RowStore
-from recjax.tiering.tiers import TableBytes, resolve_tiers
 from recjax.train import train_and_evaluate
 
 BATCH = 32
@@ -123,7 +124,7 @@ def test_cache_too_small_for_a_step_is_an_error():
 
 
 def test_static_hot_set_is_the_most_read_rows():
-    layout = tiering.GroupLayout("dim4", rows=20, dim=4, resident=(), cached=(("C1", 0, 20, "disk"),), slots=5,
+    layout = tiering.GroupLayout("dim4", rows=20, dim=4, resident=(), cached=(("C1", 0, 20, True),), slots=5,
                                  step_rows=2)
     batches = [np.array([1, 2, 20]), np.array([2, 3, 20]), np.array([2, 3, 9]), np.array([9, 17, 20])]  # 20: sentinel
     hot = tiering.profile_hot_rows(lambda b: {"dim4": b}, batches, [layout], count=4)
@@ -322,9 +323,26 @@ def memory_run(task, batches):
     return state, losses, np.asarray(predict(state, batches[1]))
 
 
-def tiered_run(task, batches, tiers, cache_rows, directory, **kwargs):
-    layouts = tiering.plan_layouts(task.collection, tiers, BATCH, cache_rows=cache_rows)
-    backend = tiering.TieredEmbedding(task.collection, task.sparse_optimizer, layouts, directory, **kwargs)
+def disk_placement(config, task, tiers, cache_rows, directory, **fields):
+    """The placement of `task`'s tables with `tiers` ({physical table: tier}), a cache of `cache_rows` rows per group
+    and the disk tables' files in `directory`, built as a run builds it (`placement.build`)."""
+    config = config.copy_and_resolve_references()
+    config.train.batch_size = BATCH
+    config.tiering.tables = ",".join(f"{name}={tier}" for name, tier in tiers.items())
+    config.tiering.cache_rows = cache_rows
+    config.tiering.dir = str(directory)
+    for key, value in fields.items():
+        config.tiering[key] = value
+    return placement.build(config, task)
+
+
+def disk_of(backend):
+    """The disk storage of a placement."""
+    return next(s for s in backend.storages if s.name == "disk")
+
+
+def tiered_run(config, task, batches, tiers, cache_rows, directory, **fields):
+    backend = disk_placement(config, task, tiers, cache_rows, directory, **fields)
     first = backend.put_batch(batches[0])
     state = backend.place_state(init_state(task, jax.random.key(0), batches[0], backend))
     step = make_train_step(task, backend).lower(state, first).compile()
@@ -348,7 +366,7 @@ def assert_same_state(expected, got):
     ("sgd", "full", "disk", "auto"),  # multi-hot C2 with plain SGD: no dedup, every bag slot remapped to its slot
     # Per-element [R, D] state moving with its rows through the cache: lazy_adam's two moments below prove it too.
     pytest.param("adagrad", "full", "disk", "auto", marks=pytest.mark.slow),
-    ("rowwise_adagrad", "full", "mixed", "auto"),  # C2 in the host tier's RAM store (on an accelerator; forced here)
+    ("rowwise_adagrad", "full", "mixed", "auto"),  # C2 (host tier) grouped with disk tables: in a RAM store, cached
     # The accelerators' layout: bags pooled straight from the tables, so the bag slots are rows to remap too.
     ("lazy_adam", "full", "disk", "table"),
     ("rowwise_adagrad", "qr", "disk", "auto"),  # QR's quotient tables on disk, remainders in memory, one group
@@ -367,9 +385,10 @@ def test_tiered_run_equals_the_memory_run_bit_for_bit(optimizer, method, tier, p
         tiers = {n: "memory" if n == "C3" else "host" if tier == "mixed" and n == "C2" else "disk" for n in names}
     # The smallest cache that holds a step, so every step evicts most of what the previous one used. By hand: a step
     # reads at most 32 rows of C1 (or C1/q), 32 x 3 of C2 and 32 of C4.
-    layout, = tiering.plan_layouts(task.collection, tiers, BATCH, cache_rows=160)
+    cached = {name: tier == "disk" for name, tier in tiers.items() if tier != "memory"}
+    layout, = tiering.plan_group_layouts(task.collection, cached, BATCH, cache_rows=160)
     assert layout.step_rows == 160
-    backend, state, losses, probs = tiered_run(task, batches, tiers, 160, tmp_path)
+    backend, state, losses, probs = tiered_run(config, task, batches, tiers, 160, tmp_path)
     assert losses == expected_losses
     np.testing.assert_array_equal(probs, expected_probs)
     assert_same_state(expected, backend.local_state(state))
@@ -398,15 +417,15 @@ def test_swap_updates_the_cache_in_place(tmp_path):
 
     task = build_task(tiny_config(), SPEC)
     tiers = {p.table.name: "memory" if p.table.name == "C3" else "disk" for p in task.collection.physical_tables()}
-    layouts = tiering.plan_layouts(task.collection, tiers, BATCH, cache_rows=160)
-    backend = tiering.TieredEmbedding(task.collection, task.sparse_optimizer, layouts, tmp_path)
+    backend = disk_placement(tiny_config(), task, tiers, 160, tmp_path)
+    disk = disk_of(backend)
     state = backend.place_state(init_state(task, jax.random.key(0), random_batch(SPEC, BATCH, seed=0), backend))
-    (g, layout), = backend.layouts.items()
+    (g, layout), = disk.layouts.items()
     table, group_state = state.tables[g], state.sparse_opt_state[g]
     slots = np.arange(16, dtype=np.int32)
-    records = np.zeros((16, backend.widths[g]), np.float32)
-    texts = [backend._records_fn.lower(table, group_state, slots).compile().as_text(),
-             backend._fill_fn.lower({g: table}, {g: group_state}, {g: slots}, {g: records}).compile().as_text()]
+    records = np.zeros((16, disk.widths[g]), np.float32)
+    texts = [disk._records_fn.lower(table, group_state, slots).compile().as_text(),
+             disk._fill_fn.lower({g: table}, {g: group_state}, {g: slots}, {g: records}).compile().as_text()]
     cache_shapes = {f"f32[{layout.device_rows},{layout.dim}]", f"f32[{layout.device_rows}]"}
     for text in texts:
         copies = re.findall(r"= (f32\[[0-9,]*\])[^ ]* copy\(", text)
@@ -439,7 +458,7 @@ def test_prefetch_race_rows_are_never_stale_nor_evicted_before_use(tmp_path, mon
     got them from the pending eviction, never from the (stale) file."""
     import threading
 
-    from recjax.tiering import backend as backend_module
+    from recjax.tiering import storage as storage_module
 
     spec = DatasetSpec(num_dense=13, features=(FeatureSpec("C1", 1000),))
     config = tiny_config("lazy_adam")
@@ -454,23 +473,22 @@ def test_prefetch_race_rows_are_never_stale_nor_evicted_before_use(tmp_path, mon
 
     gate = threading.Event()
     GatedStore.gate, GatedStore.pending = gate, set()
-    original_queue = backend_module.TieredEmbedding._queue_write
+    original_queue = storage_module.DiskStorage._queue_write
 
     def queue_write(self, eviction):
         GatedStore.pending |= set(eviction.rows.tolist())
         original_queue(self, eviction)
 
-    monkeypatch.setattr(backend_module, "RowStore", GatedStore)
-    monkeypatch.setattr(backend_module.TieredEmbedding, "_queue_write", queue_write)
-    layouts = tiering.plan_layouts(task.collection, {"C1": "disk"}, BATCH, cache_rows=BATCH)
-    backend = tiering.TieredEmbedding(task.collection, task.sparse_optimizer, layouts, tmp_path)
+    monkeypatch.setattr(storage_module, "RowStore", GatedStore)
+    monkeypatch.setattr(storage_module.DiskStorage, "_queue_write", queue_write)
+    backend = disk_placement(config, task, {"C1": "disk"}, BATCH, tmp_path)
     state = backend.place_state(init_state(task, jax.random.key(0), batches[0], backend))
     step = make_train_step(task, backend)
     losses = []
     for batch in batches:
         state, metrics = step(state, backend.put_batch(batch))
         losses.append(float(metrics["loss"]))
-    assert backend.stats["rows_from_evictions"] == 6 * BATCH  # steps 3..8 read every row from a pending eviction
+    assert disk_of(backend).stats["rows_from_evictions"] == 6 * BATCH  # steps 3..8: every row from an eviction
     gate.set()
     assert losses == expected_losses
     assert_same_state(expected, backend.local_state(state))
@@ -544,10 +562,12 @@ def test_tables_the_tier_cannot_serve_are_clear_errors(tmp_path):
 def test_tier_rules():
     tables = [TableBytes("C1", "C1", 10_000), TableBytes("C2/q", "C2", 5_000), TableBytes("C2/r", "C2", 100),
               TableBytes("C3", "C3", 700)]
-    rules = {"default": "memory", "tables": "C2=host,C2/r=memory", "disk_over_bytes": 6_000, "host_over_bytes": 500}
-    assert resolve_tiers(tables, rules, "gpu") == {"C1": "disk", "C2/q": "host", "C2/r": "memory", "C3": "host"}
-    # On a CPU host RAM is the device's memory.
-    assert resolve_tiers(tables, rules, "cpu") == {"C1": "disk", "C2/q": "memory", "C2/r": "memory", "C3": "memory"}
+    rules = TieringSection(default="memory", tables="C2=host,C2/r=memory", disk_over_bytes=6_000,
+                           host_over_bytes=500)
+    assert resolve_tiers(tables, rules, tuple(placement.STORAGES)) == {
+        "C1": "disk", "C2/q": "host", "C2/r": "memory", "C3": "host"}
+    with pytest.raises(ConfigError, match="with a tier in"):
+        resolve_tiers(tables, TieringSection(tables="C1=tape"), tuple(placement.STORAGES))
 
 
 # ------------------------------------------------------------------------------------------------ notebook

@@ -13,7 +13,7 @@ import pytest
 from conftest import HANG_GUARD_S
 from test_tiering_faults import ARGS, DRIVER
 
-from recjax import tiering
+from recjax import placement
 from recjax.errors import ConfigError
 from recjax.tiering import folders
 
@@ -98,9 +98,10 @@ def test_two_runs_cannot_share_a_table_folder(tmp_path):
     spec = DatasetSpec(13, tuple(FeatureSpec(f"C{i + 1}", v) for i, v in enumerate(config.data.vocab_sizes)))
     with pytest.raises(ConfigError, match=rf"tiering\.dir: {tmp_path / 'tables'} is in use by another run \(pid "
                                           rf"{os.getpid()} "):
-        tiering.setup(config, build_task(config, spec))
+        placement.build(config, build_task(config, spec))
     held.release()
-    backend = tiering.setup(config, build_task(config, spec))
-    assert backend.folder.path == tmp_path / "tables" and folders.owner(tmp_path / "tables")["pid"] == os.getpid()
+    backend = placement.build(config, build_task(config, spec))
+    disk, = (s for s in backend.storages if s.name == "disk")
+    assert disk.folder.path == tmp_path / "tables" and folders.owner(tmp_path / "tables")["pid"] == os.getpid()
     backend.close()
     assert (tmp_path / "tables").is_dir() and folders.owner(tmp_path / "tables") is None  # kept, released

@@ -49,6 +49,7 @@ from recjax.checkpoint.store import (
 )
 from recjax.checkpoint.streamed import RowBlocks
 from recjax.errors import CheckpointError, UserError, disk_full, free_bytes
+from recjax.sections import CheckpointSection, read_section
 
 # Multi-process runs decide time-based saves together (process 0's clock) every this many steps.
 AGREE_EVERY_STEPS = 20
@@ -58,7 +59,7 @@ class Checkpointer:
     """Saves and restores the trainer's state per `config.checkpoint` in `<workdir>/checkpoints` (or `dir`)."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: pathlib.Path):
-        ck = config.checkpoint
+        ck = read_section(config, "checkpoint", CheckpointSection)
         self.config_dict = config_dict(config)
         self.directory = pathlib.Path(ck.dir or pathlib.Path(workdir) / "checkpoints").expanduser().absolute()
         self.every_steps = int(ck.every_steps)

@@ -52,6 +52,9 @@ def check_data_config(config: ml_collections.ConfigDict) -> None:
 
         TabularOptions.from_config(config)  # every field, each error naming its key
     elif name == "movielens":
+        from recjax.data.movielens import VARIANTS
+
+        choice(data, "data.variant", ("auto", *VARIANTS))
         number(data, "data.rating_threshold")
         integer(data, "data.zip_prefix_length", 1)
         choice(data, "data.split.method", ("random", "time"))

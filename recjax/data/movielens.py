@@ -452,10 +452,9 @@ def split_indices(timestamps: np.ndarray, method: str, validation_fraction: floa
 def movielens_dataset(config: ml_collections.ConfigDict, seed: int = 0) -> ArrayDataset:
     """The dataset described by `config.data` (dir, variant, rating_threshold, zip_prefix_length, and split:
     method, validation_fraction, test_fraction, seed); `seed` orders the training examples."""
-    tables = read_movielens(config.dir, config.get("variant", "auto"))
-    threshold = float(config.get("rating_threshold", 4.0))
-    spec, examples, vocabularies = prepare_examples(tables, rating_threshold=threshold,
-                                                    zip_prefix_length=int(config.get("zip_prefix_length", 3)))
+    tables = read_movielens(config.dir, config.variant)
+    spec, examples, vocabularies = prepare_examples(tables, rating_threshold=float(config.rating_threshold),
+                                                    zip_prefix_length=int(config.zip_prefix_length))
     split = dict(config.split)
     try:
         indices = split_indices(tables.timestamps, split["method"], float(split["validation_fraction"]),
@@ -468,7 +467,7 @@ def movielens_dataset(config: ml_collections.ConfigDict, seed: int = 0) -> Array
         "dataset": f"movielens-{tables.variant}",
         "variant": tables.variant,
         "split": split,
-        "rating_threshold": threshold,
+        "rating_threshold": float(config.rating_threshold),
         "num_ratings": int(examples.size),
         "num_users": len(vocabularies["user"]),
         "num_items": len(vocabularies["item"]),

@@ -46,6 +46,7 @@ import numpy as np
 from recjax import metrics
 from recjax.batch import Batch
 from recjax.data.arrays import check_rows, concatenate
+from recjax.data.vocabulary import splitmix64
 from recjax.specs import DatasetSpec, FeatureSpec
 
 # Per-feature cardinalities of Criteo Kaggle (facebookresearch/dlrm, day-based split).
@@ -64,14 +65,6 @@ MLPERF_VOCAB_SIZES = (
 _EVAL_CHUNK = 4096  # eval examples are generated in fixed chunks so the eval set ignores the eval batch size
 _CALIBRATION_EXAMPLES = 16384
 _TRAIN, _TEST, _CALIBRATION, _VALIDATION = 0, 1, 2, 3  # stream ids; test keeps id 1 (the former eval split)
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """Vectorised splitmix64 finaliser (Steele et al. 2014) on uint64; wraps modulo 2^64."""
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
 
 
 def _unit_uniform(h: np.ndarray) -> np.ndarray:
@@ -247,9 +240,9 @@ class SyntheticDataset:
         n, num_features, max_bag = ids.shape
         k = self.teacher_dim
         feat = np.arange(num_features, dtype=np.uint64)[None, :, None]
-        base = _splitmix64(self._hash_key ^ _splitmix64(feat * np.uint64(0x100000001B3) + ids.astype(np.uint64)))
+        base = splitmix64(self._hash_key ^ splitmix64(feat * np.uint64(0x100000001B3) + ids.astype(np.uint64)))
         j = np.arange(k + 1, dtype=np.uint64)
-        values = _unit_uniform(_splitmix64(base[..., None] + j))  # [n, F, L, k+1]: bias and k-vector
+        values = _unit_uniform(splitmix64(base[..., None] + j))  # [n, F, L, k+1]: bias and k-vector
         mask = (np.arange(max_bag)[None, None, :] < lengths[:, :, None]) / lengths[:, :, None]
         pooled = np.einsum("nflk,nfl->nfk", values, mask)  # mean over each bag
         return pooled[..., 0], np.concatenate([pooled[..., 1:], (d @ self._dense_proj)[:, None, :]], axis=1)

@@ -77,10 +77,6 @@ class RowCache:
         return self.row_of_slot[self.pinned]
 
     @property
-    def evictable(self) -> int:
-        return self.size - int(self.pinned.sum())
-
-    @property
     def free(self) -> int:
         """Slots holding no row yet (once none, every miss evicts a row)."""
         return self._free_top

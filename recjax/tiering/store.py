@@ -212,7 +212,7 @@ class RowStore:
     tables: (name, first stacked row, rows, directory) of each cached physical table, in stacking order; a directory
     None keeps that table's records in host RAM (the host tier), else they go to a file in it (the disk tier). Reads
     and writes of different rows may run on different threads at once (the cache never has a row in flight both ways,
-    recjax/tiering/backend.py).
+    recjax/tiering/storage.py).
     """
 
     def __init__(self, tables: Sequence[tuple[str, int, int, pathlib.Path | None]], width: int, threads: int = 16):
