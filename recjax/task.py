@@ -1,11 +1,13 @@
-"""What is trained: the `Task` (embedding collection, glue, model, both optimizers) built from a config.
+"""What is trained: the `Task` (embedding collection, glue, model, both optimizers, objective) built from a config.
 
 `build_task(config, spec)` plans the logical tables (`compression.plan.plan_tables`), compiles them to stacked physical
-tables (`EmbeddingCollection`), and makes the model and the dense / sparse optimizers with their schedules.
+tables (`EmbeddingCollection`), and makes the model and the dense / sparse optimizers with their schedules. The
+objective -- the loss the step minimises, what a prediction is, the metrics an evaluation reports -- is the dataset's
+(`spec.target`, `OBJECTIVES`): clicks train a logit with log loss, ratings a value with squared error.
 """
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import flax.linen as nn
 import jax
@@ -15,6 +17,7 @@ import optax
 
 from compression import TableSpec
 from compression.plan import load_id_counts, plan_tables
+from recjax import metrics
 from recjax.embedding import EmbeddingCollection, EmbeddingGlue, resolve_dedup
 from recjax.errors import ConfigError
 from recjax.models import embedding_dim, make_model
@@ -29,8 +32,44 @@ DENSE_OPTIMIZERS = {"sgd": optax.identity, "adam": optax.scale_by_adam,
 
 
 @dataclasses.dataclass(frozen=True)
+class Objective:
+    """What the model's output f32[B] means: how a step is trained on it and how an evaluation scores it."""
+
+    name: str
+    loss: Callable[[jax.Array, jax.Array], jax.Array]  # (outputs f32[B], labels f32[B]) -> per-example loss f32[B]
+    predict: Callable[[jax.Array], jax.Array]  # outputs f32[B] -> predictions f32[B] (probabilities, ratings)
+    evaluate: Callable[..., dict]  # (labels, predictions) -> {metric: value, plus `extras`}, on the host
+    metrics: tuple[str, ...]  # what `evaluate` reports, in order (metrics.csv columns, summary.json's headline)
+    tracked: tuple[str, ...]  # validation metrics whose best step is tracked; `train.select_on` is one of them
+    extras: tuple[str, ...]  # `evaluate`'s other keys: the eval set's size and its mean label
+
+
+def _squared_error(outputs: jax.Array, labels: jax.Array) -> jax.Array:
+    return jnp.square(outputs - labels)
+
+
+# One entry per DatasetSpec target (recjax/specs.py TARGETS).
+OBJECTIVES = {
+    "binary": Objective("binary", optax.sigmoid_binary_cross_entropy, jax.nn.sigmoid, metrics.binary_metrics,
+                        metrics.METRICS, ("auc", "logloss"), ("eval_examples", "eval_ctr")),
+    "regression": Objective("regression", _squared_error, lambda outputs: outputs, metrics.regression_metrics,
+                            metrics.REGRESSION_METRICS, ("mse",), ("eval_examples", "eval_mean")),
+}
+
+
+def objective_for(spec: DatasetSpec, select_on: str | None = None) -> Objective:
+    """The dataset's objective; a ConfigError when `select_on` (train.select_on) is not one of its tracked metrics."""
+    objective = OBJECTIVES[spec.target]
+    if select_on is not None and select_on not in objective.tracked:
+        raise ConfigError("train.select_on", f"{select_on!r} is not a metric of this dataset's {spec.target} labels "
+                                             f"(it reports {', '.join(objective.metrics)}); set "
+                                             f"--config.train.select_on={objective.tracked[0]}")
+    return objective
+
+
+@dataclasses.dataclass(frozen=True)
 class Task:
-    """Everything static a step needs: the embedding collection, the model and both optimizers."""
+    """Everything static a step needs: the embedding collection, the model, both optimizers and the objective."""
 
     spec: DatasetSpec
     collection: EmbeddingCollection
@@ -39,6 +78,7 @@ class Task:
     dense_tx: optax.GradientTransformation
     sparse_optimizer: SparseOptimizer
     sparse_lr: optax.Schedule
+    objective: Objective = OBJECTIVES["binary"]
 
 
 
@@ -113,6 +153,7 @@ def make_dense_optimizer(config: ml_collections.ConfigDict, total_steps: int) ->
 def build_task(config: ml_collections.ConfigDict, spec: DatasetSpec, dataset=None, total_steps: int = 1) -> Task:
     """`dataset` is only consulted for per-id counts (config.embedding.id_counts = "dataset"); `total_steps` sets
     the cosine decay's end and the examples those counts cover."""
+    objective = objective_for(spec, config.get("train", {}).get("select_on"))
     with config_errors("optimizer.sparse"):
         sparse_optimizer = make_sparse_optimizer(config.optimizer.sparse)
     with config_errors("embedding"):
@@ -134,4 +175,5 @@ def build_task(config: ml_collections.ConfigDict, spec: DatasetSpec, dataset=Non
         dense_tx=make_dense_optimizer(config, total_steps),
         sparse_optimizer=sparse_optimizer,
         sparse_lr=schedule(config.optimizer.sparse.learning_rate, config, total_steps),
+        objective=objective,
     )
