@@ -8,7 +8,7 @@ import ml_collections
 
 from recjax.data.synthetic import KAGGLE_VOCAB_SIZES, SyntheticDataset
 from recjax.errors import ConfigError
-from recjax.validation import boolean, choice, integer, number
+from recjax.validation import boolean, choice, find, integer, number
 
 PREPARED_DATASETS = ("movielens", "criteo_kaggle", "criteo_terabyte", "tabular")
 DATASETS = ("synthetic",) + PREPARED_DATASETS
@@ -52,6 +52,12 @@ def check_data_config(config: ml_collections.ConfigDict) -> None:
 
         TabularOptions.from_config(config)  # every field, each error naming its key
     elif name == "movielens":
+        from recjax.data.movielens import FEATURE_SETS, TARGETS
+
+        if find(data, "data.target") is not None:  # configs before ratings had no target: "binary"
+            choice(data, "data.target", TARGETS)
+        if find(data, "data.features") is not None:
+            choice(data, "data.features", FEATURE_SETS)
         number(data, "data.rating_threshold")
         integer(data, "data.zip_prefix_length", 1)
         choice(data, "data.split.method", ("random", "time"))
