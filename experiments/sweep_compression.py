@@ -396,8 +396,8 @@ def planned_line(spec: DatasetSpec, config: ml_collections.ConfigDict, target_ra
             "bytes")
     if start["bytes"] != end["bytes"]:
         text += (f" after the ramp; during it the pools start full: {start['full_bytes'] / start['bytes']:.2f}x, "
-                 f"peak {start['bytes']:,} bytes, + {start['optimizer_bytes'] - end['optimizer_bytes']:,} more "
-                 "optimizer and utility bytes than at the end")
+                 f"peak {start['bytes']:,} bytes (+ {start['optimizer_bytes']:,} bytes of optimizer state and "
+                 "utility while training)")
     return text
 
 
