@@ -77,7 +77,8 @@ class Claim:
     source: str  # the paper, and where in it
 
 
-# Every figure below is the papers' own words (abstracts) or a published table; nothing is read off a plot.
+# Every figure below is from the papers' abstracts (their words, shortened) or a published table; nothing is read off
+# a plot. experiments/REPRODUCTIONS.md quotes each abstract's sentence verbatim.
 CLAIMS = {
     "md_mf": Claim("md", "MF on MovieLens: MD beats the full model with 8x fewer parameters",
                    "higher accuracy while using 8x fewer parameters (collaborative filtering, MovieLens)",
@@ -87,11 +88,12 @@ CLAIMS = {
                      "parameters (CTR, Criteo Kaggle)", "Ginart et al., arXiv:1909.11810, abstract"),
     "md_16x": Claim("md", "CTR: MD at 16x fewer parameters keeps the baseline's accuracy", "baseline accuracy "
                     "with 16x fewer parameters (CTR, Criteo Kaggle)", "Ginart et al., arXiv:1909.11810, abstract"),
-    "qr": Claim("qr", "QR beats hashing at equal parameters", "better model loss and accuracy than the hashing "
-                "trick at a similar reduction in parameters", "Shi et al., Compositional Embeddings Using "
-                "Complementary Partitions for Memory-Efficient Recommendation Systems, KDD 2020, abstract"),
-    "fiited": Claim("fiited", "most of the embedding memory pruned without accuracy loss", "prune 93.75 %-99.75 % "
-                    "of the embeddings without significant accuracy loss (public CTR datasets)",
+    "qr": Claim("qr", "QR beats hashing at equal parameters", "better than the hashing trick in model loss and "
+                "accuracy at a similar reduction in the number of parameters",
+                "Shi et al., Compositional Embeddings Using Complementary Partitions for Memory-Efficient "
+                "Recommendation Systems, KDD 2020, abstract"),
+    "fiited": Claim("fiited", "most of the embedding memory pruned without accuracy loss", "prune up to "
+                    "93.75 %-99.75 % of the embeddings without significant accuracy loss (public CTR datasets)",
                     "Luo et al., Fine-grained Embedding Dimension Optimization During Training for Recommender "
                     "Systems (FIITED), 2024, abstract"),
     "checknrun": Claim("checknrun", "incremental, quantized checkpoints write far less at no accuracy loss",
