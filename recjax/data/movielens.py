@@ -474,10 +474,13 @@ def movielens_dataset(config: ml_collections.ConfigDict, seed: int = 0) -> Array
     """The dataset described by `config.data` (dir, variant, rating_threshold, zip_prefix_length, and split:
     method, validation_fraction, test_fraction, seed); `seed` orders the training examples."""
     tables = read_movielens(config.dir, config.variant)
+    # The prepared data's options leave out the default target and feature set (builders.movielens_options keeps the
+    # cache key of data prepared before either existed), so a missing one is the default.
+    target, features = config.get("target", TARGETS[0]), config.get("features", FEATURE_SETS[0])
     spec, examples, vocabularies = prepare_examples(tables, rating_threshold=float(config.rating_threshold),
                                                     zip_prefix_length=int(config.zip_prefix_length),
-                                                    target=config.target, feature_set=config.features)
-    label_mean = "mean_rating" if config.target == "rating" else "positive_rate"
+                                                    target=target, feature_set=features)
+    label_mean = "mean_rating" if target == "rating" else "positive_rate"
     split = dict(config.split)
     try:
         indices = split_indices(tables.timestamps, split["method"], float(split["validation_fraction"]),
@@ -490,7 +493,7 @@ def movielens_dataset(config: ml_collections.ConfigDict, seed: int = 0) -> Array
         "dataset": f"movielens-{tables.variant}",
         "variant": tables.variant,
         "split": split,
-        "target": config.target,
+        "target": target,
         "rating_threshold": float(config.rating_threshold),
         "num_ratings": int(examples.size),
         "num_users": len(vocabularies["user"]),
