@@ -129,7 +129,8 @@ class TrainSection:
     # Evaluations in a row without a better validation metric before training stops; 0 = run the whole budget.
     # Either way the reported test metrics are those of the step with the best validation metric.
     early_stopping_patience: int = 0
-    select_on: str = "auc"  # validation metric that picks the best step: "auc" (higher) or "logloss" (lower)
+    # Validation metric that picks the best step: "auc" (higher) or "logloss" (lower); on ratings "mse" (lower)
+    select_on: str = "auc"
     # The other metric's best step is tracked too (summary.json `selection`). Warn when the selected step's validation
     # logloss is more than this fraction above the lowest (selecting on auc; 1 % = 0.0044 at Criteo's 0.44, a few
     # times the 0.001 that Wang et al. 2017, DCN, call significant) ...

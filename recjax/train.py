@@ -51,7 +51,6 @@ from recjax.guards import (
     writable_directory,
 )
 from recjax.metric_log import MetricLog
-from recjax.metrics import METRICS
 from recjax.rss import RssSampler
 from recjax.step import init_state, make_predict_step, make_train_step
 from recjax.task import Task, build_task
@@ -154,8 +153,8 @@ class LoopState:
     divergence: Divergence = dataclasses.field(default_factory=lambda: Divergence(0.0))
 
     @classmethod
-    def fresh(cls, config: ml_collections.ConfigDict) -> "LoopState":
-        return cls(Selection(config.train.select_on, int(config.train.early_stopping_patience)), [],
+    def fresh(cls, config: ml_collections.ConfigDict, tracked: tuple[str, ...] = ("auc", "logloss")) -> "LoopState":
+        return cls(Selection(config.train.select_on, int(config.train.early_stopping_patience), tracked=tracked), [],
                    divergence=Divergence(float(config.train.divergence_factor)))
 
     @classmethod
@@ -183,7 +182,7 @@ class Run:
         self.backend, self.checkpointer, self.dynamic = backend, checkpointer, dynamic
         self.stop = stop or StopRequest()  # Ctrl-C: stop after the current step
         self.rss = rss or RssSampler()  # the peaks of the process's own memory and of its mapped files
-        self.loop = LoopState.fresh(config)
+        self.loop = LoopState.fresh(config, task.objective.tracked)
         # The steps' losses since the last divergence check, left on the device until a log point (or a save)
         # fetches them at once; step 1's loss (a fresh run's: the untrained model's).
         self.window_losses: list[jax.Array] = []
@@ -224,7 +223,8 @@ class Run:
               f"({accounting['bytes'] / 2**20:.1f} MiB) + optimizer {accounting['optimizer_bytes'] / 2**20:.1f} MiB; "
               f"dense params: {self.dense_params:,}; {self.forward_flops:,.0f} FLOPs/example", flush=True)
 
-        self.log = MetricLog(self.workdir, batch_size, self.budget.examples_per_epoch, self.loop.history)
+        self.log = MetricLog(self.workdir, batch_size, self.budget.examples_per_epoch, self.loop.history,
+                             task.objective.metrics)
         if self.dynamic is not None:
             self.loop.selection.selectable_from = self.dynamic.ramp_end(task.collection)
             if not self.dynamic.history:  # a resumed run restored its history
@@ -343,10 +343,25 @@ class Run:
                                               float(self.config.train.selection_auc_tolerance))
         if disagreement:
             print(f"WARNING: {disagreement}", flush=True)
-        summary = self.summary(step, disagreement, diverged)
+        late = self._selected_at_budget_end(diverged)
+        if late:
+            print(f"WARNING: {late}", flush=True)
+        summary = self.summary(step, disagreement, diverged, late)
         if jax.process_index() == 0:  # multi-host: one summary
             (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+
+    def _selected_at_budget_end(self, diverged: str | None) -> str | None:
+        """A warning when the selected step is the budget's last (after more than one evaluation): validation was
+        still improving when the budget ended, so the run's figures understate what its config reaches."""
+        selection, steps = self.loop.selection, self.budget.steps
+        evaluations = sum(1 for row in self.log.history if row["split"] == "validation")
+        if diverged is not None or selection.best_step != steps or evaluations < 2:
+            return None
+        key = "train.steps" if self.config.train.steps is not None else "train.epochs"
+        return (f"the selected step {steps:,} is the last of the budget: validation {selection.select_on} was still "
+                f"improving when the budget ended, so these test figures understate what this config reaches; raise "
+                f"{key} (summary.json: selected_step = budget_steps)")
 
     def _adjust(self, step: int) -> None:
         """A dynamic table's adjustment (and compaction: new shapes, re-compiled steps); not training time."""
@@ -377,7 +392,7 @@ class Run:
     def _score(self, split: str, step: int) -> dict:
         result = evaluate(self.task, self.predict_step, self.state, self.dataset, self.budget.batch_size, split,
                           self.backend)
-        self.log.write({"step": step, "split": split, **{k: result[k] for k in METRICS},
+        self.log.write({"step": step, "split": split, **{k: result[k] for k in self.task.objective.metrics},
                         "elapsed_s": time.perf_counter() - self.run_start})
         return result
 
@@ -404,7 +419,7 @@ class Run:
             return None
         test = self._score("test", step)
         selection.record_test(step, test)
-        if not np.isfinite(test["auc"]) and not self.loop.test_warned:
+        if not np.isfinite(test.get("auc", 0.0)) and not self.loop.test_warned:
             self.loop.test_warned = True
             selection.warnings.append(
                 f"the test split has one class only (click rate {test['eval_ctr']:g} over "
@@ -425,11 +440,14 @@ class Run:
         self.window_start += time.perf_counter() - saving  # the save's stall is not training time
 
     # ---------------------------------------------------------------------------------------------- summary
-    def summary(self, step: int, disagreement: str | None = None, diverged: str | None = None) -> dict:
+    def summary(self, step: int, disagreement: str | None = None, diverged: str | None = None,
+                late: str | None = None) -> dict:
         """What summary.json holds: the test split at the selected step (and at the other tracked metric's best
         step), the run's costs and sizes."""
         selection, budget, batch_size = self.loop.selection, self.budget, self.budget.batch_size
-        no_metrics = {k: math.nan for k in (*METRICS, "eval_examples", "eval_ctr")}  # diverged before an evaluation
+        objective = self.task.objective
+        metrics, reported = objective.metrics, (*objective.metrics, *objective.extras)
+        no_metrics = {k: math.nan for k in reported}  # diverged before an evaluation
         test = selection.test or no_metrics
         # The tables as they end (dynamic pools compacted to their budget).
         accounting = self.task.collection.accounting(self.task.sparse_optimizer)
@@ -437,20 +455,20 @@ class Run:
         restored = self.loop.restored_from["step"] if self.loop.restored_from else 0
         return {
             # Headline metrics: the test split at the step with the best validation metric.
-            **{k: test[k] for k in METRICS},
-            "test": {k: test[k] for k in (*METRICS, "eval_examples", "eval_ctr")},
+            **{k: test[k] for k in metrics},
+            "test": {k: test[k] for k in reported},
             "validation": {k: (selection.best_validation or no_metrics)[k]
-                           for k in (*METRICS, "eval_examples", "eval_ctr")},
-            "last_validation": {k: (selection.last_validation or no_metrics)[k] for k in METRICS},
+                           for k in reported},
+            "last_validation": {k: (selection.last_validation or no_metrics)[k] for k in metrics},
             "selected_step": selection.best_step,
             "select_on": selection.select_on,
             # The best validation step of each tracked metric and the test split there (the headline is select_on's).
-            "selection": {metric: {"step": best["step"], "validation": {k: best["validation"][k] for k in METRICS},
-                                   "test": {k: best["test"][k] for k in METRICS}}
+            "selection": {metric: {"step": best["step"], "validation": {k: best["validation"][k] for k in metrics},
+                                   "test": {k: best["test"][k] for k in metrics}}
                           for metric, best in selection.by_metric.items()},
             "stopped_early": step < budget.steps and diverged is None,
             "diverged": diverged,  # None, or why training stopped: the loss diverged (the launcher exits with 3)
-            "warnings": selection.warnings + ([disagreement] if disagreement else []),
+            "warnings": selection.warnings + [w for w in (disagreement, late) if w],
             "restored_from": self.loop.restored_from,
             **self.dataset.info(),
             "params": self.dense_params + accounting["params"],
