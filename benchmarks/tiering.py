@@ -597,7 +597,9 @@ def steady_window(arm: str, cap: int, vocab_cap: int, disk_over: int, window: in
                     if full or filled >= fill:
                         break
             jax.block_until_ready(state.tables)
-            disk.write_back(state)  # the replay's pending write-backs done before the window
+            # The replay's queued write-backs done before the window; its rows stay dirty in the cache, as a long
+            # run's do (every row a step uses is), so from the window's first step a miss evicts a dirty row.
+            disk._drain()
             out.update({"fill_steps": filled, "fill_s": time.perf_counter() - t0,
                         "cache_full": min(1 - c.free / c.size for c in caches.values()),
                         "cache_slots": sum(c.size for c in caches.values()),
