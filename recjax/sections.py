@@ -61,7 +61,7 @@ class TieringSection:
     tables: str = ""  # per-table tiers, e.g. "C3=disk,C4/q=disk" (logical or physical names); these win
     disk_over_bytes: int = 0  # rule: a table whose rows + optimizer state exceed this many bytes goes to disk
     host_over_bytes: int = 0  # rule: ... to host (0 = neither rule)
-    dir: str = ""  # where the disk tables' files go; "" = a temporary directory, removed at the end of the run
+    dir: str = ""  # where the disk tables' files go; "" = <workdir>/tables.tmp, removed at the end of the run
     cache_fraction: float = 0.1  # in-RAM cache per stacked group: this fraction of its disk rows ...
     cache_rows: int = 0  # ... or exactly this many rows (0 = use cache_fraction); at least one step's rows
     policy: str = "lru"  # which rows leave the cache: "lru", "lfu" or "static" (a profiled hot set pinned + lru)

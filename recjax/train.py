@@ -51,8 +51,10 @@ from recjax.guards import (
     writable_directory,
 )
 from recjax.metric_log import MetricLog
+from recjax.rss import RssSampler
 from recjax.step import init_state, make_predict_step, make_train_step
 from recjax.task import Task, build_task
+from recjax.tiering.folders import WORKDIR_FOLDER, remove_stale
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
@@ -65,6 +67,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     writable_directory(workdir, "--workdir")
     if config.checkpoint.enabled and config.checkpoint.dir:
         writable_directory(pathlib.Path(config.checkpoint.dir).expanduser(), "checkpoint.dir")
+    left = remove_stale(workdir / WORKDIR_FOLDER)  # the disk-tier table files a killed run left here
+    if left:
+        print(f"removed the disk-tier table files ({left / 2**20:,.1f} MiB) a killed run left in {workdir}", flush=True)
     checkpointer = Checkpointer(config, root) if config.checkpoint.enabled else None
     resume = checkpointer.resume_point() if checkpointer else None
     if resume and resume.own and resume.finished and (root / "summary.json").exists():
@@ -94,7 +99,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     # --- where the embedding rows live ------------------------------------------------------------------
     # A layout (one device, or the mesh's plan) x a storage per table group (device memory, host memory, disk
     # behind a RAM cache): recjax/placement.
-    backend = placement.build(sections, task, dataset)
+    backend = placement.build(sections, task, dataset, workdir)
     check_memory(config, task, backend)  # before the tables are made (device and host memory, apart)
     if checkpointer is not None:  # where the tables' rows are, and how to restore a checkpoint saved elsewhere
         checkpointer.layout = backend.checkpoint_layout()
@@ -115,9 +120,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                                                where=where)
     stop = StopRequest()
     try:
-        with stop, DevicePrefetcher(dataset.train_batches(budget.batch_size, resume.step if resume else 0, **share),
-                                    validate, put=backend.put_batch) as batches:
-            run = Run(config, workdir, dataset, task, budget, backend, checkpointer, dynamic, stop)
+        with stop, RssSampler() as rss, DevicePrefetcher(
+                dataset.train_batches(budget.batch_size, resume.step if resume else 0, **share), validate,
+                put=backend.put_batch) as batches:
+            run = Run(config, workdir, dataset, task, budget, backend, checkpointer, dynamic, stop, rss)
             run.start(next(batches), resume)
             return run.train(batches)
     except KeyboardInterrupt as error:  # Ctrl-C twice, or before the loop started
@@ -125,9 +131,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
             raise
         raise interrupted(stop.step, checkpointer) from None
     finally:
-        if checkpointer:
-            checkpointer.close()  # waits for a save in flight
-        backend.close()  # a disk tier's writer thread and files
+        try:
+            if checkpointer:
+                checkpointer.close()  # waits for a save in flight
+        finally:
+            backend.close()  # a disk tier's writer thread and files
 
 
 @dataclasses.dataclass
@@ -169,10 +177,11 @@ class Run:
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: pathlib.Path, dataset, task: Task,
                  budget: Budget, backend: EmbeddingBackend, checkpointer: Checkpointer | None,
-                 dynamic: DynamicTables | None, stop: StopRequest | None = None):
+                 dynamic: DynamicTables | None, stop: StopRequest | None = None, rss: RssSampler | None = None):
         self.config, self.workdir, self.dataset, self.task, self.budget = config, workdir, dataset, task, budget
         self.backend, self.checkpointer, self.dynamic = backend, checkpointer, dynamic
         self.stop = stop or StopRequest()  # Ctrl-C: stop after the current step
+        self.rss = rss or RssSampler()  # the peaks of the process's own memory and of its mapped files
         self.loop = LoopState.fresh(config, task.objective.tracked)
         # The steps' losses since the last divergence check, left on the device until a log point (or a save)
         # fetches them at once; step 1's loss (a fresh run's: the untrained model's).
@@ -322,6 +331,7 @@ class Run:
             print(f"ERROR: {diverged}", flush=True)
         elif self.checkpointer:
             self.state = self.checkpointer.save(step, self.state, self._loop_saved(), finished=True)
+        self.backend.finish(self.state)  # e.g. a disk tier's final write-back: before the summary reads the memory
         stopped_early = step < budget.steps and diverged is None
         if selection.best_validation:
             print(f"selected step {selection.best_step:,} (best validation {selection.select_on} "
@@ -479,6 +489,7 @@ class Run:
             "train_time_s": self.loop.train_time,
             "wall_time_s": time.perf_counter() - self.run_start,
             "peak_rss_bytes": peak_rss_bytes(),
+            **self.rss.summary(),  # its split: the process's own memory, file-backed pages (sampled peaks)
             "steps": step,
             "budget_steps": budget.steps,
             "batch_size": batch_size,
