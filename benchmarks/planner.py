@@ -324,7 +324,7 @@ def section_rank(args) -> None:
     import jax
 
     from experiments.planning.cost_net import NeuralCostModel, spearman
-    from recjax import sharding
+    from recjax import placement, sharding
     from recjax.sharding import cost_model as C
     from recjax.step import init_state, make_train_step
 
@@ -343,25 +343,25 @@ def section_rank(args) -> None:
     runs = {}
     for name, plan, overrides in plans:
         config.sharding.plan, config.sharding.tables = plan, overrides
-        sharded = sharding.setup(config, task)
+        sharded = placement.build(config, task)
         state = sharded.place_state(host_state)
         device_batch = sharded.put_batch(batch)
         compiled = make_train_step(task, sharded, state).lower(state, device_batch).compile()
         state, metrics = compiled(state, device_batch)  # warm-up
         jax.block_until_ready(metrics)
-        topology = C.Topology.cpu_host(sharded.mesh.size, sharded.plan.device_memory_bytes)
+        topology = C.Topology.cpu_host(sharded.layout.mesh.size, sharded.layout.plan.device_memory_bytes)
         predicted = {}
         for exchange in C.EXCHANGES:
             problem = C.Problem(tuple(C.PlannerTable(i) for i in infos), topology, int(config.train.batch_size),
-                                config.sharding.get("row_split", "range"), exchange)
+                                config.sharding.row_split, exchange)
             predicted[exchange] = C.plan_cost(C.AnalyticCostModel(topology, exchange), problem,
-                                              sharded.plan.placements).step
+                                              sharded.layout.plan.placements).step
             if neural is not None and neural.exchange_kind == exchange:
                 predicted["neural"] = C.plan_cost(neural.for_topology(topology), problem,
-                                                  sharded.plan.placements).step
+                                                  sharded.layout.plan.placements).step
         runs[name] = {"state": state, "step": compiled, "batch": device_batch, "times": [], "predicted": predicted,
-                      "shardings": {k: sum(p.sharding == k for p in sharded.plan.placements)
-                                    for k in sorted({p.sharding for p in sharded.plan.placements})}}
+                      "shardings": {k: sum(p.sharding == k for p in sharded.layout.plan.placements)
+                                    for k in sorted({p.sharding for p in sharded.layout.plan.placements})}}
         _log(f"rank: {name} compiled, predicted {json.dumps({k: round(1e3 * v, 3) for k, v in predicted.items()})}")
     names = [p[0] for p in plans]
     for _ in range(args.repeats):  # round robin: a burst of load on the shared machine hits every plan alike

@@ -2,9 +2,10 @@
 
     python tests/tiering_mesh_cases.py OUT_DIR CASE [CASE ...]      (JAX_NUM_CPU_DEVICES=8 is set by the caller)
 
-For each case: the in-memory mesh run (the oracle: `sharding.setup`) and the mesh run with the cached tables on disk
-(`tiering.setup`: `MeshTieredEmbedding`) train the same initial state on the same batches; OUT_DIR/<case>.npz holds
-both runs' losses, probabilities, tables, optimizer state and dense params, and the caches' counters.
+For each case: the in-memory mesh run (the oracle: `placement.build` of the config without tiers) and the mesh run
+with the cached tables on disk (the mesh layout composed with the disk storage) train the same initial state on the
+same batches; OUT_DIR/<case>.npz holds both runs' losses, probabilities, tables, optimizer state and dense params, and
+the caches' counters.
 """
 
 import json
@@ -20,7 +21,7 @@ from sharding_cases import set_keys
 from test_tiering_checkpoint import interrupted, overwrite_records, tiny
 
 from experiments.configs.dlrm_synthetic import get_config
-from recjax import checkpoint, sharding, tiering
+from recjax import checkpoint, placement, sharding
 from recjax.config_check import validate_config
 from recjax.data import make_dataset
 from recjax.specs import DatasetSpec, FeatureSpec
@@ -95,14 +96,18 @@ def run_case(name: str, out: pathlib.Path) -> None:
     validate_config(config)
     task = build_task(config, SPEC)
     batches = batches_with_returning_rows()
-    memory = sharding.setup(config, task)
+    in_memory = config.copy_and_resolve_references()
+    in_memory.tiering.tables = ""
+    memory = placement.build(in_memory, task)
+    assert [s.name for s in memory.storages] == ["memory"] and memory.layout.shards == 8
     state = memory.place_state(init_state(task, jax.random.key(0), batches[0]))
     state, losses, probs = run(task, memory, state, batches, memory.put_batch)
-    expected = memory.host_state(state)
+    expected = memory.local_state(state)
 
-    tiered = tiering.setup(config, task)
-    assert isinstance(tiered, tiering.MeshTieredEmbedding), type(tiered)
-    assert [layout.slots for layout in tiered.layouts.values()] == [CASES[name][5]]
+    tiered = placement.build(config, task)
+    disk = next(s for s in tiered.storages if s.name == "disk")
+    assert tiered.layout.shards == 8
+    assert [layout.slots for layout in disk.layouts.values()] == [CASES[name][5]]
     state = tiered.place_state(init_state(task, jax.random.key(0), batches[0], tiered))
     state, tiered_losses, tiered_probs = run(task, tiered, state, batches, tiered.put_batch)
     got = tiered.local_state(state)
@@ -130,7 +135,7 @@ def run_case(name: str, out: pathlib.Path) -> None:
     # The cache storage keeps its sharding through the swaps (each device's block in place).
     cache = next(k for k in state.tables if k.endswith("/cache"))
     result["cache_sharding_kept"] = state.tables[cache].sharding.is_equivalent_to(
-        tiered.mesh_embedding.exchange.sharding(cache), 2)
+        tiered.layout.exchange.sharding(cache), 2)
     tiered.close()
     np.savez(out / f"{name}.npz", **result)
 
