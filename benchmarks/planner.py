@@ -29,7 +29,8 @@ One JSON line per measurement on stdout (progress on stderr), with the machine. 
               measured on this machine's CPU devices with --neural_labels benchmark), prints its held-out error per
               phase and per plan, saves it (msgpack) under --out; with analytic labels, plans tasks with it (each
               plan scored by the analytic model, against the plan searched with the analytic model itself).
-  rank        the synthetic Kaggle shape of benchmarks/sharding.py on 8 CPU devices under >= 10 plans (table, row,
+  rank        a shape of benchmarks/sharding.py (`--rank_shape`: the synthetic Kaggle one, one-hot, by default; or
+              reference_random, 8 tables of bags of 100) on 8 CPU devices under >= 10 plans (table, row,
               column, replicated, auto, NeuroShard's table-wise heuristics, random table-wise plans, random mixtures
               of kinds): each plan's predicted step cost -- the analytic model of today's rows exchange, the one of
               the pooled exchange, and the neural model at --neural_model -- against the measured train step, with
@@ -140,7 +141,11 @@ def section_neuroshard(args) -> None:
     pool = meta_tables.meta_tables(args.seed)
     topology_for = ns_topology(args)
     neural = None
-    if args.ns_neural:
+    if args.ns_neural and args.ns_neural_model:  # pre-trained by an earlier run of this section
+        from experiments.planning.cost_net import NeuralCostModel
+
+        neural = NeuralCostModel.load(args.ns_neural_model, topology_for(4, int(args.ns_memory_gib * (1 << 30))))
+    elif args.ns_neural:
         neural = pretrain_neural(args, topology_for, tuple(args.ns_devices), meta_tables.BATCH, (10, 60), "pooled",
                                  f"neuroshard_{args.topology}")
     out = pathlib.Path(args.out)
@@ -247,7 +252,7 @@ def section_neural(args) -> None:
         n = jax.device_count()
         pool = [t.planner_table() for t in meta_tables.meta_tables(args.seed, rows=(100, 100_000))]
         topology_for = lambda n: Topology.cpu_host(n, 1 << 30)  # noqa: E731
-        devices, batch, counts = (n,), args.bench_batch, (4, 16)
+        devices, batch, counts = (n,), args.bench_batch, tuple(args.bench_tables)
     else:
         pool = [t.planner_table() for t in tables]
         topology_for = lambda n: Topology.gpu_cluster(n, 1 << 34)  # noqa: E731
@@ -296,14 +301,14 @@ def _sharding_benchmark():
     return module
 
 
-def rank_plans(infos, devices: int, seed: int) -> list[tuple[str, str, str]]:
+def rank_plans(infos, devices: int, seed: int, batch: int = 2048) -> list[tuple[str, str, str]]:
     """(name, sharding.plan, sharding.tables) of the plans the rank section measures: the five whole-plan kinds,
     NeuroShard's table-wise heuristics, random table-wise plans and random mixtures of kinds (per-table
     overrides)."""
     from experiments.planning import baselines as B
     from recjax.sharding.cost_model import PlannerTable, Problem, Topology
 
-    problem = Problem(tuple(PlannerTable(i) for i in infos), Topology.cpu_host(devices, 1 << 40), 2048)
+    problem = Problem(tuple(PlannerTable(i) for i in infos), Topology.cpu_host(devices, 1 << 40), batch)
 
     def table_wise(devs):
         return ",".join(f"{i.name}=table:{d}" for i, d in zip(infos, devs, strict=True))
@@ -329,14 +334,14 @@ def section_rank(args) -> None:
     from recjax.step import init_state, make_train_step
 
     bench = _sharding_benchmark()
-    shape = bench.SHAPES["kaggle_b2048"]
-    bargs = argparse.Namespace(vocab_cap=args.vocab_cap, mesh=args.mesh, exchange_dtype="float32",
-                               capacity_factor=1.0, capacity_sigmas=7.0)
+    shape = bench.SHAPES[args.rank_shape]
+    bargs = argparse.Namespace(vocab_cap=args.vocab_cap, reference_rows=args.reference_rows, mesh=args.mesh,
+                               exchange_dtype="float32", capacity_factor=1.0, capacity_sigmas=7.0)
     config, task, batch = bench.build(shape, bargs, "table")
     host_state = jax.device_get(init_state(task, jax.random.key(0), jax.device_put(batch, jax.devices()[0])))
     infos = sharding.table_infos(task.collection, task.sparse_optimizer)
     n = jax.device_count()
-    plans = rank_plans(infos, n, args.seed)
+    plans = rank_plans(infos, n, args.seed, shape["batch"])
     neural = None
     if args.neural_model:
         neural = NeuralCostModel.load(args.neural_model, C.Topology.cpu_host(n, 1 << 30))
@@ -374,8 +379,9 @@ def section_rank(args) -> None:
     measured = [1e3 * statistics.median(runs[p]["times"]) for p in names]
     models = list(runs[names[0]]["predicted"])
     predicted = {m: [1e3 * runs[p]["predicted"][m] for p in names] for m in models}
-    emit({"section": "rank", "shape": "kaggle_b2048", "vocab_cap": args.vocab_cap, "mesh": args.mesh,
-          "runtime_exchange": "rows", "repeats": args.repeats, "plans": names, "measured_step_ms": measured,
+    emit({"section": "rank", "shape": args.rank_shape, "vocab_cap": args.vocab_cap,
+          "reference_rows": args.reference_rows, "mesh": args.mesh, "runtime_exchange": "rows",
+          "repeats": args.repeats, "plans": names, "measured_step_ms": measured,
           "predicted_ms": predicted, "spearman": {m: spearman(predicted[m], measured) for m in models},
           "shardings": {p: runs[p]["shardings"] for p in names}})
 
@@ -435,6 +441,9 @@ def main(argv=None) -> None:
                         help="neuroshard: A100-like GPUs (spec sheets) or this host's CPU devices")
     parser.add_argument("--no_ns_neural", dest="ns_neural", action="store_false",
                         help="neuroshard: skip the planner with the neural cost model (and its pre-training)")
+    parser.add_argument("--ns_neural_model", default="",
+                        help="neuroshard: the neural cost model an earlier run saved (cost_model_neuroshard_*.msgpack)"
+                             " instead of pre-training one")
     parser.add_argument("--devices", default="4,8,32,128", help="tasks: device counts")
     parser.add_argument("--tables", default="10,50,100,200", help="tasks: table counts")
     parser.add_argument("--tasks", type=int, default=3, help="tasks / neural: tasks per setting")
@@ -446,13 +455,18 @@ def main(argv=None) -> None:
     parser.add_argument("--neural_steps", type=int, default=2000)
     parser.add_argument("--neural_labels", default="analytic", choices=("analytic", "benchmark"))
     parser.add_argument("--bench_batch", type=int, default=1024, help="neural, benchmark labels: the batch")
+    parser.add_argument("--bench_tables", default="4,16",
+                        help="neural, benchmark labels: tables per sampled plan, lo,hi (the rank task's 26 inside)")
     parser.add_argument("--bench_repeats", type=int, default=3, help="neural, benchmark labels: timed repeats")
     parser.add_argument("--neural_model", default="", help="rank: a neural cost model pre-trained for this host")
     parser.add_argument("--out", default="/tmp/recjax_planner",
                         help="where models, per-task records and results.jsonl (every line printed) go")
     parser.add_argument("--cpu_devices", type=int, default=8, help="rank / measure / benchmark labels: CPU devices")
     parser.add_argument("--mesh", default="data=4,model=2", help="rank: config.mesh.shape")
+    parser.add_argument("--rank_shape", default="kaggle_b2048", choices=("kaggle_b2048", "reference_random"),
+                        help="rank: benchmarks/sharding.py's shape (one-hot Kaggle tables, or 8 tables of bags of 100)")
     parser.add_argument("--vocab_cap", type=int, default=100_000, help="rank: Kaggle rows per table at most")
+    parser.add_argument("--reference_rows", type=int, default=100_000, help="rank: reference_random's rows per table")
     parser.add_argument("--repeats", type=int, default=5, help="rank / measure: timed repeats (medians)")
     args = parser.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -462,6 +476,9 @@ def main(argv=None) -> None:
     args.devices = [int(x) for x in args.devices.split(",")]
     args.tables = [int(x) for x in args.tables.split(",")]
     args.ns_devices = [int(x) for x in args.ns_devices.split(",")]
+    args.bench_tables = [int(x) for x in args.bench_tables.split(",")]
+    if len(args.bench_tables) != 2 or not 1 <= args.bench_tables[0] <= args.bench_tables[1]:
+        parser.error(f"--bench_tables takes lo,hi with 1 <= lo <= hi, got {args.bench_tables}")
     pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
     RESULTS.append(pathlib.Path(args.out) / "results.jsonl")
     import jax
