@@ -336,7 +336,8 @@ def section_rank(args) -> None:
     bench = _sharding_benchmark()
     shape = bench.SHAPES[args.rank_shape]
     bargs = argparse.Namespace(vocab_cap=args.vocab_cap, reference_rows=args.reference_rows, mesh=args.mesh,
-                               exchange_dtype="float32", capacity_factor=1.0, capacity_sigmas=7.0)
+                               exchange_dtype="float32", capacity_factor=1.0, capacity_sigmas=7.0,
+                               exchange=args.runtime_exchange)  # read by a runtime with the pooled exchange
     config, task, batch = bench.build(shape, bargs, "table")
     host_state = jax.device_get(init_state(task, jax.random.key(0), jax.device_put(batch, jax.devices()[0])))
     infos = sharding.table_infos(task.collection, task.sparse_optimizer)
@@ -380,7 +381,8 @@ def section_rank(args) -> None:
     models = list(runs[names[0]]["predicted"])
     predicted = {m: [1e3 * runs[p]["predicted"][m] for p in names] for m in models}
     emit({"section": "rank", "shape": args.rank_shape, "vocab_cap": args.vocab_cap,
-          "reference_rows": args.reference_rows, "mesh": args.mesh, "runtime_exchange": "rows",
+          "reference_rows": args.reference_rows, "mesh": args.mesh,
+          "runtime_exchange": config.sharding.get("exchange", "rows"),  # "rows": a runtime before the pooled one
           "repeats": args.repeats, "plans": names, "measured_step_ms": measured,
           "predicted_ms": predicted, "spearman": {m: spearman(predicted[m], measured) for m in models},
           "shardings": {p: runs[p]["shardings"] for p in names}})
@@ -463,6 +465,8 @@ def main(argv=None) -> None:
                         help="where models, per-task records and results.jsonl (every line printed) go")
     parser.add_argument("--cpu_devices", type=int, default=8, help="rank / measure / benchmark labels: CPU devices")
     parser.add_argument("--mesh", default="data=4,model=2", help="rank: config.mesh.shape")
+    parser.add_argument("--runtime_exchange", default="pooled", choices=("auto", "pooled", "rows"),
+                        help="rank: config.sharding.exchange of a runtime that has it (before it: rows)")
     parser.add_argument("--rank_shape", default="kaggle_b2048", choices=("kaggle_b2048", "reference_random"),
                         help="rank: benchmarks/sharding.py's shape (one-hot Kaggle tables, or 8 tables of bags of 100)")
     parser.add_argument("--vocab_cap", type=int, default=100_000, help="rank: Kaggle rows per table at most")
