@@ -337,7 +337,7 @@ def section_rank(args) -> None:
     shape = bench.SHAPES[args.rank_shape]
     bargs = argparse.Namespace(vocab_cap=args.vocab_cap, reference_rows=args.reference_rows, mesh=args.mesh,
                                exchange_dtype="float32", capacity_factor=1.0, capacity_sigmas=7.0,
-                               exchange=args.runtime_exchange)  # read by a runtime with the pooled exchange
+                               row_axes="all", exchange=args.runtime_exchange)  # these two: the pooled runtime's
     config, task, batch = bench.build(shape, bargs, "table")
     host_state = jax.device_get(init_state(task, jax.random.key(0), jax.device_put(batch, jax.devices()[0])))
     infos = sharding.table_infos(task.collection, task.sparse_optimizer)
