@@ -200,8 +200,9 @@ class State:
             grow = max(self.parts.size, 2 * len(self._has_phi)) - len(self._has_phi)
             self._phi = np.concatenate([self._phi, np.zeros((grow, self.model.summary_size))])
             self._has_phi = np.concatenate([self._has_phi, np.zeros(grow, bool)])
-        missing = np.unique(ids[~self._has_phi[ids]])
-        if missing.size:
+        has = self._has_phi[ids]
+        if not has.all():  # (most calls: every summary already cached, no np.unique)
+            missing = np.unique(ids[~has])
             self._phi[missing] = self.model.summaries(self.parts, missing)
             self._has_phi[missing] = True
         return self._phi[ids]
