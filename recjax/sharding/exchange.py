@@ -174,10 +174,15 @@ class MeshArray:
         return self.spec if self.kind in ("sharded", "model") else P()
 
     def capacity(self, local_batch: int) -> int:
-        """C: the most distinct rows one device can ask one owner for in a step: per table the fewer of its slots
-        (local_batch x bag size) and the rows the owner holds of it, summed over the owner's tables."""
-        per_owner = np.minimum(self.part_rows, local_batch * self.table_bags[None, :]).sum(axis=1)
-        return max(1, int(per_owner.max()))
+        """C: the most distinct rows one device can ask one owner for in a step, every table it holds travelling as
+        rows: per table the fewer of its slots (local_batch x bag size) and the rows the owner holds of it, summed
+        over the owner's tables."""
+        return self.expected_capacity(local_batch, 0.0)
+
+    def expected_capacity(self, local_batch: int, factor: float, sigmas: float = 0.0) -> int:
+        """C1 <= C of the rows exchange, every table it holds travelling as rows (`rows_buckets`)."""
+        rows = np.maximum(self.part_rows.sum(axis=0), 1)
+        return rows_buckets(self.part_rows, rows, self.table_bags, self.local_rows, local_batch, factor, sigmas)[1]
 
     def compact_size(self, local_batch: int, n: int) -> int:
         """S: the most distinct rows of a replicated / column array's tables among a device's n distinct rows
@@ -381,18 +386,28 @@ def size_exchange(s: MeshArray, tables: list[TableRecord], pooled: Mapping[int, 
         split_sizes = (worst, _expected(worst, mean, np.sqrt(var), capacity_factor, capacity_sigmas))
     rows_sizes = (0, 0)
     if rows_mask.any():
-        slots = b * bags[rows_mask]
-        held_rows = s.held_rows[:, rows_mask]
-        worst = max(1, int(min(s.local_rows, np.minimum(held_rows, slots[None, :]).sum(axis=1).max())))
-        # Distinct ids: a device's slots of a table hit rows (1 - (1 - 1 / rows)^slots) of its rows (uniform ids).
-        hit = expected_distinct(rows_t[rows_mask], slots) / rows_t[rows_mask]
-        mean = np.minimum((held_rows * hit[None, :]).sum(axis=1), s.local_rows)
-        rows_sizes = (worst, _expected(worst, mean, np.sqrt(mean), capacity_factor, capacity_sigmas))
+        rows_sizes = rows_buckets(s.held_rows[:, rows_mask], rows_t[rows_mask], bags[rows_mask], s.local_rows, b,
+                                  capacity_factor, capacity_sigmas)
     return ArrayExchange(
         s.kind, b, whole=tuple(whole), whole_owner=tuple(whole_owner), whole_slot=tuple(whole_slot),
         whole_bag=tuple(whole_bag), whole_slots=max(filled), whole_bags=max(bagged), split=tuple(split),
         split_holders=tuple(owners[m.table] for m in split), split_sizes=split_sizes, rows=rows_mask,
         rows_sizes=rows_sizes)
+
+
+def rows_buckets(held_rows: np.ndarray, rows: np.ndarray, bags: np.ndarray, local_rows: int, local_batch: int,
+                 factor: float, sigmas: float) -> tuple[int, int]:
+    """(C, C1) of a rows exchange: held_rows i64[parts, T] rows of each table on each owner (of `rows` i64[T]), each
+    read `bags` i64[T] times per example. C, the most distinct rows one device can ask one owner for: per table the
+    fewer of its slots and the owner's rows, summed (at most the block's `local_rows`). C1: `factor` x E + `sigmas` x
+    sqrt(E), E the distinct rows one device is expected to ask the fullest owner for -- its slots of a table hit
+    (1 - (1 - 1 / rows)^slots) of the table's rows with ids spread evenly (`plan.expected_distinct`), so a table
+    with fewer rows than a step's ids asks for fewer rows than slots."""
+    slots = local_batch * np.asarray(bags)
+    worst = max(1, int(min(local_rows, np.minimum(held_rows, slots[None, :]).sum(axis=1).max())))
+    hit = expected_distinct(rows, slots) / np.maximum(rows, 1)
+    mean = np.minimum((held_rows * hit[None, :]).sum(axis=1), local_rows)
+    return worst, _expected(worst, mean, np.sqrt(mean), factor, sigmas)
 
 
 def _expected(worst: int, mean: np.ndarray, sd: np.ndarray, factor: float, sigmas: float) -> int:
@@ -474,35 +489,39 @@ def _pool(vals: jax.Array, bag: jax.Array, scale: jax.Array | None, bags: int) -
 
 @dataclasses.dataclass
 class _Received:
-    """What an owner received to update: `direct` ids i32[M] with a gradient each (rows), `bagged` ids i32[K] with
-    the bag `source` i32[K] whose pooled gradient (f32[S, d], `scales` f32[S] or None for sum pooling) they add."""
+    """What an owner received to update: `direct` ids with a gradient each (rows), `bagged` ids each adding the
+    pooled gradient of its bag: row `source` of the bags' gradients `grads` f32[S, d] (their scales f32[S], or None
+    for sum pooling), which are the same whatever the buckets' size."""
 
-    direct_ids: list
-    direct_grads: list
-    bagged_ids: list
-    sources: list
-    source_grads: list
-    source_scales: list
+    direct_ids: list = dataclasses.field(default_factory=list)
+    direct_grads: list = dataclasses.field(default_factory=list)
+    bagged_ids: list = dataclasses.field(default_factory=list)
+    sources: list = dataclasses.field(default_factory=list)
+    grads: list = dataclasses.field(default_factory=list)
+    scales: list = dataclasses.field(default_factory=list)
 
     def add_direct(self, ids, grads):
         self.direct_ids.append(ids.reshape(-1))
         self.direct_grads.append(grads.reshape(-1, grads.shape[-1]))
 
-    def add_bagged(self, ids, bag, grads, scales, bags: int):
-        """ids [R, M] received from R requesters, bag i32[R, M] (`bags` = padding) into their pooled gradients
-        grads [R, bags, d] (scales [R, bags] or None)."""
-        first = sum(g.shape[0] for g in self.source_grads)
-        r = ids.shape[0]
-        source = jnp.arange(r, dtype=jnp.int32)[:, None] * bags + jnp.minimum(bag, bags - 1)
+    def add_bags(self, grads, scales) -> int:
+        """Pooled gradients grads [R, bags, d] of R requesters' bags (scales [R, bags] or None): their first row."""
+        first = sum(g.shape[0] for g in self.grads)
+        self.grads.append(grads.reshape(-1, grads.shape[-1]))
+        if scales is not None:
+            self.scales.append(scales.reshape(-1))
+        return first
+
+    def add_bagged(self, ids, bag, first: int, bags: int):
+        """ids [R, M] received from R requesters, bag i32[R, M] (`bags` = padding) of the bags added at `first`."""
+        source = jnp.arange(ids.shape[0], dtype=jnp.int32)[:, None] * bags + jnp.minimum(bag, bags - 1)
         self.bagged_ids.append(ids.reshape(-1))
         self.sources.append((first + source).reshape(-1))
-        self.source_grads.append(grads.reshape(-1, grads.shape[-1]))
-        if scales is not None:
-            self.source_scales.append(scales.reshape(-1))
 
-
-def _received() -> _Received:
-    return _Received([], [], [], [], [], [])
+    def with_bagged(self) -> "_Received":
+        """A copy sharing the bags' gradients, to add a bucket size's ids to."""
+        return _Received(list(self.direct_ids), list(self.direct_grads), list(self.bagged_ids), list(self.sources),
+                         self.grads, self.scales)
 
 
 @dataclasses.dataclass
@@ -803,12 +822,12 @@ class Exchange:
     def _received_static(self, s, x, ctx, g_bags, g_rows) -> _Received:
         """What the owner of a replicated or column array receives to update (no buckets)."""
         d, parts, dtype = s.dim, s.parts, self.exchange_dtype
-        received = _received()
+        received = _Received()
         if x.whole:  # column: each pooled gradient's column slices to their devices
             packed = jnp.concatenate([g_bags[m.key].astype(dtype) for m in x.whole])[None]  # [1, bags, d]
             recv = jax.lax.all_to_all(packed, s.axes, 2, 0, tiled=True)  # [parts, bags, d / parts]
             bag = jnp.broadcast_to(jnp.asarray(x.whole_segments(parts)[0]), ctx.whole_recv.shape)
-            received.add_bagged(ctx.whole_recv, bag, recv, ctx.whole_scales, x.whole_bags)
+            received.add_bagged(ctx.whole_recv, bag, received.add_bags(recv, ctx.whole_scales), x.whole_bags)
         if g_rows is not None:
             size = x.rows_sizes[0]
             if s.kind == "replicated":  # every device's touched rows and gradients, to every copy
@@ -825,7 +844,7 @@ class Exchange:
 
     def _sharded_update(self, s, x, ctx, optimizer, table, state, g_bags, g_rows, lr, step):
         d, parts, b, dtype = s.dim, s.parts, self.local_batch, self.exchange_dtype
-        static = _received()
+        static = _Received()
         if x.whole:  # each bag's gradient to its table's owner
             send = jnp.zeros((parts, x.whole_bags, d), dtype)
             for m, owner, first in zip(x.whole, x.whole_owner, x.whole_bag, strict=True):
@@ -833,22 +852,21 @@ class Exchange:
             recv = jax.lax.all_to_all(send, s.axes, 0, 0)
             bag = jnp.broadcast_to(jnp.asarray(x.whole_segments(parts))[jax.lax.axis_index(s.axes)],
                                    ctx.whole_recv.shape)
-            static.add_bagged(ctx.whole_recv, bag, recv, ctx.whole_scales, x.whole_bags)
-        split_grads = None
+            static.add_bagged(ctx.whole_recv, bag, static.add_bags(recv, ctx.whole_scales), x.whole_bags)
+        split_first = None
         if x.split:  # each bag's gradient to every owner of a part of its table
             send = jnp.zeros((parts, x.split_bags, d), dtype)
             for c, (m, holders) in enumerate(zip(x.split, x.split_holders, strict=True)):
                 send = send.at[np.array(holders), c * b: (c + 1) * b].set(g_bags[m.key].astype(dtype))
-            split_grads = jax.lax.all_to_all(send, s.axes, 0, 0)
+            split_first = static.add_bags(jax.lax.all_to_all(send, s.axes, 0, 0), ctx.split_scales)
+        static = self._gather_bags(s, static)
 
         def received_at(sizes) -> _Received:
             split_size, rows_size = sizes
-            received = _received()
-            for field in dataclasses.fields(received):
-                getattr(received, field.name).extend(getattr(static, field.name))
-            if split_grads is not None:
-                received.add_bagged(ctx.split_recv[:, :split_size], ctx.split_bags[:, :split_size], split_grads,
-                                    ctx.split_scales, x.split_bags)
+            received = static.with_bagged()
+            if split_first is not None:
+                received.add_bagged(ctx.split_recv[:, :split_size], ctx.split_bags[:, :split_size], split_first,
+                                    x.split_bags)
             if g_rows is not None:  # the row gradients back through the buckets
                 send = jnp.zeros((parts, rows_size, d), g_rows.dtype).at[ctx.rows_dest, ctx.rows_pos].set(
                     g_rows, mode="drop")
@@ -875,6 +893,17 @@ class Exchange:
             touched.append(distinct)
         return table, state, jnp.concatenate(touched)
 
+    def _gather_bags(self, s: MeshArray, received: _Received) -> _Received:
+        """`received` with the bags' gradients (and scales) of every copy of the block (`replica_axes`): each copy
+        applies every copy's updates. Gathered once, outside the buckets' branches: they do not depend on them."""
+        if s.kind not in ("sharded", "model") or not s.replica_axes or not received.grads:
+            return received
+        gather = lambda v: jax.lax.all_gather(v, s.replica_axes, tiled=True)  # noqa: E731
+        grads = [gather(jnp.concatenate(received.grads))]
+        scales = [gather(jnp.concatenate(received.scales))] if received.scales else []
+        return _Received(list(received.direct_ids), list(received.direct_grads), list(received.bagged_ids),
+                         list(received.sources), grads, scales)
+
     def _received_length(self, s: MeshArray, x: ArrayExchange, sizes) -> int:
         """The distinct rows an update at bucket sizes `sizes` holds (`_apply_received`'s, padded)."""
         slots = s.parts * ((x.whole_slots if x.whole else 0) + (sizes[0] if x.split else 0)
@@ -888,29 +917,28 @@ class Exchange:
         cat = lambda parts: jnp.concatenate(parts) if parts else None  # noqa: E731
         direct_ids, direct_grads = cat(received.direct_ids), cat(received.direct_grads)
         bagged_ids, sources = cat(received.bagged_ids), cat(received.sources)
-        source_grads, scales = cat(received.source_grads), cat(received.source_scales)
+        grads, scales = cat(received.grads), cat(received.scales)
         if s.kind in ("sharded", "model") and s.replica_axes:  # every copy of the block applies every copy's
             gather = lambda v: None if v is None else jax.lax.all_gather(v, s.replica_axes, tiled=True)  # noqa
-            if sources is not None:
+            if sources is not None:  # the bags' gradients are gathered already (`_gather_bags`)
                 replicas = math.prod(self.mesh.shape[a] for a in s.replica_axes)
-                sources = gather(sources) + jnp.repeat(jnp.arange(replicas, dtype=jnp.int32) * source_grads.shape[0],
-                                                       sources.shape[0])
-            direct_ids, direct_grads = gather(direct_ids), gather(direct_grads)
-            bagged_ids, source_grads, scales = gather(bagged_ids), gather(source_grads), gather(scales)
+                sources = gather(sources) + jnp.repeat(jnp.arange(replicas, dtype=jnp.int32)
+                                                       * (grads.shape[0] // replicas), sources.shape[0])
+            direct_ids, direct_grads, bagged_ids = gather(direct_ids), gather(direct_grads), gather(bagged_ids)
         ids = jnp.concatenate([v for v in (direct_ids, bagged_ids) if v is not None])
         distinct, inverse = unique_rows(ids, s.local_rows)
         keep = min(ids.shape[0], s.local_rows + 1)  # at most the block's rows and the sentinel are distinct
         distinct = distinct[:keep]
         summed = jnp.zeros((keep, s.dim if s.kind != "column" else s.dim // s.parts), jnp.float32)
-        split = 0
+        first = 0
         if direct_ids is not None:
-            split = direct_ids.shape[0]
-            summed = summed.at[inverse[:split]].add(direct_grads.astype(jnp.float32))
+            first = direct_ids.shape[0]
+            summed = summed.at[inverse[:first]].add(direct_grads.astype(jnp.float32))
         if bagged_ids is not None:  # each id adds its bag's pooled gradient, times the bag's scale (sum: 1)
-            per_id = source_grads.astype(jnp.float32)[sources]
+            per_id = grads.astype(jnp.float32)[sources]
             if scales is not None:
                 per_id = per_id * scales[sources][:, None]
-            summed = summed.at[inverse[split:]].add(per_id)
+            summed = summed.at[inverse[first:]].add(per_id)
         current = self._read(s, table)(distinct)
         table, state = self._apply(s, optimizer, table, state, distinct, current, summed, lr, step)
         return table, state, distinct
@@ -1039,22 +1067,24 @@ def array_collectives(s: MeshArray, x: ArrayExchange, devices: int, itemsize: in
         op("all-to-all", parts * x.whole_bags * d, itemsize)
     if x.split:
         op("all-to-all", parts * x.split_bags * d, itemsize)
+    sources = parts * ((x.whole_bags if x.whole else 0) + (x.split_bags if x.split else 0))
+    if replicas > 1 and sources:  # the bags' gradients (and scales) of every copy of the block
+        op("all-gather", replicas * sources * d, itemsize)
+        if mean:
+            op("all-gather", replicas * sources, 4)
     for split_size, rows_size, fallback, bucketed in branches:  # the update's buckets
         if x.rows.any():
             op("all-to-all", parts * rows_size * d, itemsize, fallback, bucketed)
         if replicas > 1:
             direct = parts * rows_size if x.rows.any() else 0
             bagged = parts * ((x.whole_slots if x.whole else 0) + (split_size if x.split else 0))
-            sources = parts * ((x.whole_bags if x.whole else 0) + (x.split_bags if x.split else 0))
+            if bagged:
+                op("all-gather", replicas * bagged, 4, fallback, bucketed)  # sources
             if direct:
                 op("all-gather", replicas * direct, 4, fallback, bucketed)
                 op("all-gather", replicas * direct * d, itemsize, fallback, bucketed)
             if bagged:
-                op("all-gather", replicas * bagged, 4, fallback, bucketed)  # sources
                 op("all-gather", replicas * bagged, 4, fallback, bucketed)  # ids
-                op("all-gather", replicas * sources * d, itemsize, fallback, bucketed)
-                if mean:
-                    op("all-gather", replicas * sources, 4, fallback, bucketed)
     return out
 
 
