@@ -76,7 +76,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import unique_rows
+from pallas_kernels import gather_reduce, unique_rows
 from recjax.embedding import EmbeddingCollection, Lookups, Routes
 from recjax.sharding.hlo import FALLBACK_SCOPE
 from recjax.sharding.placement import ALL_AXES, put_global, to_host
@@ -84,6 +84,9 @@ from recjax.sharding.plan import ShardingPlan, expected_distinct, part_rows, poo
 from recjax.sparse_optim import SparseOptimizer, sparse_apply
 
 KINDS = ("sharded", "model", "replicated", "column")
+# Table-wise reads' buckets are grouped by bag length (one gather-reduce per length on the owner) unless that makes
+# them this much larger than packing each owner's reads (then a segment sum pools them).
+GROUPED_PADDING = 1.25
 _KIND_OF = {"table": "sharded", "row": "sharded", "column": "column", "replicated": "replicated",
             "data_parallel": "replicated"}
 Key = tuple[str, int]  # a read of a physical table: (feature, index among its route outputs)
@@ -297,21 +300,26 @@ class Member:
 class ArrayExchange:
     """What one mesh array exchanges in a step, sized once (static shapes; the module docstring says why).
 
-    sharded / model arrays: `whole` pooled reads of tables on one owner (`whole_owner`), their slots at `whole_slot`
-    of the owner's bucket of `whole_slots` ids and their bags at `whole_bag` of its `whole_bags` sums (the fullest
-    owner's); `split` pooled reads of row-wise tables (owners `split_holders`), in buckets of `split_sizes` = (C, C1)
-    ids, their bags b each in that order; `rows` the tables whose distinct rows travel, in buckets of `rows_sizes`
-    (C, C1). column arrays: `whole` the pooled reads (every device pools its columns of them), `rows_sizes` (S, S)
-    the distinct rows; replicated arrays: `rows_sizes` (S, S)."""
+    sharded / model arrays: `whole` pooled reads of tables on one owner (`whole_owner`), b bags each, in place in
+    their owner's bucket of `whole_slots` ids and `whole_bags` sums (the fullest owner's): read i's first bag is
+    `whole_bag[i]`, its first id `whole_first[i]`. Grouped by bag length (`whole_groups` ((L, bags), ...): every
+    owner's bags of length L in one [bags, L] block at the same place, so an owner pools a group with one
+    gather-reduce) unless that pads the buckets by more than GROUPED_PADDING over packing each owner's reads one
+    after another (`whole_groups` empty: the owner sums its ids into their bags by a segment sum). `split` pooled
+    reads of row-wise tables (owners `split_holders`), in buckets of `split_sizes` = (C, C1) ids, their bags b each
+    in that order; `rows` the tables whose distinct rows travel, in buckets of `rows_sizes` (C, C1). column arrays:
+    `whole` the pooled reads (every device pools its columns of every one), `rows_sizes` (S, S) the distinct rows;
+    replicated arrays: `rows_sizes` (S, S)."""
 
     kind: str
     local_batch: int
     whole: tuple[Member, ...] = ()
     whole_owner: tuple[int, ...] = ()
-    whole_slot: tuple[int, ...] = ()
     whole_bag: tuple[int, ...] = ()
+    whole_first: tuple[int, ...] = ()
     whole_slots: int = 0
     whole_bags: int = 0
+    whole_groups: tuple[tuple[int, int], ...] = ()
     split: tuple[Member, ...] = ()
     split_holders: tuple[tuple[int, ...], ...] = ()
     split_sizes: tuple[int, int] = (0, 0)
@@ -332,15 +340,17 @@ class ArrayExchange:
         return self.split_sizes[1] < self.split_sizes[0] or self.rows_sizes[1] < self.rows_sizes[0]
 
     def whole_segments(self, parts: int) -> np.ndarray:
-        """i32[parts, whole_slots]: on owner p, the bag each slot of a requester's bucket adds to (`whole_bags` for
-        padding)."""
-        seg = np.full((parts, max(self.whole_slots, 1)), self.whole_bags, np.int32)
-        if self.kind == "column":
-            seg = np.full((1, max(self.whole_slots, 1)), self.whole_bags, np.int32)
-        b = self.local_batch
-        for m, owner, slot, bag in zip(self.whole, self.whole_owner, self.whole_slot, self.whole_bag, strict=True):
-            seg[owner, slot: slot + b * m.bag] = bag + np.arange(b * m.bag) // m.bag
-        return seg[:, : self.whole_slots]
+        """i32[parts, whole_slots]: on owner p, the bag each id of a requester's bucket adds to (`whole_bags`: padding;
+        grouped, the same on every owner)."""
+        seg = np.full((parts, self.whole_slots), self.whole_bags, np.int32)
+        for m, owner, bag, first in zip(self.whole, self.whole_owner, self.whole_bag, self.whole_first, strict=True):
+            seg[owner, first: first + self.local_batch * m.bag] = bag + np.arange(self.local_batch * m.bag) // m.bag
+        if self.whole_groups:  # every owner's layout is the same blocks, padded where it has fewer bags
+            start, bag = 0, 0
+            for length, bags in self.whole_groups:
+                seg[:, start: start + length * bags] = bag + np.arange(length * bags) // length
+                start, bag = start + length * bags, bag + bags
+        return seg
 
 
 def size_exchange(s: MeshArray, tables: list[TableRecord], pooled: Mapping[int, bool], local_batch: int,
@@ -358,25 +368,14 @@ def size_exchange(s: MeshArray, tables: list[TableRecord], pooled: Mapping[int, 
         size = min(group_slots, int(np.minimum(rows_t, b * bags)[rows_mask].sum())) if rows_mask.any() else 0
         if s.kind == "replicated":
             return ArrayExchange(s.kind, b, rows=rows_mask, rows_sizes=(size, size))
-        slot = np.cumsum([0] + [b * m.bag for m in reads])
-        return ArrayExchange(s.kind, b, whole=tuple(reads), whole_owner=(0,) * len(reads),
-                             whole_slot=tuple(int(x) for x in slot[:-1]),
-                             whole_bag=tuple(b * j for j in range(len(reads))), whole_slots=int(slot[-1]),
-                             whole_bags=b * len(reads), rows=rows_mask, rows_sizes=(size, size))
+        return ArrayExchange(s.kind, b, whole=tuple(reads), **_whole_layout(reads, [0] * len(reads), 1, b),
+                             rows=rows_mask, rows_sizes=(size, size))
     rows_t = np.array([max(t.rows, 1) for t in tables], float)
     share = s.held_rows / rows_t[None, :]  # f64[parts, T]
     owners = {i: tuple(int(p) for p in np.flatnonzero(s.held_rows[:, i] > 0)) for i in held}
     whole = [m for m in reads if len(owners[m.table]) == 1]
     split = [m for m in reads if len(owners[m.table]) > 1]
-    filled, bagged = [0] * s.parts, [0] * s.parts
-    whole_owner, whole_slot, whole_bag = [], [], []
-    for m in whole:
-        (owner,) = owners[m.table]
-        whole_owner.append(owner)
-        whole_slot.append(filled[owner])
-        whole_bag.append(bagged[owner])
-        filled[owner] += b * m.bag
-        bagged[owner] += b
+    layout = _whole_layout(whole, [owners[m.table][0] for m in whole], s.parts, b)
     split_sizes = (0, 0)
     if split:
         slots = np.array([b * m.bag for m in split], float)
@@ -389,10 +388,40 @@ def size_exchange(s: MeshArray, tables: list[TableRecord], pooled: Mapping[int, 
         rows_sizes = rows_buckets(s.held_rows[:, rows_mask], rows_t[rows_mask], bags[rows_mask], s.local_rows, b,
                                   capacity_factor, capacity_sigmas)
     return ArrayExchange(
-        s.kind, b, whole=tuple(whole), whole_owner=tuple(whole_owner), whole_slot=tuple(whole_slot),
-        whole_bag=tuple(whole_bag), whole_slots=max(filled), whole_bags=max(bagged), split=tuple(split),
+        s.kind, b, whole=tuple(whole), **layout, split=tuple(split),
         split_holders=tuple(owners[m.table] for m in split), split_sizes=split_sizes, rows=rows_mask,
         rows_sizes=rows_sizes)
+
+
+def _whole_layout(reads: list[Member], owner: list[int], parts: int, local_batch: int) -> dict:
+    """Where each table-wise read's bags sit in its owner's bucket (`ArrayExchange`'s whole_* fields): grouped by
+    bag length -- per length L in increasing order every owner's reads of that length one after another, b bags
+    each, the block as long as the fullest owner's -- unless that pads an owner's ids or bags by more than
+    GROUPED_PADDING over packing each owner's reads in order."""
+    b = local_batch
+    packed_first, packed_bag = [0] * len(reads), [0] * len(reads)
+    slots, bags = [0] * parts, [0] * parts
+    for i, m in enumerate(reads):
+        packed_first[i], packed_bag[i] = slots[owner[i]], bags[owner[i]]
+        slots[owner[i]] += b * m.bag
+        bags[owner[i]] += b
+    packed = dict(whole_owner=tuple(owner), whole_bag=tuple(packed_bag), whole_first=tuple(packed_first),
+                  whole_slots=max(slots, default=0), whole_bags=max(bags, default=0), whole_groups=())
+    groups, first, bag_of = [], [0] * len(reads), [0] * len(reads)
+    start = bag = 0
+    for length in sorted({m.bag for m in reads}):
+        count = [0] * parts
+        for i, m in enumerate(reads):
+            if m.bag == length:
+                bag_of[i] = bag + count[owner[i]] * b
+                first[i] = start + count[owner[i]] * b * length
+                count[owner[i]] += 1
+        groups.append((length, max(count) * b))
+        start, bag = start + max(count) * b * length, bag + max(count) * b
+    if start > GROUPED_PADDING * packed["whole_slots"] or bag > GROUPED_PADDING * packed["whole_bags"]:
+        return packed
+    return dict(whole_owner=tuple(owner), whole_bag=tuple(bag_of), whole_first=tuple(first), whole_slots=start,
+                whole_bags=bag, whole_groups=tuple(groups))
 
 
 def rows_buckets(held_rows: np.ndarray, rows: np.ndarray, bags: np.ndarray, local_rows: int, local_batch: int,
@@ -610,9 +639,9 @@ class Exchange:
                 if s.kind == "replicated":
                     got = self._replicated_fetch(s, x, read, u, needed, ctx)
                 elif s.kind == "column":
-                    got = self._column_fetch(s, x, read, u, needed, stacked, scales, pooled, ctx)
+                    got = self._column_fetch(s, x, read, tables[s.name], u, needed, stacked, scales, pooled, ctx)
                 else:
-                    got = self._sharded_fetch(s, x, read, u, needed, stacked, scales, pooled, ctx)
+                    got = self._sharded_fetch(s, x, read, tables[s.name], u, needed, stacked, scales, pooled, ctx)
                 if got is not None:
                     out = out + got
             if out is not None:
@@ -655,18 +684,15 @@ class Exchange:
         ctx.rows_slot = _compact_slots(member, x.rows_sizes[0])
         return jnp.where(member[:, None], read(local), 0.0)
 
-    def _column_fetch(self, s, x, read, u, needed, stacked, scales, pooled, ctx):
+    def _column_fetch(self, s, x, read, table, u, needed, stacked, scales, pooled, ctx):
         d, parts, b, dtype = s.dim, s.parts, self.local_batch, self.exchange_dtype
         if x.whole:  # every device's bags, pooled over this device's columns, returned as slices
             width, bags = x.whole_slots, x.whole_bags
-            ids = jnp.concatenate([s.locate(stacked[m.key].reshape(-1))[2] for m in x.whole])
+            ids, sc = self._whole_bucket(s, x, stacked, scales, 1)
             everyone = jax.lax.all_gather(ids, s.axes, tiled=True).reshape(parts, width)
-            sc = None
-            if scales is not None:
-                sc = jax.lax.all_gather(jnp.concatenate([scales[m.key] for m in x.whole]), s.axes, tiled=True)
-                sc = sc.reshape(parts, bags)
-            bag = jnp.broadcast_to(jnp.asarray(x.whole_segments(parts)[0]), (parts, width))
-            sums = _pool(read(everyone.reshape(-1)).reshape(parts, width, d // parts), bag, sc, bags)
+            if sc is not None:
+                sc = jax.lax.all_gather(sc, s.axes, tiled=True).reshape(parts, bags)
+            sums = self._pool_whole(s, x, table, everyone, sc)
             back = jax.lax.all_to_all(sums.astype(dtype), s.axes, 0, 2, tiled=True).reshape(bags, d)
             for m, first in zip(x.whole, x.whole_bag, strict=True):
                 pooled[m.key] = back[first: first + b]
@@ -684,24 +710,15 @@ class Exchange:
         ctx.rows_member, ctx.rows_recv, ctx.rows_slot = member, ids, slot
         return jnp.where(member[:, None], back[jnp.minimum(slot, size - 1)].astype(jnp.float32), 0.0)
 
-    def _sharded_fetch(self, s, x, read, u, needed, stacked, scales, pooled, ctx):
-        d, parts, b, dtype, sentinel = s.dim, s.parts, self.local_batch, self.exchange_dtype, s.local_rows
+    def _sharded_fetch(self, s, x, read, table, u, needed, stacked, scales, pooled, ctx):
+        parts, b, dtype = s.parts, self.local_batch, self.exchange_dtype
         if x.whole:  # table-wise: each read's b x L slots in place in its owner's bucket
             width, bags = x.whole_slots, x.whole_bags
-            index = np.concatenate([owner * width + slot + np.arange(b * m.bag) for m, owner, slot in
-                                    zip(x.whole, x.whole_owner, x.whole_slot, strict=True)])
-            ids = jnp.concatenate([s.locate(stacked[m.key].reshape(-1))[2] for m in x.whole])
-            send = jnp.full(parts * width, sentinel, jnp.int32).at[index].set(ids, unique_indices=True)
+            send, sc = self._whole_bucket(s, x, stacked, scales, parts)
             recv = jax.lax.all_to_all(send.reshape(parts, width), s.axes, 0, 0)  # recv[j]: requester j's slots
-            sc = None
-            if scales is not None:
-                index = np.concatenate([owner * bags + first + np.arange(b) for owner, first in
-                                        zip(x.whole_owner, x.whole_bag, strict=True)])
-                sc = jnp.zeros(parts * bags, jnp.float32).at[index].set(
-                    jnp.concatenate([scales[m.key] for m in x.whole]), unique_indices=True)
+            if sc is not None:
                 sc = jax.lax.all_to_all(sc.reshape(parts, bags), s.axes, 0, 0)
-            bag = jnp.broadcast_to(jnp.asarray(x.whole_segments(parts))[jax.lax.axis_index(s.axes)], (parts, width))
-            sums = _pool(read(recv.reshape(-1)).reshape(parts, width, d), bag, sc, bags)
+            sums = self._pool_whole(s, x, table, recv, sc)
             back = jax.lax.all_to_all(sums.astype(dtype), s.axes, 0, 0)  # back[p]: owner p's sums of my bags
             for m, owner, first in zip(x.whole, x.whole_owner, x.whole_bag, strict=True):
                 pooled[m.key] = back[owner, first: first + b]
@@ -743,6 +760,49 @@ class Exchange:
             parts_of_bag = [split_back[p, c * b: (c + 1) * b].astype(jnp.float32) for p in holders]
             pooled[m.key] = functools.reduce(jnp.add, parts_of_bag)  # the owners' partial sums, in owner order
         return got
+
+    def _whole_bucket(self, s, x, stacked, scales, parts: int) -> tuple[jax.Array, jax.Array | None]:
+        """The table-wise (or column-wise) reads' ids in place in their owners' buckets, i32[parts * whole_slots]
+        (the sentinel where an owner has fewer bags or a slot reads no row), and their bags' scales f32[parts *
+        whole_bags] (mean pooling; None for sum)."""
+        b, width, bags = self.local_batch, x.whole_slots, x.whole_bags
+        owners = x.whole_owner if parts > 1 else (0,) * len(x.whole)
+        index = np.concatenate([owner * width + first + np.arange(b * m.bag) for m, owner, first in
+                                zip(x.whole, owners, x.whole_first, strict=True)])
+        ids = jnp.concatenate([s.locate(stacked[m.key].reshape(-1))[2] for m in x.whole])
+        ids = jnp.full(parts * width, s.local_rows, jnp.int32).at[index].set(ids, unique_indices=True)
+        if scales is None:
+            return ids, None
+        index = np.concatenate([owner * bags + first + np.arange(b) for owner, first in
+                                zip(owners, x.whole_bag, strict=True)])
+        sc = jnp.zeros(parts * bags, jnp.float32).at[index].set(jnp.concatenate([scales[m.key] for m in x.whole]),
+                                                                  unique_indices=True)
+        return ids, sc
+
+    def _pool_whole(self, s, x, table, recv: jax.Array, scales: jax.Array | None) -> jax.Array:
+        """f32[requesters, whole_bags, d]: each requester's bags of the ids recv i32[requesters, whole_slots] it sent
+        (in place), one gather-reduce per bag length (`whole_groups`) -- the single-device pooling (weights: the
+        bag's scale, or 1; a slot that reads no row reads zeros) -- or, packed, a segment sum."""
+        storage = self.storage_of.get(s.group)
+        requesters, out, slot, bag = recv.shape[0], [], 0, 0
+        if not x.whole_groups:  # packed: each owner its own layout
+            segments = jnp.asarray(x.whole_segments(s.parts if s.kind != "column" else 1))
+            me = jax.lax.axis_index(s.axes) if s.kind != "column" else 0
+            bag = jnp.broadcast_to(segments[me], recv.shape)
+            return _pool(self._read(s, table)(recv.reshape(-1)).reshape(*recv.shape, -1), bag, scales, x.whole_bags)
+        for length, bags in x.whole_groups:
+            ids = recv[:, slot: slot + length * bags].reshape(requesters * bags, length)
+            weights = jnp.ones(ids.shape, jnp.float32) if scales is None else jnp.broadcast_to(
+                scales[:, bag: bag + bags].reshape(-1, 1), ids.shape)
+            if storage is None or storage.resident:
+                sums = gather_reduce(table, ids, weights, impl=self.collection.kernel,
+                                     interpret=self.collection.interpret)
+            else:  # rows brought to the device first (host memory)
+                rows = storage.bring(s.group, table, ids.reshape(-1)).astype(jnp.float32)
+                sums = (rows.reshape(*ids.shape, -1) * weights[..., None]).sum(axis=-2)
+            out.append(sums.reshape(requesters, bags, -1))
+            slot, bag = slot + length * bags, bag + bags
+        return jnp.concatenate(out, axis=1)
 
     def _buckets(self, s, x, read, split, rows, worst, sizes):
         """The bucketed exchanges of a sharded array at bucket sizes `sizes` (split ids, rows): (the split bags'
@@ -826,7 +886,7 @@ class Exchange:
         if x.whole:  # column: each pooled gradient's column slices to their devices
             packed = jnp.concatenate([g_bags[m.key].astype(dtype) for m in x.whole])[None]  # [1, bags, d]
             recv = jax.lax.all_to_all(packed, s.axes, 2, 0, tiled=True)  # [parts, bags, d / parts]
-            bag = jnp.broadcast_to(jnp.asarray(x.whole_segments(parts)[0]), ctx.whole_recv.shape)
+            bag = jnp.broadcast_to(jnp.asarray(x.whole_segments(1)[0]), ctx.whole_recv.shape)
             received.add_bagged(ctx.whole_recv, bag, received.add_bags(recv, ctx.whole_scales), x.whole_bags)
         if g_rows is not None:
             size = x.rows_sizes[0]
