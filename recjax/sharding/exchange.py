@@ -477,9 +477,17 @@ def _bucket_all_to_all(x: jax.Array, filled: jax.Array, axes: tuple[str, ...], f
     return jax.lax.platform_dependent(x, filled, cpu=static, default=ragged)
 
 
+# Up to this many owners a bucket's slots are ranked by a running count per owner (N x parts ints), beyond by a
+# stable sort (a sort carrying the positions costs several times more on XLA:CPU: pallas_kernels/dedup.py).
+_RANK_BY_COUNT = 64
+
+
 def _bucket_positions(owner: jax.Array, member: jax.Array, parts: int) -> jax.Array:
     """Each id's slot in its owner's bucket: i32[N], the rank of the id among the ids for the same owner."""
     n = owner.shape[0]
+    if parts <= _RANK_BY_COUNT:
+        hits = (member[:, None] & (owner[:, None] == jnp.arange(parts, dtype=owner.dtype)[None, :])).astype(jnp.int32)
+        return jnp.take_along_axis(jnp.cumsum(hits, axis=0), owner[:, None], axis=1)[:, 0] - 1
     key = jnp.where(member, owner, parts)
     order = jnp.argsort(key, stable=True)
     counts = jnp.zeros(parts + 1, jnp.int32).at[key].add(1)
@@ -921,35 +929,45 @@ class Exchange:
             split_first = static.add_bags(jax.lax.all_to_all(send, s.axes, 0, 0), ctx.split_scales)
         static = self._gather_bags(s, static)
 
-        def received_at(sizes) -> _Received:
+        inputs = {"static": dataclasses.astuple(static), "split_recv": ctx.split_recv, "split_bags": ctx.split_bags,
+                  "rows_dest": ctx.rows_dest, "rows_pos": ctx.rows_pos, "rows_filled": ctx.rows_filled,
+                  "rows_recv": ctx.rows_recv, "g_rows": g_rows}
+
+        def received_at(sizes, inputs) -> _Received:
             split_size, rows_size = sizes
-            received = static.with_bagged()
+            received = _Received(*(list(v) for v in inputs["static"]))
             if split_first is not None:
-                received.add_bagged(ctx.split_recv[:, :split_size], ctx.split_bags[:, :split_size], split_first,
-                                    x.split_bags)
+                received.add_bagged(inputs["split_recv"][:, :split_size], inputs["split_bags"][:, :split_size],
+                                    split_first, x.split_bags)
             if g_rows is not None:  # the row gradients back through the buckets
-                send = jnp.zeros((parts, rows_size, d), g_rows.dtype).at[ctx.rows_dest, ctx.rows_pos].set(
-                    g_rows, mode="drop")
-                grads = _bucket_all_to_all(send, ctx.rows_filled, s.axes)  # aligned with rows_recv[:, :rows_size]
-                received.add_direct(ctx.rows_recv[:, :rows_size], grads)
+                send = jnp.zeros((parts, rows_size, d), g_rows.dtype).at[inputs["rows_dest"], inputs["rows_pos"]].set(
+                    inputs["g_rows"], mode="drop")
+                grads = _bucket_all_to_all(send, inputs["rows_filled"], s.axes)  # aligned with rows_recv[:, :size]
+                received.add_direct(inputs["rows_recv"][:, :rows_size], grads)
             return received
 
-        def apply_at(sizes, table, state):
-            return self._apply_received(s, optimizer, table, state, received_at(sizes), lr, step)
+        def apply_at(sizes, table, state, inputs):
+            return self._apply_received(s, optimizer, table, state, received_at(sizes, inputs), lr, step)
 
         worst = (x.split_sizes[0], x.rows_sizes[0])
         if ctx.overflow is None:
-            return apply_at(worst, table, state)
+            return apply_at(worst, table, state, inputs)
         # The small buckets' update, or (the step overflowed) the worst case's: loops run zero or one time, which
-        # update the table in place where a cond taking it as an operand makes XLA:CPU copy it.
+        # update the table in place where a cond taking it as an operand makes XLA:CPU copy it. Their inputs pass an
+        # optimization barrier with the loop index: else XLA hoists what does not depend on the table (the worst
+        # case's dedup and sums) out of the loop, and every step computes it.
         small = (x.split_sizes[1], x.rows_sizes[1])
         touched = []
         for sizes, trips, scope in ((small, 1 - ctx.overflow.astype(jnp.int32), lambda f: f),
                                     (worst, ctx.overflow.astype(jnp.int32), _fallback)):
             length = self._received_length(s, x, sizes)
-            body = scope(lambda i, carry, sizes=sizes: apply_at(sizes, carry[0], carry[1]))
+
+            def body(i, carry, sizes=sizes):
+                here, _ = jax.lax.optimization_barrier((inputs, i))
+                return apply_at(sizes, carry[0], carry[1], here)
+
             table, state, distinct = jax.lax.fori_loop(
-                0, trips, body, (table, state, jnp.full(length, s.local_rows, jnp.int32)))
+                0, trips, scope(body), (table, state, jnp.full(length, s.local_rows, jnp.int32)))
             touched.append(distinct)
         return table, state, jnp.concatenate(touched)
 
