@@ -195,6 +195,11 @@ class EmbeddingBackend(abc.ABC):
         """Write where the tables are into the run's workdir (a mesh: sharding_plan.txt / .json)."""
 
     @abc.abstractmethod
+    def finish(self, state) -> None:
+        """The run trained its last step (`state`): finish what the tables still owe before the summary is read (a
+        disk tier writes its cache's dirty rows back to the table files it keeps)."""
+
+    @abc.abstractmethod
     def close(self) -> None:
         """Release what the placement holds open (threads, files); the trainer calls it once, at the end of a run."""
 
@@ -458,6 +463,10 @@ class Storage:
     def summary(self) -> dict:
         """What summary.json records about this storage."""
         return {}
+
+    def finish(self, state) -> None:  # noqa: B027 (a hook)
+        """The run trained its last step (`state`, the composition's): what the storage still owes before the summary
+        is read (a disk tier's final write-back)."""
 
     def close(self) -> None:  # noqa: B027 (a hook)
         """Release what the storage holds open (threads, files)."""

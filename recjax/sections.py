@@ -64,7 +64,7 @@ class TieringSection:
     tables: str = ""  # per-table tiers, e.g. "C3=disk,C4/q=disk" (logical or physical names); these win
     disk_over_bytes: int = 0  # rule: a table whose rows + optimizer state exceed this many bytes goes to disk
     host_over_bytes: int = 0  # rule: ... to host (0 = neither rule)
-    dir: str = ""  # where the disk tables' files go; "" = a temporary directory, removed at the end of the run
+    dir: str = ""  # where the disk tables' files go; "" = <workdir>/tables.tmp, removed at the end of the run
     cache_fraction: float = 0.1  # in-RAM cache per stacked group: this fraction of its disk rows ...
     cache_rows: int = 0  # ... or exactly this many rows (0 = use cache_fraction); at least one step's rows
     policy: str = "lru"  # which rows leave the cache: "lru", "lfu" or "static" (a profiled hot set pinned + lru)
@@ -132,7 +132,8 @@ class TrainSection:
     # Evaluations in a row without a better validation metric before training stops; 0 = run the whole budget.
     # Either way the reported test metrics are those of the step with the best validation metric.
     early_stopping_patience: int = 0
-    select_on: str = "auc"  # validation metric that picks the best step: "auc" (higher) or "logloss" (lower)
+    # Validation metric that picks the best step: "auc" (higher) or "logloss" (lower); on ratings "mse" (lower)
+    select_on: str = "auc"
     # The other metric's best step is tracked too (summary.json `selection`). Warn when the selected step's validation
     # logloss is more than this fraction above the lowest (selecting on auc; 1 % = 0.0044 at Criteo's 0.44, a few
     # times the 0.001 that Wang et al. 2017, DCN, call significant) ...

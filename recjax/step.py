@@ -109,7 +109,7 @@ def make_train_step(task: Task, backend: EmbeddingBackend | None = None, state: 
         def loss_fn(dense_params, rows, emb_probe):
             logits = forward(task, dense_params, rows, routes.features, batch.dense, dropout_rng, emb_probe)
             # Each device's mean over its share, / shards: the sum over devices is the global batch's mean.
-            return optax.sigmoid_binary_cross_entropy(logits, batch.labels).mean() / backend.shards
+            return task.objective.loss(logits, batch.labels).mean() / backend.shards
 
         emb_probe = None
         if probe:
@@ -134,12 +134,12 @@ def make_train_step(task: Task, backend: EmbeddingBackend | None = None, state: 
 
 
 def make_predict_step(task: Task, backend: EmbeddingBackend | None = None, state: TrainState | None = None):
-    """The compiled `(state, batch) -> probabilities f32[B]`."""
+    """The compiled `(state, batch) -> predictions f32[B]` (the objective's: click probabilities, ratings)."""
     backend = backend or one_device(task.collection)
 
     def predict_step(state: TrainState, batch: Batch):
         routes = backend.route(batch, state.aux, train=False)
         rows, _ = backend.fetch(state.tables, routes)
-        return jax.nn.sigmoid(forward(task, state.dense_params, rows, routes.features, batch.dense))
+        return task.objective.predict(forward(task, state.dense_params, rows, routes.features, batch.dense))
 
     return backend.compile_predict(predict_step, state)

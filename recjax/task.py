@@ -1,11 +1,13 @@
-"""What is trained: the `Task` (embedding collection, glue, model, both optimizers) built from a config.
+"""What is trained: the `Task` (embedding collection, glue, model, both optimizers, objective) built from a config.
 
 `build_task(config, spec)` plans the logical tables (`compression.plan.plan_tables`), compiles them to stacked physical
-tables (`EmbeddingCollection`), and makes the model and the dense / sparse optimizers with their schedules.
+tables (`EmbeddingCollection`), and makes the model and the dense / sparse optimizers with their schedules. The
+objective -- the loss the step minimises, what a prediction is, the metrics an evaluation reports -- is the dataset's
+(`spec.target`, `OBJECTIVES`): clicks train a logit with log loss, ratings a value with squared error.
 """
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import flax.linen as nn
 import jax
@@ -15,6 +17,7 @@ import optax
 
 from compression import TableSpec
 from compression.plan import load_id_counts, plan_tables
+from recjax import metrics
 from recjax.embedding import EmbeddingCollection, EmbeddingGlue, resolve_dedup
 from recjax.errors import ConfigError
 from recjax.kernel_choice import choose_kernel
@@ -31,8 +34,44 @@ DENSE_OPTIMIZERS = {"sgd": optax.identity, "adam": optax.scale_by_adam,
 
 
 @dataclasses.dataclass(frozen=True)
+class Objective:
+    """What the model's output f32[B] means: how a step is trained on it and how an evaluation scores it."""
+
+    name: str
+    loss: Callable[[jax.Array, jax.Array], jax.Array]  # (outputs f32[B], labels f32[B]) -> per-example loss f32[B]
+    predict: Callable[[jax.Array], jax.Array]  # outputs f32[B] -> predictions f32[B] (probabilities, ratings)
+    evaluate: Callable[..., dict]  # (labels, predictions) -> {metric: value, plus `extras`}, on the host
+    metrics: tuple[str, ...]  # what `evaluate` reports, in order (metrics.csv columns, summary.json's headline)
+    tracked: tuple[str, ...]  # validation metrics whose best step is tracked; `train.select_on` is one of them
+    extras: tuple[str, ...]  # `evaluate`'s other keys: the eval set's size and its mean label
+
+
+def _squared_error(outputs: jax.Array, labels: jax.Array) -> jax.Array:
+    return jnp.square(outputs - labels)
+
+
+# One entry per DatasetSpec target (recjax/specs.py TARGETS).
+OBJECTIVES = {
+    "binary": Objective("binary", optax.sigmoid_binary_cross_entropy, jax.nn.sigmoid, metrics.binary_metrics,
+                        metrics.METRICS, ("auc", "logloss"), ("eval_examples", "eval_ctr")),
+    "regression": Objective("regression", _squared_error, lambda outputs: outputs, metrics.regression_metrics,
+                            metrics.REGRESSION_METRICS, ("mse",), ("eval_examples", "eval_mean")),
+}
+
+
+def objective_for(spec: DatasetSpec, select_on: str | None = None) -> Objective:
+    """The dataset's objective; a ConfigError when `select_on` (train.select_on) is not one of its tracked metrics."""
+    objective = OBJECTIVES[spec.target]
+    if select_on is not None and select_on not in objective.tracked:
+        raise ConfigError("train.select_on", f"{select_on!r} is not a metric of this dataset's {spec.target} labels "
+                                             f"(it reports {', '.join(objective.metrics)}); set "
+                                             f"--config.train.select_on={objective.tracked[0]}")
+    return objective
+
+
+@dataclasses.dataclass(frozen=True)
 class Task:
-    """Everything static a step needs: the embedding collection, the model and both optimizers."""
+    """Everything static a step needs: the embedding collection, the model, both optimizers and the objective."""
 
     spec: DatasetSpec
     collection: EmbeddingCollection
@@ -41,6 +80,7 @@ class Task:
     dense_tx: optax.GradientTransformation
     sparse_optimizer: SparseOptimizer
     sparse_lr: optax.Schedule
+    objective: Objective = OBJECTIVES["binary"]
 
 
 
@@ -117,6 +157,7 @@ def build_task(config: ml_collections.ConfigDict, spec: DatasetSpec, dataset=Non
     the cosine decay's end and the examples those counts cover."""
     sections = read_sections(config)
     optimizer, embedding = sections.optimizer, sections.embedding
+    objective = objective_for(spec, sections.train.select_on)
     with config_errors("optimizer.sparse"):
         sparse_optimizer = make_sparse_optimizer(optimizer.sparse)
     with config_errors("embedding"):
@@ -142,4 +183,5 @@ def build_task(config: ml_collections.ConfigDict, spec: DatasetSpec, dataset=Non
         dense_tx=make_dense_optimizer(optimizer, total_steps),
         sparse_optimizer=sparse_optimizer,
         sparse_lr=schedule(float(optimizer.sparse["learning_rate"]), optimizer, total_steps),
+        objective=objective,
     )

@@ -51,9 +51,10 @@ from recjax.guards import (
     writable_directory,
 )
 from recjax.metric_log import MetricLog
-from recjax.metrics import METRICS
+from recjax.rss import RssSampler
 from recjax.step import init_state, make_predict_step, make_train_step
 from recjax.task import Task, build_task
+from recjax.tiering.folders import WORKDIR_FOLDER, remove_stale
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
@@ -66,6 +67,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     writable_directory(workdir, "--workdir")
     if config.checkpoint.enabled and config.checkpoint.dir:
         writable_directory(pathlib.Path(config.checkpoint.dir).expanduser(), "checkpoint.dir")
+    left = remove_stale(workdir / WORKDIR_FOLDER)  # the disk-tier table files a killed run left here
+    if left:
+        print(f"removed the disk-tier table files ({left / 2**20:,.1f} MiB) a killed run left in {workdir}", flush=True)
     checkpointer = Checkpointer(config, root) if config.checkpoint.enabled else None
     resume = checkpointer.resume_point() if checkpointer else None
     if resume and resume.own and resume.finished and (root / "summary.json").exists():
@@ -95,7 +99,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     # --- where the embedding rows live ------------------------------------------------------------------
     # A layout (one device, or the mesh's plan) x a storage per table group (device memory, host memory, disk
     # behind a RAM cache): recjax/placement.
-    backend = placement.build(sections, task, dataset)
+    backend = placement.build(sections, task, dataset, workdir)
     check_memory(config, task, backend)  # before the tables are made (device and host memory, apart)
     if checkpointer is not None:  # where the tables' rows are, and how to restore a checkpoint saved elsewhere
         checkpointer.layout = backend.checkpoint_layout()
@@ -116,9 +120,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                                                where=where)
     stop = StopRequest()
     try:
-        with stop, DevicePrefetcher(dataset.train_batches(budget.batch_size, resume.step if resume else 0, **share),
-                                    validate, put=backend.put_batch) as batches:
-            run = Run(config, workdir, dataset, task, budget, backend, checkpointer, dynamic, stop)
+        with stop, RssSampler() as rss, DevicePrefetcher(
+                dataset.train_batches(budget.batch_size, resume.step if resume else 0, **share), validate,
+                put=backend.put_batch) as batches:
+            run = Run(config, workdir, dataset, task, budget, backend, checkpointer, dynamic, stop, rss)
             run.start(next(batches), resume)
             return run.train(batches)
     except KeyboardInterrupt as error:  # Ctrl-C twice, or before the loop started
@@ -126,9 +131,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
             raise
         raise interrupted(stop.step, checkpointer) from None
     finally:
-        if checkpointer:
-            checkpointer.close()  # waits for a save in flight
-        backend.close()  # a disk tier's writer thread and files
+        try:
+            if checkpointer:
+                checkpointer.close()  # waits for a save in flight
+        finally:
+            backend.close()  # a disk tier's writer thread and files
 
 
 @dataclasses.dataclass
@@ -146,8 +153,8 @@ class LoopState:
     divergence: Divergence = dataclasses.field(default_factory=lambda: Divergence(0.0))
 
     @classmethod
-    def fresh(cls, config: ml_collections.ConfigDict) -> "LoopState":
-        return cls(Selection(config.train.select_on, int(config.train.early_stopping_patience)), [],
+    def fresh(cls, config: ml_collections.ConfigDict, tracked: tuple[str, ...] = ("auc", "logloss")) -> "LoopState":
+        return cls(Selection(config.train.select_on, int(config.train.early_stopping_patience), tracked=tracked), [],
                    divergence=Divergence(float(config.train.divergence_factor)))
 
     @classmethod
@@ -170,11 +177,12 @@ class Run:
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: pathlib.Path, dataset, task: Task,
                  budget: Budget, backend: EmbeddingBackend, checkpointer: Checkpointer | None,
-                 dynamic: DynamicTables | None, stop: StopRequest | None = None):
+                 dynamic: DynamicTables | None, stop: StopRequest | None = None, rss: RssSampler | None = None):
         self.config, self.workdir, self.dataset, self.task, self.budget = config, workdir, dataset, task, budget
         self.backend, self.checkpointer, self.dynamic = backend, checkpointer, dynamic
         self.stop = stop or StopRequest()  # Ctrl-C: stop after the current step
-        self.loop = LoopState.fresh(config)
+        self.rss = rss or RssSampler()  # the peaks of the process's own memory and of its mapped files
+        self.loop = LoopState.fresh(config, task.objective.tracked)
         # The steps' losses since the last divergence check, left on the device until a log point (or a save)
         # fetches them at once; step 1's loss (a fresh run's: the untrained model's).
         self.window_losses: list[jax.Array] = []
@@ -215,7 +223,8 @@ class Run:
               f"({accounting['bytes'] / 2**20:.1f} MiB) + optimizer {accounting['optimizer_bytes'] / 2**20:.1f} MiB; "
               f"dense params: {self.dense_params:,}; {self.forward_flops:,.0f} FLOPs/example", flush=True)
 
-        self.log = MetricLog(self.workdir, batch_size, self.budget.examples_per_epoch, self.loop.history)
+        self.log = MetricLog(self.workdir, batch_size, self.budget.examples_per_epoch, self.loop.history,
+                             task.objective.metrics)
         if self.dynamic is not None:
             self.loop.selection.selectable_from = self.dynamic.ramp_end(task.collection)
             if not self.dynamic.history:  # a resumed run restored its history
@@ -322,6 +331,7 @@ class Run:
             print(f"ERROR: {diverged}", flush=True)
         elif self.checkpointer:
             self.state = self.checkpointer.save(step, self.state, self._loop_saved(), finished=True)
+        self.backend.finish(self.state)  # e.g. a disk tier's final write-back: before the summary reads the memory
         stopped_early = step < budget.steps and diverged is None
         if selection.best_validation:
             print(f"selected step {selection.best_step:,} (best validation {selection.select_on} "
@@ -333,10 +343,25 @@ class Run:
                                               float(self.config.train.selection_auc_tolerance))
         if disagreement:
             print(f"WARNING: {disagreement}", flush=True)
-        summary = self.summary(step, disagreement, diverged)
+        late = self._selected_at_budget_end(diverged)
+        if late:
+            print(f"WARNING: {late}", flush=True)
+        summary = self.summary(step, disagreement, diverged, late)
         if jax.process_index() == 0:  # multi-host: one summary
             (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+
+    def _selected_at_budget_end(self, diverged: str | None) -> str | None:
+        """A warning when the selected step is the budget's last (after more than one evaluation): validation was
+        still improving when the budget ended, so the run's figures understate what its config reaches."""
+        selection, steps = self.loop.selection, self.budget.steps
+        evaluations = sum(1 for row in self.log.history if row["split"] == "validation")
+        if diverged is not None or selection.best_step != steps or evaluations < 2:
+            return None
+        key = "train.steps" if self.config.train.steps is not None else "train.epochs"
+        return (f"the selected step {steps:,} is the last of the budget: validation {selection.select_on} was still "
+                f"improving when the budget ended, so these test figures understate what this config reaches; raise "
+                f"{key} (summary.json: selected_step = budget_steps)")
 
     def _adjust(self, step: int) -> None:
         """A dynamic table's adjustment (and compaction: new shapes, re-compiled steps); not training time."""
@@ -367,7 +392,7 @@ class Run:
     def _score(self, split: str, step: int) -> dict:
         result = evaluate(self.task, self.predict_step, self.state, self.dataset, self.budget.batch_size, split,
                           self.backend)
-        self.log.write({"step": step, "split": split, **{k: result[k] for k in METRICS},
+        self.log.write({"step": step, "split": split, **{k: result[k] for k in self.task.objective.metrics},
                         "elapsed_s": time.perf_counter() - self.run_start})
         return result
 
@@ -394,7 +419,7 @@ class Run:
             return None
         test = self._score("test", step)
         selection.record_test(step, test)
-        if not np.isfinite(test["auc"]) and not self.loop.test_warned:
+        if not np.isfinite(test.get("auc", 0.0)) and not self.loop.test_warned:
             self.loop.test_warned = True
             selection.warnings.append(
                 f"the test split has one class only (click rate {test['eval_ctr']:g} over "
@@ -415,11 +440,14 @@ class Run:
         self.window_start += time.perf_counter() - saving  # the save's stall is not training time
 
     # ---------------------------------------------------------------------------------------------- summary
-    def summary(self, step: int, disagreement: str | None = None, diverged: str | None = None) -> dict:
+    def summary(self, step: int, disagreement: str | None = None, diverged: str | None = None,
+                late: str | None = None) -> dict:
         """What summary.json holds: the test split at the selected step (and at the other tracked metric's best
         step), the run's costs and sizes."""
         selection, budget, batch_size = self.loop.selection, self.budget, self.budget.batch_size
-        no_metrics = {k: math.nan for k in (*METRICS, "eval_examples", "eval_ctr")}  # diverged before an evaluation
+        objective = self.task.objective
+        metrics, reported = objective.metrics, (*objective.metrics, *objective.extras)
+        no_metrics = {k: math.nan for k in reported}  # diverged before an evaluation
         test = selection.test or no_metrics
         # The tables as they end (dynamic pools compacted to their budget).
         accounting = self.task.collection.accounting(self.task.sparse_optimizer)
@@ -427,20 +455,20 @@ class Run:
         restored = self.loop.restored_from["step"] if self.loop.restored_from else 0
         return {
             # Headline metrics: the test split at the step with the best validation metric.
-            **{k: test[k] for k in METRICS},
-            "test": {k: test[k] for k in (*METRICS, "eval_examples", "eval_ctr")},
+            **{k: test[k] for k in metrics},
+            "test": {k: test[k] for k in reported},
             "validation": {k: (selection.best_validation or no_metrics)[k]
-                           for k in (*METRICS, "eval_examples", "eval_ctr")},
-            "last_validation": {k: (selection.last_validation or no_metrics)[k] for k in METRICS},
+                           for k in reported},
+            "last_validation": {k: (selection.last_validation or no_metrics)[k] for k in metrics},
             "selected_step": selection.best_step,
             "select_on": selection.select_on,
             # The best validation step of each tracked metric and the test split there (the headline is select_on's).
-            "selection": {metric: {"step": best["step"], "validation": {k: best["validation"][k] for k in METRICS},
-                                   "test": {k: best["test"][k] for k in METRICS}}
+            "selection": {metric: {"step": best["step"], "validation": {k: best["validation"][k] for k in metrics},
+                                   "test": {k: best["test"][k] for k in metrics}}
                           for metric, best in selection.by_metric.items()},
             "stopped_early": step < budget.steps and diverged is None,
             "diverged": diverged,  # None, or why training stopped: the loss diverged (the launcher exits with 3)
-            "warnings": selection.warnings + ([disagreement] if disagreement else []),
+            "warnings": selection.warnings + [w for w in (disagreement, late) if w],
             "restored_from": self.loop.restored_from,
             **self.dataset.info(),
             "params": self.dense_params + accounting["params"],
@@ -461,6 +489,7 @@ class Run:
             "train_time_s": self.loop.train_time,
             "wall_time_s": time.perf_counter() - self.run_start,
             "peak_rss_bytes": peak_rss_bytes(),
+            **self.rss.summary(),  # its split: the process's own memory, file-backed pages (sampled peaks)
             "steps": step,
             "budget_steps": budget.steps,
             "batch_size": batch_size,

@@ -17,6 +17,7 @@ from experiments.configs import (
     dlrm_synthetic,
     fm_movielens,
     lr_movielens,
+    mf_movielens,
     scaling,
     wukong_synthetic,
 )
@@ -184,14 +185,14 @@ def test_fm_needs_room_for_a_factor():
 def test_every_shipped_config_and_every_model_swap_validates(tmp_path):
     configs = [dlrm_synthetic.get_config(p) for p in ("small", "kaggle", "terabyte", "mlperf")]
     configs += [wukong_synthetic.get_config(), dcnv2_synthetic.get_config(), scaling.get_config("dcnv2,5")]
-    for module in (dlrm_movielens, lr_movielens, fm_movielens):
+    for module in (dlrm_movielens, lr_movielens, fm_movielens, mf_movielens):
         config = module.get_config()
         config.data.dir = movielens(tmp_path).data.dir
         configs.append(config)
     checked = 0
     for config in configs:
         validate_config(config)
-        for name in ("dlrm", "dcnv2", "wukong", "lr", "fm"):
+        for name in ("dlrm", "dcnv2", "wukong", "lr", "fm", "mf"):
             swapped = copy.deepcopy(config)
             common.swap_model(swapped, name, {"model.name"})
             validate_config(swapped)
@@ -201,7 +202,7 @@ def test_every_shipped_config_and_every_model_swap_validates(tmp_path):
             assert name != "fm" or model.factor_dim == swapped.embedding.dim - 1
             checked += 1
     # Every swap, DLRM on fm_movielens too: the swap brings DLRM's 16-wide embeddings back for its dot interaction.
-    assert checked == 5 * len(configs)
+    assert checked == 6 * len(configs)
 
 
 def test_a_model_swap_brings_the_values_the_config_tuned_for_that_family():
@@ -289,7 +290,8 @@ def launch(*args, cwd=REPO):  # ~3 s idle (imports only; no training in these ca
                                           "experiments/configs/dlrm_criteo_terabyte.py, experiments/configs/"
                                           "dlrm_csv_clicks.py, experiments/configs/dlrm_libfm.py, experiments/configs/"
                                           "dlrm_movielens.py, experiments/configs/fm_movielens.py, experiments/configs/"
-                                          "lr_movielens.py (e.g. --config=experiments/configs/dlrm_criteo_kaggle.py)"),
+                                          "lr_movielens.py, experiments/configs/mf_movielens.py (e.g. "
+                                          "--config=experiments/configs/dlrm_criteo_kaggle.py)"),
     # A workdir that cannot be a directory (a virtual file system; below a file): one line, not an OSError traceback.
     (["--workdir=/proc/recjax_run"], "error: --workdir: cannot use /proc/recjax_run as a directory: "),
     # A list flag given twice: ml_collections joined the two lists (top_mlp (64, 1, 32, 1)); now an error.

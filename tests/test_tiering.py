@@ -13,6 +13,7 @@ from experiments.configs.dlrm_synthetic import get_config
 from recjax import placement, tiering
 from recjax.errors import ConfigError, StorageError
 from recjax.placement.tiers import TableBytes, resolve_tiers
+from recjax.rss import resident
 from recjax.sections import TieringSection
 from recjax.specs import DatasetSpec, FeatureSpec
 from recjax.step import init_state, make_predict_step, make_train_step
@@ -164,6 +165,110 @@ def test_truncated_or_missing_table_file_is_an_error_naming_it(tmp_path):
     (tmp_path / "C2.q.f32").unlink()
     with pytest.raises(StorageError, match=r"C2\.q\.f32 \(table C2/q\) is missing"):
         store.write(np.array([1]), np.zeros((1, 4), np.float32))
+    store.close()
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_a_file_truncated_during_an_access_is_an_error_never_a_sigbus(tmp_path, monkeypatch, op):
+    """The file is truncated after the check that precedes every access, before the rows are read or written (the
+    window in which main's numpy access through a mapping died of SIGBUS): a read comes back short, a write extends
+    the file again (the blocks the truncation freed stay missing); either way the store names the file."""
+    from recjax.tiering import store as store_module
+
+    store = RowStore([("C1", 0, 4000, tmp_path)], width=65, threads=1)
+    store.write_initial(0, np.ones((4000, 65), np.float32))
+    store.open()
+    for name in ("read_rows", "write_rows"):
+        original = getattr(store_module.TableFile, name)
+
+        def truncated_first(self, *args, original=original):
+            os.truncate(tmp_path / "C1.f32", 65 * 4 * 100)  # rows 0..99 survive
+            return original(self, *args)
+
+        monkeypatch.setattr(store_module.TableFile, name, truncated_first)
+    rows = np.array([5, 3999, 7])
+    with pytest.raises(StorageError, match=r"C1\.f32 \(table C1\) (is truncated: 26,000 bytes|was truncated: it "
+                                           r"holds [0-9,]+ bytes of its 1,040,000).*resume"):
+        if op == "read":
+            store.read(rows)
+        else:
+            store.write(rows, np.zeros((3, 65), np.float32))
+    store.close()
+
+
+def test_initial_rows_are_written_a_page_at_a_time(tmp_path, monkeypatch):
+    """No write of the initial rows crosses a page boundary: a larger one fills the page cache with large folios, each
+    of which a row written back later dirties whole (benchmarks/RESULTS.md, "Disk tier: the storage engine"). The
+    file holds the rows all the same."""
+    writes = []
+    pwrite = os.pwrite
+
+    def recorded(fd, data, offset):
+        writes.append((offset, len(data)))
+        return pwrite(fd, data, offset)
+
+    reference = np.random.default_rng(0).normal(size=(1000, 65)).astype(np.float32)
+    store = RowStore([("C1", 0, 1000, tmp_path)], width=65, threads=1)
+    monkeypatch.setattr(os, "pwrite", recorded)
+    store.write_initial(0, reference)
+    monkeypatch.undo()
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert all(offset // page == (offset + n - 1) // page for offset, n in writes)
+    assert sum(n for _, n in writes) == reference.nbytes == 260_000
+    np.testing.assert_array_equal(store.read_range(0, 1000), reference)
+    store.close()
+
+
+def test_an_unreadable_table_file_is_an_error_naming_it_and_the_row(tmp_path, monkeypatch):
+    """A read the disk fails (EIO) names the file, the table and the row, and says how to go on."""
+    store = RowStore([("C1", 0, 100, tmp_path)], width=4, threads=1)
+    store.write_initial(0, np.ones((100, 4), np.float32))
+    store.open()
+
+    def failing(fd, buffers, offset):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "preadv", failing)
+    with pytest.raises(StorageError, match=r"C1\.f32 \(table C1\): cannot read row 42 \(Input/output error\); "
+                                           "rerun the same command to resume"):
+        store.read(np.array([42]))
+    monkeypatch.undo()
+    store.close()
+
+
+def test_numpy_through_a_truncated_mapping_is_a_sigbus(tmp_path):
+    """Why the store does not read through a mapping of the file: the read above, by numpy from a mapped array, kills
+    the process."""
+    import signal
+    import subprocess
+    import sys
+
+    code = (f"import mmap, os, numpy as np\n"
+            f"fd = os.open({str(tmp_path / 't.f32')!r}, os.O_RDWR | os.O_CREAT)\n"
+            "os.ftruncate(fd, 1 << 20)\n"
+            "m = mmap.mmap(fd, 1 << 20)\n"
+            "a = np.frombuffer(m, np.float32)\n"
+            "os.ftruncate(fd, 4096)\n"
+            "print(a[[5, 200_000]])\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True)
+    assert result.returncode == -signal.SIGBUS, result
+
+
+def test_reads_and_write_backs_map_nothing_into_the_process(tmp_path):
+    """RssFile (the file-backed pages this process maps, /proc/self/status) stays put while the store reads and writes
+    back 12,000 random rows of a 10.4 MB file: its pages stay in the page cache, out of the process's RSS (a mapped
+    store grew it by up to a large folio a row: most of the file here)."""
+    rows, width = 40_000, 65
+    reference = np.random.default_rng(0).normal(size=(rows, width)).astype(np.float32)
+    picks = np.random.default_rng(1).choice(rows, 12_000, replace=False)
+    store = RowStore([("C1", 0, rows, tmp_path)], width=width, threads=4)
+    store.write_initial(0, reference)
+    store.open()
+    before = resident()["file"]
+    np.testing.assert_array_equal(store.read(picks), reference[picks])
+    store.write(picks[::-1], -reference[picks][::-1])
+    np.testing.assert_array_equal(store.read_range(0, rows)[picks], -reference[picks])
+    assert resident()["file"] - before < (1 << 20)
     store.close()
 
 
@@ -420,7 +525,11 @@ def test_train_and_evaluate_on_disk_equals_memory(tmp_path, monkeypatch):
     # bytes and C2 (500 rows, 18,000 bytes) is not.
     assert groups["dim8"]["tables"] == {"C1": "disk", "C4": "disk"} and groups["dim8"]["cache_slots"] == 1500
     assert groups["dim8"]["hits"] > 0
-    assert list(tmp_path.glob("recjax-tiering-*")) == []  # the temporary table directory is gone
+    # The temporary table folder, in the workdir, is gone (and none went to the system's temporary directory).
+    assert not (tmp_path / "disk" / tiering.WORKDIR_FOLDER).exists() and list(tmp_path.glob("recjax-tiering-*")) == []
+    # The peak RSS and its split, read after the final write-back: each part's peak is at most the whole's.
+    assert 0 < tiered["peak_rss_anon_bytes"] <= tiered["peak_rss_bytes"]
+    assert 0 < tiered["peak_rss_file_bytes"] <= tiered["peak_rss_bytes"]
 
 
 @pytest.mark.parametrize("fields,key,message", [
@@ -483,4 +592,4 @@ def test_compress_or_offload_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     # The offload arm is the full model (bit-exact), in at most the budget of fast memory; the full model is 4x it.
     assert arms["full, disk tier"]["auc"] == arms["full"]["auc"]
     assert arms["full, disk tier"]["fast_bytes"] <= results["budget_bytes"] < arms["full"]["fast_bytes"]
-    assert list(tmp_path.glob("recjax-tiering-*")) == []  # the run's table files are gone
+    assert list(tmp_path.rglob(tiering.WORKDIR_FOLDER)) == list(tmp_path.glob("recjax-tiering-*")) == []  # files gone

@@ -69,7 +69,8 @@ def model_config(name: str, dim: int) -> ml_collections.ConfigDict:
     """`model.name` picks the family; each family's knobs live in its own sub-config, sized here for embedding
     dim `dim` (DLRM's dot interaction needs the bottom MLP to end in `dim`)."""
     model = ml_collections.ConfigDict()
-    model.name = name  # "dlrm", "dcnv2", "wukong", "lr" (logistic regression) or "fm" (factorization machine)
+    model.name = name  # "dlrm", "dcnv2", "wukong", "lr" (logistic regression), "fm" (factorization machine) or
+    # "mf" (matrix factorisation: two sparse features, e.g. MovieLens with data.features="user_item")
     # The family the config's learning rates and regularisation were tuned for; a --config.model.name swap to another
     # brings config.model_defaults' values for it (`swap_model`).
     model.tuned_for = name
@@ -103,6 +104,7 @@ def model_config(name: str, dim: int) -> ml_collections.ConfigDict:
 
     model.lr = ml_collections.ConfigDict()  # logistic regression: no knobs; each id's weight is a 1-d embedding
     model.fm = ml_collections.ConfigDict()  # factorization machine: embedding.dim - 1 factors per id (+ its weight)
+    model.mf = ml_collections.ConfigDict()  # matrix factorisation: mu + <user, item> (two sparse features, no dense)
     return model
 
 

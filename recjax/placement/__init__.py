@@ -69,12 +69,14 @@ class Context:
     batch_size: int
     tiers: Mapping[str, str]  # {physical table: tier}
     dataset: object = None  # the training data (the static cache policy profiles it)
+    workdir: object = None  # the run's workdir (pathlib.Path; a disk tier's temporary table folder goes there)
 
 
-def build(config, task, dataset=None) -> PlacedEmbedding:
+def build(config, task, dataset=None, workdir=None) -> PlacedEmbedding:
     """The run's placement of `task`'s tables: the layout from `config.mesh` / `config.sharding`, a storage per group
     from `config.tiering` (`config`: a ConfigDict or its typed `Sections`). `dataset` gives the static cache policy's
-    profiling batches."""
+    profiling batches; `workdir` (pathlib.Path) holds a disk tier's temporary table folder (without one, the system's
+    temporary directory does)."""
     sections = read_sections(config)
     collection, optimizer = task.collection, task.sparse_optimizer
     tiers = resolve_tiers(table_bytes(collection, optimizer), sections.tiering, tuple(STORAGES))
@@ -94,7 +96,7 @@ def build(config, task, dataset=None) -> PlacedEmbedding:
                       and kinds[group_tier[_group_of(collection, name)]].row_wise_on_a_mesh)
     layout = make_layout(sections, task, row_wise)
     layout.bind(collection, {})  # the collection, for the storages' cache layouts (rebound by the composition)
-    context = Context(optimizer, layout, sections.tiering, sections.train.batch_size, tiers, dataset)
+    context = Context(optimizer, layout, sections.tiering, sections.train.batch_size, tiers, dataset, workdir)
     storages = [STORAGES[tier](collection, sorted(g for g, t in group_tier.items() if t == tier), context)
                 for tier in STORAGES if tier in group_tier.values()]
     return PlacedEmbedding(collection, layout, storages)

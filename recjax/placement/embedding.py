@@ -262,6 +262,10 @@ class PlacedEmbedding(EmbeddingBackend):
     def save_plan(self, workdir) -> None:
         self.layout.save_plan(workdir)
 
+    def finish(self, state) -> None:
+        for s in self.storages:
+            s.finish(state)
+
     def close(self) -> None:
         errors = []
         for s in self.storages:

@@ -76,6 +76,11 @@ class RowCache:
     def pinned_rows(self) -> np.ndarray:
         return self.row_of_slot[self.pinned]
 
+    @property
+    def free(self) -> int:
+        """Slots holding no row yet (once none, every miss evicts a row)."""
+        return self._free_top
+
     def plan(self, rows: np.ndarray, dirty: bool) -> Plan:
         """Slots for the distinct rows i64[N] a step asks for (a training step updates them: `dirty`)."""
         rows = np.asarray(rows, np.int64)
@@ -209,6 +214,11 @@ class PartitionedRowCache:
         self.parts = [RowCache(rows, slots, policy) for _ in range(parts)]
         self.policy = policy
         self.pinned_rows = np.zeros(0, np.int64)
+
+    @property
+    def free(self) -> int:
+        """Slots holding no row yet, over the parts."""
+        return sum(cache.free for cache in self.parts)
 
     def plan(self, rows: np.ndarray, dirty: bool) -> Plan:
         rows = np.asarray(rows, np.int64)

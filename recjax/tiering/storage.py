@@ -46,7 +46,6 @@ import math
 import pathlib
 import queue
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -61,6 +60,7 @@ from recjax.embedding import Routes
 from recjax.embedding_backend import DeviceStorage, MemoryUse, Storage
 from recjax.errors import ConfigError
 from recjax.sparse_optim import SparseOptimizer
+from recjax.tiering.folders import FolderInUse, TableFolder
 from recjax.tiering.slots import GroupLayout, power_of_two
 from recjax.tiering.store import RowStore
 
@@ -171,7 +171,7 @@ class DiskStorage(Storage):
     storage's, else in host RAM) in `RowStore`s behind per-group row caches; their memory tables where the layout puts
     them. Settings from the `tiering` section (recjax/sections.py): the caches' size (`cache_fraction` /
     `cache_rows`), `policy` (the static one profiles its hot set from the first training batches of
-    `context.dataset`), `dir` ("" = a temporary directory, removed on `close`), `prefetch` (False makes each step wait
+    `context.dataset`), `dir` ("" = <workdir>/tables.tmp, removed on `close`), `prefetch` (False makes each step wait
     for the previous one before reading its misses, to measure what the overlap hides), `io_threads`."""
 
     name = "disk"
@@ -202,9 +202,11 @@ class DiskStorage(Storage):
         if self.policy == "static" and not all(sl.routes_ahead for sl in self.slots.values()):
             raise ConfigError("tiering.policy", "'static' is not supported on a mesh yet (its hot set would be "
                                                 "profiled per device block); use lru or lfu")
+        self.folder: TableFolder | None = None  # the run's table folder (recjax/tiering/folders.py): held until close
         self.directory, self.temporary = None, False
         if any(in_file for g in layouts for *_, in_file in g.cached):
-            self.directory, self.temporary = table_directory(section.dir, layouts, optimizer)
+            self.folder = table_folder(section.dir, layouts, optimizer, context.workdir)
+            self.directory, self.temporary = self.folder.path, self.folder.temporary
         self.pinned: dict[str, np.ndarray] = {}
         # Record columns: the row, then each optimizer-state field (sorted by name) flattened.
         self.fields = {}
@@ -236,11 +238,15 @@ class DiskStorage(Storage):
         self.stats = {"steps": 0, "plan_s": 0.0, "read_s": 0.0, "write_s": 0.0, "queue_wait_s": 0.0,
                       "rows_from_evictions": 0, "swap_rows": 0, "eval_batches": 0, "eval_misses": 0}
         if self.policy == "static":
-            if context.dataset is None:
-                raise ConfigError("tiering.policy", "'static' needs the training data to profile its hot rows")
-            self.pinned = profile_hot_rows(lambda b: self.put_batch(layout.put_batch(b))[0].unique,
-                                           context.dataset.train_batches(context.batch_size), layouts,
-                                           section.profile_batches)
+            try:
+                if context.dataset is None:
+                    raise ConfigError("tiering.policy", "'static' needs the training data to profile its hot rows")
+                self.pinned = profile_hot_rows(lambda b: self.put_batch(layout.put_batch(b))[0].unique,
+                                               context.dataset.train_batches(context.batch_size), layouts,
+                                               section.profile_batches)
+            except BaseException:
+                self.close()  # the writer thread and the table folder
+                raise
 
     def _cached_tables(self) -> dict[str, bool]:
         """{physical table of this storage's groups not in device memory: its rows in a file (this storage's tier)
@@ -456,7 +462,7 @@ class DiskStorage(Storage):
     def write_back(self, state=None) -> None:
         """Write every pending eviction and every dirty cached row (of `state`'s cache; default the newest train
         state's) to the stores: then the stores hold the tables (in the page cache: a checkpoint reads them back
-        through the same mapping, and a restore rewrites the files, so nothing waits for the disk here)."""
+        with plain reads, and a restore rewrites the files, so nothing waits for the disk here)."""
         self._drain()
         tables, opt_state = (state.tables, state.sparse_opt_state) if state is not None else (self._latest or (None,
                                                                                                                  None))
@@ -689,22 +695,25 @@ class DiskStorage(Storage):
                 groups[g]["devices"] = self.slots[g].parts
         return {"tiering": {"policy": self.policy, "prefetch": self.prefetch, "groups": groups, **self.stats}}
 
+    def finish(self, state) -> None:
+        """The final write-back (before the summary reads the peak memory): files kept after the run (`tiering.dir`)
+        then hold the final tables; temporary ones are removed unwritten."""
+        if not self.temporary:
+            self.flush(state)
+
     def close(self) -> None:
-        """Write the cache's dirty rows back (the files then hold the final tables), stop the writer, close the
-        files; a temporary directory is removed."""
+        """Stop the writer (after the write-backs queued), close the files, release the table folder (a temporary
+        one is removed). The files hold the final tables after `finish` (a run that ended normally); after an
+        error, what was written back, and a resume rewrites them from its checkpoint."""
         if self._closed:
             return
         self._closed = True
-        try:
-            if not self.temporary and self._writer_error is None:
-                self.flush()
-        finally:
-            self._writes.put(None)
-            self._writer.join()
-            for store in self.stores.values():
-                store.close()
-            if self.temporary and self.directory is not None:
-                shutil.rmtree(self.directory, ignore_errors=True)
+        self._writes.put(None)
+        self._writer.join()
+        for store in self.stores.values():
+            store.close()
+        if self.folder is not None:
+            self.folder.release()
 
     def rebuilt(self, collection) -> "DiskStorage":
         raise NotImplementedError("tables that change shape (dynamic methods) cannot be on the disk or host tier")
@@ -733,23 +742,26 @@ def profile_hot_rows(backend_unique, batches: Iterable, layouts: list[GroupLayou
     return hot
 
 
-def table_directory(text: str, layouts: list[GroupLayout], optimizer) -> tuple[pathlib.Path, bool]:
-    """The directory for the disk tables' files (created; "" = a new temporary one) after checking the disk has room
-    for them."""
-    temporary = not text
-    directory = pathlib.Path(tempfile.mkdtemp(prefix="recjax-tiering-")) if temporary else pathlib.Path(text)
+def table_folder(text: str, layouts: list[GroupLayout], optimizer, workdir) -> TableFolder:
+    """The folder for the disk tables' files, taken (its owner file locked; recjax/tiering/folders.py): `tiering.dir`,
+    kept after the run, or ("") a temporary one, in the workdir (`workdir`; without one, in the system's temporary
+    directory) -- after checking the disk has room for them."""
+    folder = TableFolder(pathlib.Path(text), temporary=False) if text else TableFolder.temporary_in(workdir)
+    key = "tiering.dir" if text or workdir is None else "--workdir"
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        folder.take()
+    except FolderInUse as error:
+        raise ConfigError(key, f"{error}; wait for it to end, or use another "
+                               + ("tiering.dir" if key == "tiering.dir" else "workdir")) from None
     except OSError as error:
-        raise ConfigError("tiering.dir", f"cannot create {directory}: {error.strerror}") from error
+        raise ConfigError(key, f"cannot create {folder.path}: {error.strerror}") from error
     need = 0
     for layout in layouts:
         width = layout.dim + sum(math.prod(s[1:]) for s in optimizer.state_shapes(1, layout.dim).values())
         need += sum(rows for _, _, rows, in_file in layout.cached if in_file) * width * 4
-    free = shutil.disk_usage(directory).free
+    free = shutil.disk_usage(folder.path).free
     if need > free:
-        if temporary:
-            shutil.rmtree(directory, ignore_errors=True)
-        raise ConfigError("tiering.dir", f"the disk tables need {need:,} bytes in {directory} but {free:,} are free; "
+        folder.release()
+        raise ConfigError("tiering.dir", f"the disk tables need {need:,} bytes in {folder.path} but {free:,} are free; "
                                          "free space or point tiering.dir at a larger disk")
-    return directory, temporary
+    return folder
