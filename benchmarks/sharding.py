@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import statistics
 import sys
 import time
@@ -47,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # this checkout's recjax, not an installed one
 SHAPES = {
     "kaggle_b2048": dict(tables=None, dim=16, bag=1, batch=2048, bottom=(512, 256, 64, 16), top=(512, 256, 1)),
     "reference_random": dict(tables=8, dim=64, bag=100, batch=512, bottom=(512, 512, 64), top=(1024, 1024, 1024, 1)),
