@@ -98,7 +98,7 @@ def case_config(model: str, method: str, mesh: str, plan: str, overrides: str, e
             "C2": {"method": "hashing", "options": {"buckets": 64, "sign": True}},
             "C3": {"method": "qr_path", "options": {"collisions": 8}},
             "C4": {"method": "qr", "options": {"collisions": 4, "op": "add"}},
-            "C5": {"method": "crt", "options": {"moduli": (5, 7)}}})
+            "C5": {"method": "crt", "options": {"moduli": (11, 13)}}})
     config.model.name = model
     config.model.dlrm.bottom_mlp = (8, 16)
     config.model.dlrm.top_mlp = (16, 1)

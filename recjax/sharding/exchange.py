@@ -892,7 +892,10 @@ class Exchange:
         d, parts, dtype = s.dim, s.parts, self.exchange_dtype
         received = _Received()
         if x.whole:  # column: each pooled gradient's column slices to their devices
-            packed = jnp.concatenate([g_bags[m.key].astype(dtype) for m in x.whole])[None]  # [1, bags, d]
+            # Each read's bags where the forward pooled them (`whole_bag`: grouped by bag length, not read order).
+            packed = jnp.zeros((1, x.whole_bags, d), dtype)
+            for m, first in zip(x.whole, x.whole_bag, strict=True):
+                packed = packed.at[0, first: first + self.local_batch].set(g_bags[m.key].astype(dtype))
             recv = jax.lax.all_to_all(packed, s.axes, 2, 0, tiled=True)  # [parts, bags, d / parts]
             bag = jnp.broadcast_to(jnp.asarray(x.whole_segments(1)[0]), ctx.whole_recv.shape)
             received.add_bagged(ctx.whole_recv, bag, received.add_bags(recv, ctx.whole_scales), x.whole_bags)
