@@ -91,6 +91,7 @@ def build(shape: dict, args, plan: str, seed: int = 0):
     config.sharding.plan = plan
     config.sharding.exchange_dtype = args.exchange_dtype
     config.sharding.exchange = args.exchange
+    config.sharding.row_axes = args.row_axes
     config.sharding.capacity_factor = args.capacity_factor
     config.sharding.capacity_sigmas = args.capacity_sigmas
     spec = DatasetSpec(num_dense=13, features=tuple(FeatureSpec(f"C{i + 1}", v, shape["bag"])
@@ -191,7 +192,7 @@ def measure(name: str, shape: dict, args) -> None:
             "single_device_step_ms": 1000 * statistics.median(times["single"]),
             "compile_s": compile_s,
             "collectives": ops,
-            "exchange": args.exchange,
+            "exchange": args.exchange, "row_axes": args.row_axes,
             "pooled_tables": sorted(p.table.name for p in plan_.placements if plan_.pooled(p.table.name)),
             "exchange_bytes": exchange, "predicted_exchange_bytes": predicted[0],
             "pooled_volume_bytes": pooled_volume, "exchange_over_pooled": exchange / pooled_volume,
@@ -221,6 +222,7 @@ def main(argv=None) -> None:
     parser.add_argument("--exchange_dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--exchange", default="auto", choices=("auto", "pooled", "rows"),
                         help="config.sharding.exchange")
+    parser.add_argument("--row_axes", default="all", choices=("all", "model"), help="config.sharding.row_axes")
     parser.add_argument("--capacity_factor", type=float, default=1.0, help="config.sharding.capacity_factor")
     parser.add_argument("--capacity_sigmas", type=float, default=7.0, help="config.sharding.capacity_sigmas")
     parser.add_argument("--vocab_cap", type=int, default=1_000_000, help="kaggle_b2048: rows per table at most")

@@ -178,7 +178,9 @@ BYTES_CASES = {
                                   {"sharding.row_axes": "model", "embedding.pooling": "mean"}),
     "rows-mixed-4x2": ("data=4,model=2", "table", "C1=replicated,C2=row,C3=column", (1, 3, 1, 2, 4),
                        {"sharding.exchange": "rows"}),
-    "auto-8x1": ("data=8", "auto", "", (1, 3, 1, 2, 4), {"sharding.exchange": "auto"}),
+    # A memory budget the planner must split tables for (5 x 4096 rows x 16 x 3 floats with lazy Adam's state).
+    "auto-8x1": ("data=8", "auto", "", (1, 3, 1, 2, 4),
+                 {"sharding.exchange": "auto", "sharding.device_memory_bytes": 700_000}),
 }
 
 
@@ -229,6 +231,8 @@ def hlo_facts(rows: int, exchange_dtype: str = "float32", mesh: str = "data=4,mo
         "fallback_exchange_bytes": sum(c["bytes"] for c in exchange if c["fallback"]),
         "predicted_exchange_bytes": sum(c["bytes"] for c in predicted if not c["fallback"]),
         "predicted_fallback_exchange_bytes": sum(c["bytes"] for c in predicted if c["fallback"]),
+        # the collectives of the expected-capacity buckets, which the worst-case branch replaces
+        "predicted_bucketed_exchange_bytes": sum(c["bytes"] for c in predicted if c["bucketed"]),
         "pooled_tables": sorted(p.table.name for p in sharded.layout.plan.placements
                                 if sharded.layout.plan.pooled(p.table.name)),
         "table_bytes": rows * 16 * 4,
