@@ -3,6 +3,7 @@ r"""Sharded train step on a mesh of CPU devices: step time, bytes each collectiv
     python benchmarks/sharding.py                                   # kaggle_b2048 + reference_random, every plan
     python benchmarks/sharding.py --shapes kaggle_b2048 --plans table,auto --repeats 5 --exchange_dtype bfloat16
     python benchmarks/sharding.py --shapes reference_random --plans table,row --exchange rows   # as before issue 39
+    python benchmarks/sharding.py --shapes reference_random --plans row --row_axes model    # 2 owners per table
 
 Prints one JSON line per (shape, plan) to stdout (progress to stderr), with the shape, config and the machine. The
 single-device step on the same batch is timed in the same process, interleaved repeat by repeat with the sharded

@@ -7,6 +7,7 @@ tests that read those runs are `slow` (~4 CPU-minutes for the subprocess: 9 case
 a single-device and a sharded step); the plans and their errors below are not.
 """
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -357,3 +358,38 @@ def test_buckets_are_ragged_all_to_alls_on_gpu_and_tpu_and_static_on_cpu(platfor
     cpu = jax.export.export(step, platforms=["cpu"])(x, filled).mlir_module()
     assert "@ragged_all_to_all" not in cpu  # (a one-device all_to_all is elided: no collective is left)
     np.testing.assert_array_equal(np.asarray(step(x, filled)), np.asarray(x))
+
+
+def test_plan_charges_each_device_what_its_exchange_sends_and_receives():
+    """recjax/sharding/plan.py `table_exchange` against the bytes worked out by hand: 8 devices (data=4 x model=2),
+    global batch 64 (b = 8 examples per device), a table of 1000 rows x dim 16 read in bags of 4 ids (32 slots per
+    device), f32."""
+    from recjax.sharding.plan import TablePlacement, expected_distinct, pools_on_owner, table_exchange
+
+    mesh = {"data": 4, "model": 2}
+    multi = TableInfo("C1", "C1", "full", 1000, 16, 4, 0)
+    one_hot = TableInfo("C2", "C2", "full", 1000, 16, 1, 0)
+    whole = TablePlacement(multi, "table", ("data", "model"), (3,))
+    # Pooled, table-wise on device 3: every device gets back its 8 bags' sums (8 x 16 x 4 = 512 bytes); the owner
+    # also receives every device's 32 ids (8 x 128) and 8 bag gradients (8 x 512).
+    assert table_exchange(whole, mesh, 64, True) == [512.0] * 3 + [512.0 + 8 * (128 + 512)] + [512.0] * 4
+    # As rows: a device asks for the distinct rows of its 32 ids and receives them; the owner receives every device's
+    # distinct ids and their gradients (4 + 64 bytes each).
+    a = float(expected_distinct(1000, 32))
+    assert table_exchange(whole, mesh, 64, False) == pytest.approx([a * 64] * 3 + [a * 64 + 8 * a * 68] + [a * 64] * 4)
+    # Row-wise over all 8 devices: each device receives 8 partial sums of its 8 bags, and as an owner of 1/8 of the
+    # rows, 1/8 of every device's ids (8 x 4 x 4), every device's 8 bag counts (8 x 32) and bag gradients (8 x 512).
+    split = TablePlacement(multi, "row", ("data", "model"), tuple(range(8)))
+    assert table_exchange(split, mesh, 64, True) == pytest.approx([8 * 512 + 8 * (16 + 32 + 512)] * 8)
+    # Column-wise: every device's 32 ids all-gathered (8 x 128), and its bags' slices out and gradients back.
+    column = TablePlacement(multi, "column", ("data", "model"), tuple(range(8)))
+    assert table_exchange(column, mesh, 64, True) == [8 * 128 + 2 * 512] * 8
+    # auto pools the multi-hot table and keeps the one-hot one as rows (a pooled bag of one id is one row's bytes,
+    # and rows are deduplicated); never a replicated table, nor a method that combines per id.
+    assert pools_on_owner(whole, mesh, 64) and not pools_on_owner(TablePlacement(one_hot, "table", whole.axes, (3,)),
+                                                                   mesh, 64)
+    assert pools_on_owner(TablePlacement(one_hot, "table", whole.axes, (3,)), mesh, 64, "pooled")
+    assert not pools_on_owner(whole, mesh, 64, "rows")
+    assert not pools_on_owner(TablePlacement(multi, "replicated", (), ()), mesh, 64, "pooled")
+    assert not pools_on_owner(TablePlacement(dataclasses.replace(multi, poolable=False), "table", whole.axes, (3,)),
+                              mesh, 64, "pooled")

@@ -48,13 +48,15 @@ carry padding. The worst case is a `lax.cond` branch in the forward (it only rea
 a loop run zero or one times (`fori_loop` carries the table in place, where a cond taking the table would make
 XLA:CPU copy it): a step whose buckets fit updates at the small buckets' length.
 
-Limits of this version (what it costs: benchmarks/RESULTS.md#sharding-the-exchange-per-plan):
+Limits of this version (what it costs: benchmarks/RESULTS.md#sharding-the-pooled-exchange-issue-39):
   - A row-wise table returns k partial sums per bag (k x the pooled volume): the price of splitting rows. Expected
     bucket sizes assume ids spread evenly over a table's rows: a hot id (or a frequency-sorted vocabulary split by
     `range`) sends one owner more slots than its share, so its steps take the worst-case buckets; the
     `bucket_overflows` metric counts them (table-wise pooled tables never overflow).
-  - The owner pools with an XLA gather and segment sum, not the gather-reduce kernels (whose bag layout is static;
-    an owner's bucket layout depends on which owner it is).
+  - Table-wise buckets grouped by bag length pool with the single-device gather-reduce (one call per length); a
+    row-wise owner's packed bucket, and table-wise buckets packed because grouping would pad them, pool with an XLA
+    gather and segment sum (a bag's ids there sit where the requester's counts put them, which no static bag layout
+    of the kernels describes).
   - A mesh array is one [n L, d] array, so a table-wise plan whose devices hold different row counts pads the others
     to the fullest; the `auto` planner evens blocks (`plan.balance_blocks`), a ragged layout would remove it.
   - `exchange_dtype` bf16 / f16 halves the bytes on GPU / TPU; XLA:CPU widens such collectives back to f32, so on
