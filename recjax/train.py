@@ -52,6 +52,7 @@ from recjax.guards import (
 )
 from recjax.metric_log import MetricLog
 from recjax.rss import RssSampler
+from recjax.sharding import multihost
 from recjax.step import init_state, make_predict_step, make_train_step
 from recjax.task import Task, build_task
 from recjax.tiering.folders import WORKDIR_FOLDER, remove_stale
@@ -258,6 +259,7 @@ class Run:
         self.predict_step = make_predict_step(self.task, self.backend, self.state).lower(
             self.state, eval_example).compile()
         self.train_step = make_train_step(self.task, self.backend, self.state).lower(self.state, first).compile()
+        multihost.barrier("recjax_steps_compiled")  # every process compiled: their first collectives run together
 
     # ------------------------------------------------------------------------------------------------- loop
     def train(self, batches) -> dict:
