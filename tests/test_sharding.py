@@ -3,7 +3,7 @@
 The multi-device runs happen in one subprocess with 8 CPU devices (tests/sharding_cases.py): setting
 `jax_num_cpu_devices` for the whole pytest process would send every other test's `train_and_evaluate` through the
 mesh (its default is every device), so they would no longer test the single-device path they were written for. The
-tests that read those runs are `slow` (~4 CPU-minutes for the subprocess: 9 cases and the HLO report, each compiling
+tests that read those runs are `slow` (~5 CPU-minutes for the subprocess: 12 cases and the HLO report, each compiling
 a single-device and a sharded step); the plans and their errors below are not.
 """
 
