@@ -34,8 +34,8 @@ One JSON line per measurement on stdout (progress on stderr), with the machine. 
               column, replicated, auto, NeuroShard's table-wise heuristics, random table-wise plans, random mixtures
               of kinds): each plan's predicted step cost -- the analytic model of today's rows exchange, the one of
               the pooled exchange, and the neural model at --neural_model -- against the measured train step, with
-              Spearman's rank correlation of each. The runtime measured is whatever recjax runs today (the rows
-              exchange until the pooled one lands).
+              Spearman's rank correlation of each. The runtime runs `--runtime_exchange` (sharding.exchange,
+              default pooled; the record's runtime_exchange says which ran).
   measure     gather / scatter-add bandwidth of one CPU device, all_to_all bandwidth over the local devices, a
               kernel's and a collective's fixed cost (what `Topology.cpu_host`'s numbers come from).
 """
