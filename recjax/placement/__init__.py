@@ -121,9 +121,10 @@ def make_layout(sections: Sections, task, row_wise: list[str] = ()) -> Layout:
     overrides = row_wise_overrides(sharding, task.collection, row_wise)
 
     def replan(collection, optimizer) -> ShardingPlan:
-        return make_plan(table_infos(collection, optimizer), shape, batch_size, plan=sharding.plan,
+        plan = make_plan(table_infos(collection, optimizer), shape, batch_size, plan=sharding.plan,
                          overrides=overrides, row_axes=sharding.row_axes, row_split=sharding.row_split,
-                         device_memory_bytes=memory, exchange=sharding.exchange)
+                         device_memory_bytes=memory)
+        return dataclasses.replace(plan, exchange=sharding.exchange)
 
     return MeshLayout(replan(task.collection, task.sparse_optimizer), mesh, sharding.exchange_dtype,
                       sharding.capacity_factor, sharding.capacity_sigmas, replan)

@@ -5,9 +5,9 @@
     result.cost         # PlanCost: per device and phase, the exchange every device pays, the step
 
 The step cost (recjax/sharding/cost_model.py) is each phase's slowest device, summed, plus the exchange; for the
-rows exchange there is one phase, so it is the slowest device's. `sharding.plan=auto` calls `auto_placements`
-(from `make_plan`, below) with the exchange `sharding.exchange` runs (pooled unless "rows"). Costs come from one
-interface (the analytic model, or the pre-trained neural one of experiments/planning/cost_net.py).
+rows exchange of today's runtime there is one phase, so it is the slowest device's. `sharding.plan=auto` calls
+`auto_placements` (from `make_plan`, below) with the rows exchange. Costs come from one interface (the analytic
+model, or the pre-trained neural one of experiments/planning/cost_net.py).
 
 Search (deterministic given the seed; every move is checked against every device's memory first):
   1. greedy: tables by decreasing standalone cost (the LPT order); each goes where the resulting step cost is lowest
@@ -1009,18 +1009,14 @@ def _torchrec_partition(problem: Problem, parts: PartTable, options, current, li
 
 # ---------------------------------------------------------------------------------------------- sharding.plan
 def auto_placements(tables: Sequence[TableInfo], fixed: Mapping[str, TablePlacement], mesh_shape: Mapping[str, int],
-                    batch_size: int, device_memory_bytes: int, row_split: str, seed: int = 0,
-                    exchange: str = "auto") -> dict[str, TablePlacement]:
+                    batch_size: int, device_memory_bytes: int, row_split: str, seed: int = 0
+                    ) -> dict[str, TablePlacement]:
     """`sharding.plan=auto` (`make_plan`): placements of the tables not in `fixed` (the
     pinned ones, already placed), searched with the analytic model on this host's CPU topology. The trainer does not
-    know the tables' id distributions, so every slot of a bag counts as a lookup and ids are spread evenly.
-    `exchange` is `sharding.exchange`: "rows" plans for the rows exchange; "pooled" and "auto" for the pooled one,
-    every table whose method allows it pooled on its owners (`TableInfo.poolable`; "auto" keeps the rows of the
-    tables where pooling moves no fewer bytes -- one-hot bags, which cost about the same either way)."""
+    know the tables' id distributions, so every slot of a bag counts as a lookup and ids are spread evenly."""
     n = math.prod(mesh_shape.values())
-    problem = Problem(tuple(PlannerTable(t, poolable=t.poolable) for t in tables),
-                      Topology.cpu_host(n, device_memory_bytes), batch_size, row_split,
-                      "rows" if exchange == "rows" else "pooled")
+    problem = Problem(tuple(PlannerTable(t) for t in tables), Topology.cpu_host(n, device_memory_bytes),
+                      batch_size, row_split)
     index = {t.name: i for i, t in enumerate(tables)}
     pinned = {index[name]: Choice.of(p, n) for name, p in fixed.items()}
     result = plan(problem, search="beam", seed=seed, fixed=pinned)
@@ -1029,9 +1025,8 @@ def auto_placements(tables: Sequence[TableInfo], fixed: Mapping[str, TablePlacem
 
 def make_plan(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_size: int, *, plan: str = "auto",
               overrides: str = "", row_axes: str = "all", row_split: str = "range",
-              device_memory_bytes: int, exchange: str = "auto") -> ShardingPlan:
-    """Place every table: `plan` for all of them, `overrides` per table; `exchange` (`sharding.exchange`) is the
-    plan's and the one `auto` plans for.
+              device_memory_bytes: int) -> ShardingPlan:
+    """Place every table: `plan` for all of them, `overrides` per table.
 
     auto: the planner of recjax/sharding/planner.py (greedy + local search + beam search over split counts, with
     the analytic cost model of recjax/sharding/cost_model.py) places the tables not pinned by `overrides`. With
@@ -1119,11 +1114,11 @@ def make_plan(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_
         commit(placed(t, kind, device))
     if searched:
         for p in auto_placements(tables, dict(result), mesh_shape, batch_size, device_memory_bytes,
-                                 row_split, exchange=exchange).values():
+                                 row_split).values():
             commit(p)
     if plan == "auto":
         balance_blocks(result, set(pinned), mesh_shape, row_split, device_memory_bytes)
     result_plan = ShardingPlan(dict(mesh_shape), tuple(result[t.name] for t in tables), batch_size,
-                               int(device_memory_bytes), exchange)
+                               int(device_memory_bytes))
     check_fits(result_plan)
     return result_plan
