@@ -99,9 +99,11 @@ class EmbeddingBackend(abc.ABC):
         return self.collection.init_tables(rng), self.collection.init_optimizer(optimizer)
 
     @abc.abstractmethod
-    def compile_train(self, train_step: Callable, state) -> Callable:
+    def compile_train(self, train_step: Callable, state, stacked: bool = False) -> Callable:
         """jit of `train_step(state, batch) -> (state, metrics)` with the state donated; `state` is an example of
-        this backend's state (its structure)."""
+        this backend's state (its structure). `stacked`: the step takes k batches stacked on a new leading axis
+        (`put_batch(..., stacked=True)`; recjax/step.py scans over them), so a placement that splits a batch over
+        devices splits its second axis."""
 
     @abc.abstractmethod
     def compile_predict(self, predict_step: Callable, state) -> Callable:
@@ -126,8 +128,9 @@ class EmbeddingBackend(abc.ABC):
         """After a save of `checkpoint_state`: the checkpoint policy cleared the dirty-row bitmaps (or kept them: a
         one-shot delta). A placement keeping bitmaps of its own clears them here."""
 
-    def put_batch(self, batch):
-        """A host batch (multi-host: this process's rows) -> the device arrays the compiled step takes."""
+    def put_batch(self, batch, stacked: bool = False):
+        """A host batch (multi-host: this process's rows), or one made on the device, -> the device arrays the compiled
+        step takes. `stacked`: k batches on a leading axis (f32[k, B, ...]), for a k-step call, in one transfer."""
         return jax.device_put(batch)
 
     def process_rows(self, batch_size: int) -> slice | None:
@@ -187,7 +190,7 @@ class LocalEmbedding(EmbeddingBackend):
                                                           row_grads, lr, step)
         return tables, opt_state, self.collection.touched_rows(routes)
 
-    def compile_train(self, train_step: Callable, state) -> Callable:
+    def compile_train(self, train_step: Callable, state, stacked: bool = False) -> Callable:
         return jax.jit(train_step, donate_argnums=(0,))
 
     def compile_predict(self, predict_step: Callable, state) -> Callable:

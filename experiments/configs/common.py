@@ -184,6 +184,11 @@ def train_config(*, batch_size: int, steps: int | None = None, epochs: float | N
     # Refuse to start when the embedding tables + optimizer state (+ the host copy async checkpoints keep) do not fit
     # in the memory available (host MemAvailable on CPU, the device's on GPU / TPU); False: start anyway.
     train.check_memory = True
+    # Steps one compiled call runs (a lax.scan over that many batches, sent to the device as one block): "auto" picks
+    # by platform -- 1 on a CPU, 32 on a GPU / TPU, where one step is as quick as the host's dispatch of it
+    # (benchmarks/RESULTS.md, the training loop). Results do not depend on it; log, eval and checkpoint steps end calls.
+    train.steps_per_call = flexible("auto")
+    train.input_workers = 2  # threads making, checking and transferring the next blocks of batches ahead of the loop
     return train
 
 

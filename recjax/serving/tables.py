@@ -282,7 +282,7 @@ class ServingEmbedding(EmbeddingBackend):
     def update(self, optimizer, tables, opt_state, routes, exchange, rows, row_grads, lr, step):
         raise TypeError("ServingEmbedding is read-only: serving tables take no sparse update")
 
-    def compile_train(self, train_step, state):
+    def compile_train(self, train_step, state, stacked=False):
         raise TypeError("ServingEmbedding is read-only: it compiles predict steps only")
 
     def compile_predict(self, predict_step, state):

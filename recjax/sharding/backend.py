@@ -103,10 +103,10 @@ class MeshEmbedding(EmbeddingBackend):
             dirty_rows={k: self.storages[k].row_spec for k in state.dirty_rows}, dropout_rng=P(),
             aux=replicated(state.aux))
 
-    def compile_train(self, train_step: Callable, state) -> Callable:
+    def compile_train(self, train_step: Callable, state, stacked: bool = False) -> Callable:
         specs = self.state_specs(state)
-        step = jax.shard_map(train_step, mesh=self.mesh, in_specs=(specs, P(ALL_AXES)), out_specs=(specs, P()),
-                             check_vma=False)
+        step = jax.shard_map(train_step, mesh=self.mesh, in_specs=(specs, placement.batch_spec(stacked)),
+                             out_specs=(specs, P()), check_vma=False)
         return jax.jit(step, donate_argnums=(0,))
 
     def compile_predict(self, predict_step: Callable, state) -> Callable:
@@ -157,8 +157,8 @@ class MeshEmbedding(EmbeddingBackend):
         return local.replace(tables=device(local.tables), sparse_opt_state=device(local.sparse_opt_state),
                              dirty_rows=device(local.dirty_rows), aux=device(local.aux))
 
-    def put_batch(self, batch):
-        return placement.put_batch(self.mesh, batch)
+    def put_batch(self, batch, stacked: bool = False):
+        return placement.put_batch(self.mesh, batch, stacked)
 
     def process_rows(self, batch_size: int) -> slice | None:
         return placement.process_rows(self.mesh, batch_size)

@@ -24,7 +24,7 @@ from recjax import sharding
 from recjax.errors import ConfigError
 from recjax.sharding.mesh import make_mesh
 from recjax.sharding.plan import parse_overrides
-from recjax.tiering.backend import GroupLayout, SlottedBatch, TieredBatch, TieredEmbedding
+from recjax.tiering.backend import GroupLayout, SlottedBatch, TieredBatch, TieredEmbedding, call_text
 from recjax.tiering.cache import POLICIES, PartitionedRowCache, RowCache
 from recjax.tiering.mesh import MeshTieredEmbedding, plan_mesh_layouts
 from recjax.tiering.store import RowStore
@@ -72,10 +72,12 @@ def table_bytes(collection, optimizer) -> list[TableBytes]:
 
 
 def plan_layouts(collection, tiers: Mapping[str, str], batch_size: int, cache_fraction: float = 0.1,
-                 cache_rows: int = 0) -> list[GroupLayout]:
+                 cache_rows: int = 0, steps_per_call: int = 1) -> list[GroupLayout]:
     """The device layout of every group holding a table whose tier is not memory: its memory tables, its cached
     tables, and a cache of `cache_rows` slots (0: `cache_fraction` of the cached rows, rounded up), which must hold
-    one step's distinct cached rows and fewer than all of them."""
+    one call's distinct cached rows (`steps_per_call` batches: a k-step call's rows are in the cache for all of it)
+    and fewer than all of them."""
+    examples = batch_size * steps_per_call
     layouts = []
     for group in sorted(collection.group_rows):
         placed = [p for p in collection.physical_tables() if p.group == group]
@@ -85,16 +87,17 @@ def plan_layouts(collection, tiers: Mapping[str, str], batch_size: int, cache_fr
         cached = tuple((p.table.name, p.offset, p.table.rows, tiers[p.table.name]) for p in placed
                        if tiers[p.table.name] != "memory")
         total = sum(rows for _, _, rows, _ in cached)
-        step_rows = min(total, sum(min(p.table.rows, batch_size * collection.slots_per_example(p))
+        step_rows = min(total, sum(min(p.table.rows, examples * collection.slots_per_example(p))
                                    for p in placed if tiers[p.table.name] != "memory"))
         slots = cache_rows or math.ceil(cache_fraction * total)
         key = "tiering.cache_rows" if cache_rows else "tiering.cache_fraction"
         names = ", ".join(name for name, _, _, _ in cached)
         if slots < step_rows:
             raise ConfigError(key, f"group {group}'s cache of {slots:,} rows cannot hold the {step_rows:,} distinct "
-                                   f"rows one step of {batch_size} examples can read from its tables {names}; "
+                                   f"rows {call_text(batch_size, steps_per_call)} can read from its tables {names}; "
                                    f"raise it to at least {step_rows:,} rows ({step_rows / total:.3g} of {total:,}) "
-                                   "or lower train.batch_size")
+                                   "or lower train.batch_size" + (" or train.steps_per_call" if steps_per_call > 1
+                                                                  else ""))
         if slots >= total:
             raise ConfigError(key, f"group {group}'s cache of {slots:,} rows holds all {total:,} rows of its tables "
                                    f"{names}: keep them in memory (tiering.tables) or lower the cache")
@@ -125,9 +128,9 @@ def profile_hot_rows(backend_unique, batches, layouts: list[GroupLayout], count:
     return hot
 
 
-def setup(config: ml_collections.ConfigDict, task, dataset=None) -> TieredEmbedding | None:
+def setup(config: ml_collections.ConfigDict, task, dataset=None, steps_per_call: int = 1) -> TieredEmbedding | None:
     """The run's tiered backend from `config.tiering`, or None when every table stays in memory. `dataset` gives the
-    static policy's profiling batches."""
+    static policy's profiling batches; `steps_per_call` (the run's, resolved) sizes the caches for a call's rows."""
     tiering = config.get("tiering")
     if not tiering:
         return None
@@ -149,9 +152,9 @@ def setup(config: ml_collections.ConfigDict, task, dataset=None) -> TieredEmbedd
     fraction, cache_rows = float(tiering.get("cache_fraction", 0.1)), int(tiering.get("cache_rows", 0))
     if mesh is not None:  # each device block's cached rows behind a cache of its own (recjax/tiering/mesh.py)
         meshed = sharding.setup(_cached_tables_row_wise(config, task, off_memory), task)
-        layouts = plan_mesh_layouts(collection, tiers, meshed.plan, batch_size, fraction, cache_rows)
+        layouts = plan_mesh_layouts(collection, tiers, meshed.plan, batch_size, fraction, cache_rows, steps_per_call)
     else:
-        layouts = plan_layouts(collection, tiers, batch_size, fraction, cache_rows)
+        layouts = plan_layouts(collection, tiers, batch_size, fraction, cache_rows, steps_per_call)
     directory, temporary = None, False
     if any(tier == "disk" for _, _, _, tier in (c for layout in layouts for c in layout.cached)):
         directory, temporary = _table_directory(str(tiering.get("dir", "")), layouts, task.sparse_optimizer)

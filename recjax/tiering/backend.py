@@ -95,7 +95,7 @@ class GroupLayout:
     resident: tuple[tuple[str, int, int], ...]  # memory tables: (name, first stacked row, rows), in stacking order
     cached: tuple[tuple[str, int, int, str], ...]  # cached tables: (name, first stacked row, rows, tier)
     slots: int  # S, cache slots
-    step_rows: int  # the most distinct cached rows one step can ask for
+    step_rows: int  # the most distinct cached rows one call (of steps_per_call steps) can ask for
 
     @property
     def resident_rows(self) -> int:
@@ -129,6 +129,14 @@ def _rows(array, start: int, stop: int) -> np.ndarray:
 
 def _power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def call_text(batch_size: int, steps_per_call: int) -> str:
+    """What one call of the compiled step reads, for messages: "one step of 512 examples", or with k steps per call
+    "one call of 4 steps of 512 examples (train.steps_per_call)"."""
+    if steps_per_call == 1:
+        return f"one step of {batch_size} examples"
+    return f"one call of {steps_per_call} steps of {batch_size} examples (train.steps_per_call)"
 
 
 def _bucket(n: int, step_rows: int) -> int:
@@ -265,7 +273,11 @@ class TieredEmbedding(EmbeddingBackend):
         self.dirty: dict[str, np.ndarray] = {}
         self._closed = False
         self._unique_fn = jax.jit(self._unique)
+        self._uniques_fn = jax.jit(lambda ids, lengths: jax.lax.map(lambda x: self._unique(*x), (ids, lengths)))
         self._train_route_fn = jax.jit(self._train_route)
+        # k stacked batches (a k-step call): each batch's route, one after the other in one call.
+        self._train_routes_fn = jax.jit(lambda ids, lengths: jax.lax.map(lambda x: self._train_route(*x),
+                                                                          (ids, lengths)))
         self._fill_fn = jax.jit(self._fill, donate_argnums=(0, 1))
         self._working_set_fn = jax.jit(self._working_set, static_argnums=(0,))
         self._records_fn = jax.jit(self._records)
@@ -536,12 +548,12 @@ class TieredEmbedding(EmbeddingBackend):
                 self.stores[g].write(rows, records[: len(rows)])
                 cache.mark_clean()
 
-    def put_batch(self, batch) -> TieredBatch:
+    def put_batch(self, batch, stacked: bool = False) -> TieredBatch:
         device = jax.device_put(batch)
-        routes, unique = self._train_route_fn(device.ids, device.lengths)
+        routes, unique = (self._train_routes_fn if stacked else self._train_route_fn)(device.ids, device.lengths)
         return TieredBatch(device, {g: np.asarray(u) for g, u in unique.items()}, unique, routes)
 
-    def compile_train(self, train_step: Callable, state) -> "TieredStep":
+    def compile_train(self, train_step: Callable, state, stacked: bool = False) -> "TieredStep":
         return TieredStep(self, jax.jit(train_step, donate_argnums=(0,)), train=True)
 
     def compile_predict(self, predict_step: Callable, state) -> "TieredStep":
@@ -612,7 +624,10 @@ class TieredEmbedding(EmbeddingBackend):
 
     def prepare_train(self, state, tb: TieredBatch):
         """Plan a train step's rows, read its misses and queue the swap (behind the previous step): the state with
-        the batch's rows in the cache, and the batch the compiled step takes."""
+        the batch's rows in the cache, and the batch the compiled step takes. For k stacked batches (a k-step call,
+        `tb.unique` {group: i32[k, N]}) the cache takes the union of their rows at once -- one plan, one swap --
+        and holds it for the whole call (the layouts' `step_rows` count a call's rows); each batch gets its rows'
+        slots."""
         self._check_writer()
         if not self.prefetch:  # measurement mode: read only once the previous step is done
             jax.block_until_ready(state.tables)
@@ -622,7 +637,12 @@ class TieredEmbedding(EmbeddingBackend):
         for g, layout in self.layouts.items():
             if state.dirty_rows:  # the in-memory step marks exactly the batch's distinct rows (`touched_rows`)
                 self._dirty(g)[tb.unique[g][tb.unique[g] < layout.rows]] = True
-            slots[g], _, plan = self._slots_and_misses(g, tb.unique[g], train=True)
+            unique, where = tb.unique[g], None
+            if unique.ndim == 2:  # k batches: plan their union (sorted; the sentinel padding stays last)
+                unique, where = np.unique(unique.ravel(), return_inverse=True)
+            slots[g], _, plan = self._slots_and_misses(g, unique, train=True)
+            if where is not None:
+                slots[g] = slots[g][where].reshape(tb.unique[g].shape)
             if not len(plan.miss_rows) and not len(plan.evict_rows):
                 continue
             t1 = time.perf_counter()
@@ -650,7 +670,7 @@ class TieredEmbedding(EmbeddingBackend):
             for g, rows in evicting.items():
                 if len(rows):
                     self._queue_write(_Eviction(g, rows, evicted[g]))
-        self.stats["steps"] += 1
+        self.stats["steps"] += tb.batch.labels.shape[0] if tb.batch.labels.ndim == 2 else 1
         self.stats["read_s"] += read_s
         self.stats["plan_s"] += time.perf_counter() - t0 - read_s
         return state, self._slotted(tb, slots).replace(routes=tb.routes)
@@ -688,7 +708,7 @@ class TieredEmbedding(EmbeddingBackend):
 
     def example_batch(self, tb: TieredBatch, *, train: bool) -> SlottedBatch:
         """A batch of the compiled step's shapes, to lower it (nothing planned)."""
-        batch = self._slotted(tb, {g: np.zeros(len(u), np.int32) for g, u in tb.unique.items()})
+        batch = self._slotted(tb, {g: np.zeros(u.shape, np.int32) for g, u in tb.unique.items()})
         return batch.replace(routes=tb.routes) if train else batch
 
     def example_predict_state(self, state, tb: TieredBatch):

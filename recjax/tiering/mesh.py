@@ -53,7 +53,7 @@ from recjax.embedding import EmbeddingCollection, Routes
 from recjax.errors import ConfigError
 from recjax.sharding.backend import MeshEmbedding
 from recjax.sharding.exchange import Storage, build_storages, group_layout
-from recjax.sharding.placement import ALL_AXES, put_global, to_host
+from recjax.sharding.placement import ALL_AXES, batch_spec, put_global, to_host
 from recjax.sharding.plan import ShardingPlan, format_plan
 from recjax.sparse_optim import SparseOptimizer
 from recjax.tiering.backend import (
@@ -64,6 +64,7 @@ from recjax.tiering.backend import (
     TieredEmbedding,
     TieredStep,
     _power_of_two,
+    call_text,
 )
 from recjax.tiering.cache import PartitionedRowCache
 
@@ -98,11 +99,12 @@ def cached_storages(storages: Mapping[str, Storage], cached: Mapping[str, Sequen
 
 
 def plan_mesh_layouts(collection, tiers: Mapping[str, str], plan: ShardingPlan, batch_size: int,
-                      cache_fraction: float = 0.1, cache_rows: int = 0) -> list[GroupLayout]:
+                      cache_fraction: float = 0.1, cache_rows: int = 0, steps_per_call: int = 1) -> list[GroupLayout]:
     """The layout of every group holding a cached table on a mesh: S = `slots` cache slots on each device block
     (`cache_rows`, or `cache_fraction` of the cached rows the fullest block owns, rounded up), which must hold the
-    distinct rows one global batch can bring a block and fewer than every row a block owns. `step_rows` is the most
-    distinct cached rows one step reads over all blocks (the swap's bucket)."""
+    distinct rows one call's global batches (`steps_per_call` of them) can bring a block and fewer than every row a
+    block owns. `step_rows` is the most distinct cached rows one call reads over all blocks (the swap's bucket)."""
+    examples = batch_size * steps_per_call  # a call's batches' rows share the caches for the whole call
     storages = build_storages(collection, plan)
     cached = {}
     for p in collection.physical_tables():
@@ -116,7 +118,7 @@ def plan_mesh_layouts(collection, tiers: Mapping[str, str], plan: ShardingPlan, 
         mine = np.array([tiers[p.table.name] != "memory" for p in placed])
         bags = np.array([collection.slots_per_example(p) for p in placed], np.int64)
         owned = s.part_rows[:, mine].sum(axis=1)  # i64[P] cached rows each block owns
-        per_step = np.minimum(s.part_rows[:, mine], batch_size * bags[mine][None, :]).sum(axis=1)
+        per_step = np.minimum(s.part_rows[:, mine], examples * bags[mine][None, :]).sum(axis=1)
         slots = cache_rows or math.ceil(cache_fraction * int(owned.max()))
         key = "tiering.cache_rows" if cache_rows else "tiering.cache_fraction"
         names = ", ".join(cached[group])
@@ -125,10 +127,11 @@ def plan_mesh_layouts(collection, tiers: Mapping[str, str], plan: ShardingPlan, 
             # Every row a step brings a device must sit in that device's cache during the step, and any one device
             # may own all of a step's rows of a table: the bound is per device, not the global step's rows / P.
             raise ConfigError(key, f"group {group}'s cache of {slots:,} rows per device cannot hold the {need:,} "
-                                   f"distinct rows of its tables {names} one step of {batch_size} examples can bring "
-                                   f"one device; raise it to at least {need:,} rows per device (tiering.cache_fraction "
-                                   f">= {need / owned.max():.3g} of the {int(owned.max()):,} rows the fullest device "
-                                   "owns) or lower train.batch_size")
+                                   f"distinct rows of its tables {names} {call_text(batch_size, steps_per_call)} can "
+                                   f"bring one device; raise it to at least {need:,} rows per device "
+                                   f"(tiering.cache_fraction >= {need / owned.max():.3g} of the {int(owned.max()):,} "
+                                   f"rows the fullest device owns) or lower train.batch_size"
+                                   + (" or train.steps_per_call" if steps_per_call > 1 else ""))
         if slots >= owned.max():
             raise ConfigError(key, f"group {group}'s cache of {slots:,} rows per device holds all {int(owned.max()):,} "
                                    f"rows of its tables {names} any device owns: keep them in memory "
@@ -344,11 +347,12 @@ class MeshTieredEmbedding(TieredEmbedding):
                              dense_opt_state=jax.tree.map(host, state.dense_opt_state), tables=tables,
                              sparse_opt_state=opt_state, dirty_rows=dirty, aux=jax.tree.map(host, state.aux))
 
-    def put_batch(self, batch) -> TieredBatch:
+    def put_batch(self, batch, stacked: bool = False) -> TieredBatch:
         """The batch split over the devices; its distinct stacked rows per cached group on the host and, replicated,
-        on every device (each device maps its share's rows with them)."""
-        device = self.mesh_embedding.put_batch(batch)
-        unique = {g: np.asarray(u) for g, u in self._unique_fn(device.ids, device.lengths).items()}
+        on every device (each device maps its share's rows with them). `stacked`: k batches, each one's rows."""
+        device = self.mesh_embedding.put_batch(batch, stacked)
+        unique = (self._uniques_fn if stacked else self._unique_fn)(device.ids, device.lengths)
+        unique = {g: np.asarray(u) for g, u in unique.items()}
         return TieredBatch(device, unique, jax.device_put(unique, self._replicated))
 
     def _slotted(self, tb: TieredBatch, slots: dict, sentinel: dict | None = None) -> SlottedBatch:
@@ -391,14 +395,14 @@ class MeshTieredEmbedding(TieredEmbedding):
     def example_predict_state(self, state, tb: TieredBatch):
         return state  # the working sets have the caches' shapes
 
-    def _batch_specs(self) -> SlottedBatch:
+    def _batch_specs(self, stacked: bool = False) -> SlottedBatch:
         """The compiled step's batch: split over every device, the cache maps replicated."""
-        return SlottedBatch(dense=P(ALL_AXES), ids=P(ALL_AXES), lengths=P(ALL_AXES), labels=P(ALL_AXES),
-                            cache_keys=P(), cache_slots=P())
+        split = batch_spec(stacked)
+        return SlottedBatch(dense=split, ids=split, lengths=split, labels=split, cache_keys=P(), cache_slots=P())
 
-    def compile_train(self, train_step: Callable, state) -> TieredStep:
+    def compile_train(self, train_step: Callable, state, stacked: bool = False) -> TieredStep:
         specs = self.mesh_embedding.state_specs(state)
-        step = jax.shard_map(train_step, mesh=self.mesh, in_specs=(specs, self._batch_specs()),
+        step = jax.shard_map(train_step, mesh=self.mesh, in_specs=(specs, self._batch_specs(stacked)),
                              out_specs=(specs, P()), check_vma=False)
         return TieredStep(self, jax.jit(step, donate_argnums=(0,)), train=True)
 
