@@ -138,8 +138,9 @@ class EmbeddingBackend(abc.ABC):
         return None
 
     def to_host(self, array: jax.Array) -> np.ndarray:
-        """The whole value of an array the step returned, as numpy (on every process)."""
-        return np.asarray(array)
+        """The whole value of an array the step returned, as numpy (on every process): an explicit transfer, which
+        `jax.transfer_guard` allows where it refuses implicit ones."""
+        return np.asarray(jax.device_get(array))
 
     def rebuilt(self, collection: EmbeddingCollection, optimizer: SparseOptimizer) -> "EmbeddingBackend":
         """This placement for a collection whose tables changed shape (a dynamic table's compaction)."""

@@ -38,7 +38,7 @@ from recjax.batch import pad_batch, validate_batch
 from recjax.checkpoint import Checkpointer, ResumePoint
 from recjax.config_check import validate_config
 from recjax.data import make_dataset
-from recjax.data.pipeline import BlockPrefetcher, made_blocks, stream_blocks
+from recjax.data.pipeline import BlockPrefetcher, made_blocks, stack, stream_blocks
 from recjax.dynamic import DynamicTables
 from recjax.embedding_backend import EmbeddingBackend, LocalEmbedding
 from recjax.errors import ConfigError, Interrupted
@@ -201,6 +201,11 @@ class Run:
             yield n
             step += n
 
+    def call_sizes(self) -> list[int]:
+        """Every length a call can have: k, and the powers of two below it."""
+        k = self.steps_per_call
+        return sorted({k, *(1 << i for i in range(k.bit_length()) if 1 << i < k)})
+
     def input_pipeline(self, start: int) -> BlockPrefetcher:
         """The calls' inputs from step `start` to the budget: blocks of batches made on worker threads and put on the
         device ahead of the loop (recjax/data/pipeline.py). Synthetic data is made on the device, keyed by step; other
@@ -209,9 +214,11 @@ class Run:
         self._initial_collection = self.task.collection  # a compaction keeps the adjustment steps
         lengths = self.call_lengths(start, self.budget.steps)
         rows = backend.process_rows(batch_size)  # multi-host: this process's share of every batch
+        warmup = []
         if rows is None and hasattr(self.dataset, "device_batches"):
-            jobs = made_blocks(functools.partial(self.dataset.device_batches, batch_size), lengths,
-                               backend.put_batch, start)
+            make = functools.partial(self.dataset.device_batches, batch_size)
+            jobs = made_blocks(make, lengths, backend.put_batch, start)
+            warmup = [functools.partial(make, start, n) for n in self.call_sizes()]  # compiled while the steps are
         else:
             if rows is not None:
                 print(f"data: process {jax.process_index()} of {jax.process_count()} reads rows [{rows.start}, "
@@ -222,7 +229,7 @@ class Run:
             jobs = stream_blocks(self.dataset.train_batches(batch_size, start, **share), lengths, validate,
                                  backend.put_batch, start)
         workers = int(self.config.train.get("input_workers", 2))
-        return BlockPrefetcher(jobs, workers=workers, depth=2 * workers)
+        return BlockPrefetcher(jobs, workers=workers, depth=2 * workers, warmup=warmup)
 
     # ------------------------------------------------------------------------------------------------ start
     def start(self, resume: ResumePoint | None) -> None:
@@ -250,6 +257,8 @@ class Run:
         # as a train batch's.
         t0 = time.perf_counter()
         self.example = backend.put_batch(eval_host)
+        if self.steps_per_call > 1:  # k copies of it for the k-step call
+            self.examples_k = backend.put_batch(stack([eval_host] * self.steps_per_call), stacked=True)
         self._compile()
         self.compile_time = time.perf_counter() - t0
         # XLA's cost analysis of a mesh step is per device, which sees batch_size / devices examples.
@@ -297,16 +306,19 @@ class Run:
             self.state, self.example).compile()
         self.train_step = make_train_step(self.task, self.backend, self.state).lower(self.state, self.example).compile()
         self.train_calls = {1: self.train_step}
+        if self.steps_per_call > 1:  # other lengths (powers of two, where a call would pass a log point) at first use
+            self._executable(self.steps_per_call, self.examples_k, in_loop=False)
 
-    def _executable(self, n: int, block):
-        """The compiled call of `n` steps, compiled for `block` at its first use (not training time)."""
+    def _executable(self, n: int, block, in_loop: bool = True):
+        """The compiled call of `n` steps, compiled for `block` at its first use (in the loop: not training time)."""
         if n not in self.train_calls:
             t0 = time.perf_counter()
             self.train_calls[n] = make_train_step(self.task, self.backend, self.state, steps_per_call=n).lower(
                 self.state, block).compile()
             compiling = time.perf_counter() - t0
-            self.compile_time += compiling
-            self.window_start += compiling
+            if in_loop:
+                self.compile_time += compiling
+                self.window_start += compiling
         return self.train_calls[n]
 
     # ------------------------------------------------------------------------------------------------- loop
@@ -318,17 +330,19 @@ class Run:
         last = step if selection.should_stop else budget.steps  # a run restored after its early stop trains no more
         bar = tqdm.tqdm(initial=step * batch_size, total=budget.steps * batch_size, unit="ex", unit_scale=True,
                         disable=not self.config.train.progress_bar, mininterval=1.0, dynamic_ncols=True)
+        ready = next(calls) if step < last else None  # the first block, made while the steps compiled
         self.window_start, self.window_examples = time.perf_counter(), 0
         in_flight = collections.deque()  # dispatched calls not known to be done (when the backend bounds them)
         diverged = None  # why the run stopped as diverged (summary.json "diverged")
         clock = self.clock
         while step < last:
             t0 = time.perf_counter()
-            n, block = next(calls)
+            (n, block), ready = ready or next(calls), None
             t1 = time.perf_counter()
+            compiling = self.compile_time
             step = self._call(step, n, block)
             clock["input_wait_s"] += t1 - t0
-            clock["dispatch_s"] += time.perf_counter() - t1
+            clock["dispatch_s"] += time.perf_counter() - t1 - (self.compile_time - compiling)
             clock["calls"] += 1
             self.stop.step = step
             if self.backend.steps_in_flight is not None:

@@ -286,6 +286,42 @@ def test_tiered_run_equals_the_memory_run_bit_for_bit(optimizer, method, tier, p
         [np.zeros((p.table.rows, 0), np.float32)], axis=1))
 
 
+@pytest.mark.parametrize("optimizer,pool_from", [("rowwise_adagrad", "auto"), ("lazy_adam", "table"),
+                                                  ("sgd", "auto")])
+def test_k_steps_per_call_on_disk_equal_the_memory_run(optimizer, pool_from, tmp_path):
+    """Two steps per call (recjax/step.py's scan): the cache takes the union of a call's two batches' rows in one plan
+    and one swap, and holds them for the call; the losses and every table, optimizer and dense value equal the
+    in-memory run's (one step per call) bit for bit. Plain SGD on the multi-hot C2: no dedup, each step looks its
+    stacked rows up in its own `cache_keys`."""
+    from recjax.data.pipeline import stack
+
+    config = tiny_config(optimizer)
+    config.embedding.pool_from = pool_from
+    task = build_task(config, SPEC)
+    batches = batches_with_returning_rows()  # 14: seven calls of two
+    expected, expected_losses, _ = memory_run(task, batches)
+    tiers = {p.table.name: "memory" if p.table.name == "C3" else "disk" for p in task.collection.physical_tables()}
+    # By hand: a call of 2 x 32 examples reads at most 64 rows of C1, 64 x 3 of C2 and 64 of C4: 320 (one step: 160).
+    layout, = tiering.plan_layouts(task.collection, tiers, BATCH, cache_rows=320, steps_per_call=2)
+    assert layout.step_rows == 320
+    with pytest.raises(ConfigError, match=r"one call of 2 steps of 32 examples \(train.steps_per_call\)"):
+        tiering.plan_layouts(task.collection, tiers, BATCH, cache_rows=319, steps_per_call=2)
+    backend = tiering.TieredEmbedding(task.collection, task.sparse_optimizer, [layout], tmp_path)
+    state = backend.place_state(init_state(task, jax.random.key(0), batches[0], backend))
+    blocks = [stack(batches[i: i + 2]) for i in range(0, len(batches), 2)]
+    step = make_train_step(task, backend, state, steps_per_call=2).lower(
+        state, backend.put_batch(blocks[0], stacked=True)).compile()
+    losses = []
+    for block in blocks:
+        state, metrics = step(state, backend.put_batch(block, stacked=True))
+        losses += np.asarray(metrics["loss"]).tolist()
+    assert losses == expected_losses
+    assert_same_state(expected, backend.local_state(state))
+    stats = backend.summary()["tiering"]
+    assert stats["steps"] == 14 and all(g["writebacks"] > 0 and g["hits"] > 0 for g in stats["groups"].values())
+    backend.close()
+
+
 def test_swap_updates_the_cache_in_place(tmp_path):
     """The swap's compiled computations never copy the cache array: a copy per step is O(cache) (2.1 s a step at 8M
     slots), which one computation gathering the victims and scattering the misses into the same donated array got."""
@@ -403,6 +439,14 @@ def test_train_and_evaluate_on_disk_equals_memory(tmp_path, monkeypatch):
     assert groups["dim8"]["tables"] == {"C1": "disk", "C4": "disk"} and groups["dim8"]["cache_slots"] == 1500
     assert groups["dim8"]["hits"] > 0
     assert list(tmp_path.glob("recjax-tiering-*")) == []  # the temporary table directory is gone
+    # Four steps per call (calls of 4 and 2 to each log / eval point at 6 and 12), the cache sized for a call: the
+    # same run.
+    config = tiny_run_config(tmp_path, disk_over_bytes=20_000, cache_fraction=0.3)
+    config.train.steps_per_call = 4
+    called = train_and_evaluate(config, tmp_path / "disk4")
+    for key in ("auc", "logloss", "final_train_loss", "selected_step"):
+        assert called[key] == memory[key], key
+    assert called["loop"]["calls"] == 4 and called["tiering"]["steps"] == 12
 
 
 @pytest.mark.parametrize("fields,key,message", [

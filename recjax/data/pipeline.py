@@ -73,7 +73,8 @@ def _host_block(batches: list[Batch], step: int, validate, put: Put) -> tuple[in
 
 def made_blocks(make: Callable[[int, int], Batch], lengths: Iterable[int], put: Put, first_step: int = 0
                 ) -> Iterator[Callable[[], tuple[int, object]]]:
-    """Blocks made on demand by `make(first_step, n)` (n = 1: one batch; else n stacked), e.g. on the device."""
+    """Blocks made on demand by `make(first_step, n)` (n = 1: one batch; else n stacked), e.g. on the device. (To
+    compile such a generator for each length ahead, pass `BlockPrefetcher` `warmup` jobs calling `make`.)"""
     step = first_step
     for n in lengths:
         yield functools.partial(_made_block, make, step, n, put)
@@ -93,11 +94,15 @@ class BlockPrefetcher:
     exits, or one can be killed inside a device transfer and abort the process.
     """
 
-    def __init__(self, jobs: Iterator[Callable[[], tuple[int, object]]], workers: int = 2, depth: int = 4):
+    def __init__(self, jobs: Iterator[Callable[[], tuple[int, object]]], workers: int = 2, depth: int = 4,
+                 warmup: Iterable[Callable[[], object]] = ()):
         if workers < 1 or depth < 1:
             raise ValueError(f"workers and depth must be >= 1, got {workers}, {depth}")
         self._jobs = jobs
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="recjax-input")
+        # Run first, results dropped: e.g. compiling a device generator for every block length the run will ask for,
+        # while the trainer compiles its steps, rather than when the loop first waits for such a block.
+        self._warmup = [self._pool.submit(job) for job in warmup]
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._feed, daemon=True, name="recjax-input-feeder")
@@ -136,6 +141,8 @@ class BlockPrefetcher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
+        for job in self._warmup:
+            job.cancel()
         while True:  # jobs queued but never taken: cancel those not started, wait for the others
             try:
                 item = self._queue.get_nowait()

@@ -54,5 +54,5 @@ def put_global(data: np.ndarray, sharding: NamedSharding) -> jax.Array:
 def to_host(array: jax.Array) -> np.ndarray:
     """The whole value of a (possibly multi-process) global array as numpy."""
     if array.is_fully_addressable:
-        return np.asarray(array)
+        return np.asarray(jax.device_get(array))
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
