@@ -94,8 +94,6 @@ def _config(shape: str, args, workdir: pathlib.Path):
     config.train.steps = args.steps
     config.train.eval_every = args.steps  # validation (and test) once, at the end: not train time either way
     config.checkpoint.dir = str(workdir / "checkpoints")
-    if args.steps_per_call is not None:
-        config.train.steps_per_call = args.steps_per_call
     return config
 
 
@@ -122,7 +120,9 @@ def _bare_step(compiled, state, batches, steps: int):
     return time.perf_counter() - start, statistics.median(dispatch), state, metrics
 
 
-def measure(shape: str, args) -> dict[str, Any]:
+def measure(shape: str, args) -> list[dict[str, Any]]:
+    """One line per steps_per_call in `args.steps_per_call` (None: the config's default), all from this process: the
+    bare step timed before the first main job and after each, each line against the mean of the two around it."""
     import jax
     import numpy as np
 
@@ -136,7 +136,6 @@ def measure(shape: str, args) -> dict[str, Any]:
 
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="recjax_loop_"))
     config = _config(shape, args, workdir)
-    k = int(config.train.get("steps_per_call", 1) or 1)
     with contextlib.redirect_stdout(sys.stderr):
         dataset = make_dataset(config.data, seed=config.seed)
     budget = resolve_budget(config.train, dataset)
@@ -162,62 +161,84 @@ def measure(shape: str, args) -> dict[str, Any]:
         jax.block_until_ready(backend.put_batch(b))
     transfer = (time.perf_counter() - t0) / len(host_batches)
     device_batches = [backend.put_batch(b) for b in host_batches[:_PREMADE]]
+    host_us = {"produce": 1e6 * produce, "validate": 1e6 * validate_s, "transfer": 1e6 * transfer}
+    if hasattr(dataset, "device_batches"):  # made on the device instead: one batch, then a block of 16, waited for
+        jax.block_until_ready(dataset.device_batches(batch_size, 0))
+        t0 = time.perf_counter()
+        for i in range(_PREMADE):
+            made = dataset.device_batches(batch_size, i)
+        jax.block_until_ready(made)
+        host_us["device_make"] = 1e6 * (time.perf_counter() - t0) / _PREMADE
+        jax.block_until_ready(dataset.device_batches(batch_size, 0, _PREMADE))
+        t0 = time.perf_counter()
+        jax.block_until_ready(dataset.device_batches(batch_size, _PREMADE, _PREMADE))
+        host_us["device_make_in_blocks"] = 1e6 * (time.perf_counter() - t0) / _PREMADE
 
-    state = init_state(task, jax.random.key(config.seed), device_batches[0])
-    compiled = make_train_step(task, backend, state).lower(state, device_batches[0]).compile()
     steps = args.bare_steps
-    elapsed_before, dispatch, state, metrics = _bare_step(compiled, state, device_batches, steps)
-    t0 = time.perf_counter()
-    for _ in range(20):
-        float(metrics["loss"])
-    sync = (time.perf_counter() - t0) / 20
-    record: dict[str, Any] = {"name": f"loop_{shape}", "shape": shape, "steps_per_call": k,
-                              "batch_size": batch_size, "steps": args.steps, "bare_steps": steps}
-    if k > 1:  # the k-step executable on pre-made stacked batches
-        stacked = [jax.tree.map(lambda *xs: np.stack(xs), *host_batches[i: i + k]) for i in (0, k)
-                   if i + k <= len(host_batches)]
-        stacked = [backend.put_batch(s) for s in stacked]
-        scan = make_train_step(task, backend, state, steps_per_call=k)
-        scan = scan.lower(state, stacked[0]).compile()
-        calls = max(1, steps // k)
-        elapsed, scan_dispatch, state, _ = _bare_step(scan, state, stacked, calls)
-        record["scan_examples_per_sec"] = calls * k * batch_size / elapsed
-        record["scan_dispatch_us_per_step"] = 1e6 * scan_dispatch / k
-    del state, compiled
 
-    # The main job, as the launcher runs it.
-    t0 = time.perf_counter()
-    with contextlib.redirect_stdout(sys.stderr):
-        summary = train_and_evaluate(config, workdir / "run")
-    run_wall = time.perf_counter() - t0
+    def bare():
+        state = init_state(task, jax.random.key(config.seed), device_batches[0])
+        compiled = make_train_step(task, backend, state).lower(state, device_batches[0]).compile()
+        elapsed, dispatch, state, metrics = _bare_step(compiled, state, device_batches, steps)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            float(metrics["loss"])
+        return steps * batch_size / elapsed, dispatch, (time.perf_counter() - t0) / 20
 
-    state = init_state(task, jax.random.key(config.seed), device_batches[0])
-    compiled = make_train_step(task, backend, state).lower(state, device_batches[0]).compile()
-    elapsed_after, _, state, _ = _bare_step(compiled, state, device_batches, steps)
-    before = steps * batch_size / elapsed_before
-    after = steps * batch_size / elapsed_after
-    step_eps = (before + after) / 2
-    loop_eps = summary["examples_per_sec"]
-    record.update({
-        "step_examples_per_sec": step_eps,
-        "step_examples_per_sec_before": before,
-        "step_examples_per_sec_after": after,
-        "loop_examples_per_sec": loop_eps,
-        "loop_efficiency": loop_eps / step_eps,
-        "host_us_per_step": {"produce": 1e6 * produce, "validate": 1e6 * validate_s, "transfer": 1e6 * transfer,
-                             "dispatch": 1e6 * dispatch, "sync": 1e6 * sync},
-        "train_time_s": summary["train_time_s"],
-        "run_wall_time_s": run_wall,
-        "compile_time_s": summary["compile_time_s"],
-        "test_auc": summary["auc"],
-    })
-    if "loop" in summary:
-        record["loop"] = summary["loop"]
-    record["machine"] = machine_info()
+    before, dispatch, sync = bare()
+    host_us.update({"dispatch": 1e6 * dispatch, "sync": 1e6 * sync})
+    records = []
+    for k in args.steps_per_call or [None]:
+        run_config = _config(shape, args, workdir / f"k{k}")
+        if k is not None:
+            run_config.train.steps_per_call = k
+        resolved = int(run_config.train.get("steps_per_call", 1)) if k is not None else None
+        record: dict[str, Any] = {"name": f"loop_{shape}", "shape": shape, "batch_size": batch_size,
+                                  "steps": args.steps, "bare_steps": steps}
+        if resolved and resolved > 1:  # the k-step executable on pre-made stacked batches
+            stacked = [backend.put_batch(jax.tree.map(lambda *xs: np.stack(xs), *host_batches[i: i + resolved]),
+                                         stacked=True)
+                       for i in range(0, len(host_batches) - resolved + 1, resolved)]
+            state = init_state(task, jax.random.key(config.seed), device_batches[0])
+            scan = make_train_step(task, backend, state, steps_per_call=resolved).lower(state, stacked[0]).compile()
+            calls = max(1, steps // resolved)
+            elapsed, scan_dispatch, state, _ = _bare_step(scan, state, stacked, calls)
+            record["scan_examples_per_sec"] = calls * resolved * batch_size / elapsed
+            record["scan_dispatch_us_per_step"] = 1e6 * scan_dispatch / resolved
+            del state, scan
+        # The main job, as the launcher runs it.
+        t0 = time.perf_counter()
+        with contextlib.redirect_stdout(sys.stderr):
+            summary = train_and_evaluate(run_config, workdir / f"k{k}" / "run")
+        run_wall = time.perf_counter() - t0
+        after, _, _ = bare()
+        step_eps = (before + after) / 2
+        loop_eps = summary["examples_per_sec"]
+        record.update({
+            "steps_per_call": summary.get("loop", {}).get("steps_per_call", 1),
+            "step_examples_per_sec": step_eps,
+            "step_examples_per_sec_before": before,
+            "step_examples_per_sec_after": after,
+            "loop_examples_per_sec": loop_eps,
+            "loop_efficiency": loop_eps / step_eps,
+            "host_us_per_step": host_us,
+            "train_time_s": summary["train_time_s"],
+            "run_wall_time_s": run_wall,
+            "compile_time_s": summary["compile_time_s"],
+            "test_auc": summary["auc"],
+        })
+        if "scan_examples_per_sec" in record:
+            record["loop_vs_scan"] = loop_eps / record["scan_examples_per_sec"]
+        if "loop" in summary:
+            record["loop"] = summary["loop"]
+        record["machine"] = machine_info()
+        records.append(record)
+        print(json.dumps(record), flush=True)
+        before = after
     import shutil
 
     shutil.rmtree(workdir, ignore_errors=True)
-    return record
+    return records
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -233,22 +254,22 @@ def _prepare_criteo(args) -> None:
     marker.write_text("")
 
 
-def _child(shape: str, k: int | None, args) -> dict[str, Any]:
+def _child(shape: str, sweep: str | None, args) -> list[dict[str, Any]]:
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--single", shape, "--steps", str(args.steps),
            "--bare-steps", str(args.bare_steps), "--data-dir", str(args.data_dir),
            "--kaggle-batch", str(args.kaggle_batch)]
-    if k is not None:
-        cmd += ["--steps-per-call", str(k)]
-    _log(f"{shape}, steps_per_call {k if k is not None else 'default'} ...")
+    if sweep is not None:
+        cmd += ["--steps-per-call", sweep]
+    _log(f"{shape}, steps_per_call {sweep or 'default'} ...")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=_REPO_ROOT)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        return {"name": f"loop_{shape}", "steps_per_call": k, "error": f"child exited {proc.returncode}",
-                "stderr_tail": proc.stderr[-3000:]}
-    record = json.loads(lines[-1])
-    record["wall_time_s"] = time.perf_counter() - t0
-    return record
+    records = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not records:
+        records.append({"name": f"loop_{shape}", "steps_per_call": sweep, "error": f"child exited {proc.returncode}",
+                        "stderr_tail": proc.stderr[-3000:]})
+    for record in records:
+        record["child_wall_time_s"] = time.perf_counter() - t0
+    return records
 
 
 def main(argv=None) -> int:
@@ -276,16 +297,15 @@ def main(argv=None) -> int:
     args.kaggle_batch = args.kaggle_batch or (2048 if args.accelerator else 128)
 
     if args.single is not None:
-        args.steps_per_call = None if args.steps_per_call is None else int(args.steps_per_call)
-        print(json.dumps(measure(args.single, args)), flush=True)
+        args.steps_per_call = None if args.steps_per_call is None else [int(k) for k in args.steps_per_call.split(",")]
+        measure(args.single, args)  # prints its lines as they come
         return 0
 
     shapes = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(shapes) - set(SHAPES)
     if unknown:
         parser.error(f"unknown shapes {sorted(unknown)}; choose from {', '.join(SHAPES)}")
-    sweep = args.steps_per_call or ("1,8,32" if args.accelerator else None)
-    ks = [None] if sweep is None else [int(k) for k in sweep.split(",")]
+    sweep = args.steps_per_call or ("1,32" if args.accelerator else None)
     cleanup = args.data_dir is None
     args.data_dir = args.data_dir or pathlib.Path(tempfile.mkdtemp(prefix="recjax_loop_data_"))
     failed = False
@@ -294,8 +314,7 @@ def main(argv=None) -> int:
         if "kaggle_prepared" in shapes:
             _prepare_criteo(args)
         for shape in shapes:
-            for k in ks:
-                record = _child(shape, k, args)
+            for record in _child(shape, sweep, args):
                 failed |= "error" in record
                 print(json.dumps(record), flush=True)
     finally:

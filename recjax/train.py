@@ -38,7 +38,7 @@ from recjax.batch import pad_batch, validate_batch
 from recjax.checkpoint import Checkpointer, ResumePoint
 from recjax.config_check import validate_config
 from recjax.data import make_dataset
-from recjax.data.pipeline import BlockPrefetcher, made_blocks, stack, stream_blocks
+from recjax.data.pipeline import BlockPrefetcher, MadeBlocks, stack, stream_blocks
 from recjax.dynamic import DynamicTables
 from recjax.embedding_backend import EmbeddingBackend, LocalEmbedding
 from recjax.errors import ConfigError, Interrupted
@@ -206,30 +206,29 @@ class Run:
         k = self.steps_per_call
         return sorted({k, *(1 << i for i in range(k.bit_length()) if 1 << i < k)})
 
-    def input_pipeline(self, start: int) -> BlockPrefetcher:
-        """The calls' inputs from step `start` to the budget: blocks of batches made on worker threads and put on the
-        device ahead of the loop (recjax/data/pipeline.py). Synthetic data is made on the device, keyed by step; other
-        data is read on the host, validated and transferred a block at a time."""
+    def input_pipeline(self, start: int) -> BlockPrefetcher | MadeBlocks:
+        """The calls' inputs from step `start` to the budget (recjax/data/pipeline.py): synthetic data is made on the
+        device, keyed by step, one call ahead; other data is read on the host and validated, stacked and put on the
+        device a block at a time by worker threads, ahead of the loop."""
         backend, batch_size = self.backend, self.budget.batch_size
         self._initial_collection = self.task.collection  # a compaction keeps the adjustment steps
         lengths = self.call_lengths(start, self.budget.steps)
         rows = backend.process_rows(batch_size)  # multi-host: this process's share of every batch
-        warmup = []
         if rows is None and hasattr(self.dataset, "device_batches"):
             make = functools.partial(self.dataset.device_batches, batch_size)
-            jobs = made_blocks(make, lengths, backend.put_batch, start)
-            warmup = [functools.partial(make, start, n) for n in self.call_sizes()]  # compiled while the steps are
-        else:
-            if rows is not None:
-                print(f"data: process {jax.process_index()} of {jax.process_count()} reads rows [{rows.start}, "
-                      f"{rows.stop}) of every batch of {batch_size}", flush=True)
-            validate = lambda b, where: validate_batch(b, self.task.spec,  # noqa: E731
-                                                       any_id=self.task.collection.any_id_features, where=where)
-            share = {} if rows is None else {"rows": rows}
-            jobs = stream_blocks(self.dataset.train_batches(batch_size, start, **share), lengths, validate,
-                                 backend.put_batch, start)
+            # Compiled for every call length while the steps compile.
+            return MadeBlocks(make, lengths, backend.put_batch, start,
+                              warmup=[functools.partial(make, start, n) for n in self.call_sizes()])
+        if rows is not None:
+            print(f"data: process {jax.process_index()} of {jax.process_count()} reads rows [{rows.start}, "
+                  f"{rows.stop}) of every batch of {batch_size}", flush=True)
+        validate = lambda b, where: validate_batch(b, self.task.spec,  # noqa: E731
+                                                   any_id=self.task.collection.any_id_features, where=where)
+        share = {} if rows is None else {"rows": rows}
+        jobs = stream_blocks(self.dataset.train_batches(batch_size, start, **share), lengths, validate,
+                             backend.put_batch, start)
         workers = int(self.config.train.get("input_workers", 2))
-        return BlockPrefetcher(jobs, workers=workers, depth=2 * workers, warmup=warmup)
+        return BlockPrefetcher(jobs, workers=workers, depth=2 * workers)
 
     # ------------------------------------------------------------------------------------------------ start
     def start(self, resume: ResumePoint | None) -> None:

@@ -159,6 +159,53 @@ class BlockPrefetcher:
         self.close()
 
 
+class MadeBlocks:
+    """Iterate `(n, block)` of blocks made on the device by `make(first_step, n)`, each dispatched one call ahead
+    from the consumer's own thread: making a block is an asynchronous device call, so the device has block i + 1 queued
+    behind step i without a Python thread -- threads dispatching beside the loop's made its own dispatches wait (on a
+    2-core CPU: calls of ~1 ms took 12 ms, median). `warmup` jobs (compiling `make` for each length) run on one
+    thread started here, while the trainer compiles its steps, and are waited for before the first block."""
+
+    def __init__(self, make: Callable[[int, int], Batch], lengths: Iterable[int], put: Put, first_step: int = 0,
+                 warmup: Iterable[Callable[[], object]] = ()):
+        self._make, self._lengths, self._put, self._step = make, iter(lengths), put, first_step
+        self._next, self._started = None, False
+        jobs = list(warmup)
+        self._warmup = threading.Thread(target=lambda: [job() for job in jobs], daemon=True,
+                                        name="recjax-input-warmup")
+        self._warmup.start()
+
+    def _dispatch(self):
+        n = next(self._lengths, None)
+        if n is None:
+            return None
+        block = _made_block(self._make, self._step, n, self._put)
+        self._step += n
+        return block
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[int, object]:
+        if not self._started:
+            self._warmup.join()
+            self._next, self._started = self._dispatch(), True
+        current, self._next = self._next, None
+        if current is None:
+            raise StopIteration
+        self._next = self._dispatch()  # queued behind this block's step
+        return current
+
+    def close(self) -> None:
+        self._warmup.join()
+
+    def __enter__(self) -> "MadeBlocks":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class DevicePrefetcher(BlockPrefetcher):
     """Iterate device batches one at a time while the next `size` are validated and transferred on a worker thread
     (the evaluation-free single-step case of `BlockPrefetcher`: every block one batch)."""
