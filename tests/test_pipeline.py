@@ -10,7 +10,7 @@ import pytest
 from conftest import random_batch
 
 from recjax.batch import validate_batch
-from recjax.data.pipeline import BlockPrefetcher, DevicePrefetcher, made_blocks, stream_blocks
+from recjax.data.pipeline import BlockPrefetcher, DevicePrefetcher, MadeBlocks, stream_blocks
 
 
 def test_order_and_exhaustion(small_spec):
@@ -86,18 +86,21 @@ def test_workers_keep_the_order_whatever_finishes_first():
         assert [i for _, i in blocks] == list(range(15))
 
 
-def test_made_blocks_ask_for_each_calls_first_step_and_length():
-    made = []
+def test_made_blocks_ask_for_each_calls_first_step_and_length_one_call_ahead():
+    made, warm = [], []
 
     def make(step, n):
         made.append((step, n))
         return np.full((n, 2) if n > 1 else (2,), step)
 
-    with BlockPrefetcher(made_blocks(make, [4, 4, 2, 1], lambda b, stacked=False: (b, stacked), first_step=7),
-                         workers=2, warmup=[functools.partial(make, 7, 4)]) as blocks:
-        got = list(blocks)
+    with MadeBlocks(make, [4, 4, 2, 1], lambda b, stacked=False: (b, stacked), first_step=7,
+                    warmup=[lambda: warm.append(True)]) as blocks:
+        first = next(blocks)
+        assert warm == [True]  # waited for before the first block
+        assert made == [(7, 4), (11, 4)]  # the next call's block is already asked for
+        got = [first, *blocks]
     assert [(n, block[1]) for n, block in got] == [(4, True), (4, True), (2, True), (1, False)]
-    assert sorted(made) == [(7, 4), (7, 4), (11, 4), (15, 2), (17, 1)]  # (the warm-up made step 7's block once more)
+    assert made == [(7, 4), (11, 4), (15, 2), (17, 1)]
     np.testing.assert_array_equal(got[3][1][0], [17, 17])
 
 

@@ -1,18 +1,18 @@
-"""The input pipeline: the trainer's calls' inputs, made ahead on worker threads and put on the device.
+"""The input pipeline: the trainer's calls' inputs, made ahead of the loop and put on the device.
 
-The trainer runs calls of n steps (`train.steps_per_call`, or 1 where a log / eval / checkpoint step falls inside a
-call's reach; recjax/train.py). Call i's input is a *block*: its n batches stacked on a new leading axis, f32[n, B, ...]
-(n = 1: the batch itself). A block is made, checked and put on the device in one transfer by one of `workers` threads,
-up to `depth` blocks ahead of the loop, and handed over in order: while the device runs block i, block i + 1 is
-already there and the next ones are on their way (double-buffered at least), and no single Python thread does all of
-the host's work.
+The trainer runs calls of n steps (`train.steps_per_call`, or fewer where a log / eval / checkpoint step falls inside
+a call's reach; recjax/train.py). Call i's input is a *block*: its n batches stacked on a new leading axis,
+f32[n, B, ...] (n = 1: the batch itself), put on the device in one transfer.
 
 Two kinds of source:
-  - a stream of host batches (prepared data read by Grain's threads, an in-memory split): a feeder thread takes each
-    block's n batches from it in order (the stream is sequential), and the workers stack, validate (once over the
-    whole block: recjax/batch.py `validate_batch`) and transfer them;
-  - blocks made on demand (`make(first_step, n)`: the synthetic data generated on the device, keyed by step): the
-    workers ask for them; there is nothing on the host to check (ids in range by construction).
+  - a stream of host batches (prepared data read by Grain's threads, an in-memory split): `BlockPrefetcher`. A feeder
+    thread takes each block's n batches from the stream in order (it is sequential), and `workers` threads stack,
+    validate (once over the whole block: recjax/batch.py `validate_batch`) and transfer them, up to `depth` blocks
+    ahead, handed over in order: while the device runs block i, block i + 1 is there and the next are on their way
+    (double-buffered at least), and no single Python thread does all of the host's work.
+  - blocks made on the device (`make(first_step, n)`: the synthetic data, keyed by step): `MadeBlocks`. Making one is
+    an asynchronous device call, dispatched one call ahead from the loop's own thread; nothing is made, checked or
+    copied on the host (the ids are in range by construction).
 """
 
 import concurrent.futures
@@ -71,16 +71,6 @@ def _host_block(batches: list[Batch], step: int, validate, put: Put) -> tuple[in
     return n, put(block, stacked=True)
 
 
-def made_blocks(make: Callable[[int, int], Batch], lengths: Iterable[int], put: Put, first_step: int = 0
-                ) -> Iterator[Callable[[], tuple[int, object]]]:
-    """Blocks made on demand by `make(first_step, n)` (n = 1: one batch; else n stacked), e.g. on the device. (To
-    compile such a generator for each length ahead, pass `BlockPrefetcher` `warmup` jobs calling `make`.)"""
-    step = first_step
-    for n in lengths:
-        yield functools.partial(_made_block, make, step, n, put)
-        step += n
-
-
 def _made_block(make, step: int, n: int, put: Put) -> tuple[int, object]:
     return n, (put(make(step, n)) if n == 1 else put(make(step, n), stacked=True))
 
@@ -88,21 +78,17 @@ def _made_block(make, step: int, n: int, put: Put) -> tuple[int, object]:
 class BlockPrefetcher:
     """Iterate `(n, block)` in order while the next `depth` blocks are made on `workers` threads.
 
-    `jobs` yields, in order, callables returning `(n, block on the device)` (`stream_blocks`, `made_blocks`); taking the
+    `jobs` yields, in order, callables returning `(n, block on the device)` (`stream_blocks`); taking the
     next job runs on a feeder thread, the jobs on the workers. An error in any of them reaches the consumer at the
     block it concerns. Use as a context manager (or call `close()`): the threads must be stopped before the interpreter
     exits, or one can be killed inside a device transfer and abort the process.
     """
 
-    def __init__(self, jobs: Iterator[Callable[[], tuple[int, object]]], workers: int = 2, depth: int = 4,
-                 warmup: Iterable[Callable[[], object]] = ()):
+    def __init__(self, jobs: Iterator[Callable[[], tuple[int, object]]], workers: int = 2, depth: int = 4):
         if workers < 1 or depth < 1:
             raise ValueError(f"workers and depth must be >= 1, got {workers}, {depth}")
         self._jobs = jobs
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="recjax-input")
-        # Run first, results dropped: e.g. compiling a device generator for every block length the run will ask for,
-        # while the trainer compiles its steps, rather than when the loop first waits for such a block.
-        self._warmup = [self._pool.submit(job) for job in warmup]
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._feed, daemon=True, name="recjax-input-feeder")
@@ -141,8 +127,6 @@ class BlockPrefetcher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
-        for job in self._warmup:
-            job.cancel()
         while True:  # jobs queued but never taken: cancel those not started, wait for the others
             try:
                 item = self._queue.get_nowait()
@@ -208,7 +192,7 @@ class MadeBlocks:
 
 class DevicePrefetcher(BlockPrefetcher):
     """Iterate device batches one at a time while the next `size` are validated and transferred on a worker thread
-    (the evaluation-free single-step case of `BlockPrefetcher`: every block one batch)."""
+    (`BlockPrefetcher` with every block one batch; for scripts that step batch by batch)."""
 
     def __init__(self, batches: Iterator[Batch], validate: Callable[[Batch, str], None], size: int = 2,
                  put: Callable[[Batch], object] = jax.device_put):
