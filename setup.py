@@ -40,7 +40,7 @@ setup(
         # ParamInfo.await_path_creation the streamed tables' handler reads with (recjax/checkpoint/streamed.py).
         "orbax-checkpoint>=0.11.34,<0.13",
         # recjax/serving/export.py: jax.export serializes an exported model with flatbuffers (not a jax dependency).
-        "flatbuffers>=23",
+        "flatbuffers>=23.1.4",  # the first 23.x
     ],
     extras_require={
         # python -m experiments.serve (recjax/serving/server.py): the asyncio HTTP server (and the load generator's
