@@ -188,23 +188,18 @@ class Run:
                 or (due is not None and due(self._initial_collection, step)))
 
     def call_lengths(self, start: int, last: int) -> Iterator[int]:
-        """Steps of each call from `start` to `last`: k (`steps_per_call`) where no call end falls inside, else
-        powers of two up to it (one compiled executable per length, so a few at most)."""
+        """Steps of each call from `start` to `last`: k (`steps_per_call`) where no call end falls inside the next k
+        steps, else 1 up to it -- two compiled executables, whatever the intervals (a call of every other length would
+        compile one more)."""
         k, step = self.steps_per_call, start
         while step < last:
-            n = min(k, last - step)
-            ends = [s for s in range(step + 1, step + n) if self.is_call_end(s)]
-            if ends:
-                n = ends[0] - step
-            if n < k:
-                n = 1 << (n.bit_length() - 1)  # the largest power of two <= n
+            n = k if step + k <= last and not any(self.is_call_end(s) for s in range(step + 1, step + k)) else 1
             yield n
             step += n
 
     def call_sizes(self) -> list[int]:
-        """Every length a call can have: k, and the powers of two below it."""
-        k = self.steps_per_call
-        return sorted({k, *(1 << i for i in range(k.bit_length()) if 1 << i < k)})
+        """Every length a call can have: 1 and k."""
+        return sorted({1, self.steps_per_call})
 
     def input_pipeline(self, start: int) -> BlockPrefetcher | MadeBlocks:
         """The calls' inputs from step `start` to the budget (recjax/data/pipeline.py): synthetic data is made on the
@@ -250,10 +245,9 @@ class Run:
             self.state = self._restore_or_track(backend.place_state(init(eval_host)), resume)
         self.start_step = resume.step if resume else 0
 
-        # Compile once, up front: the loop calls the executables, so no step pays for compilation and the
-        # compile time and XLA's cost analysis come from exactly what runs. (A k-step call compiles at its first use,
-        # its time not counted as training either.) The train step compiles for a validation batch's shapes: the same
-        # as a train batch's.
+        # Compile once, up front: the loop calls the executables (one step, and k steps a call), so no step pays for
+        # compilation and the compile time and XLA's cost analysis come from exactly what runs. The train steps
+        # compile for a validation batch's shapes: the same as a train batch's.
         t0 = time.perf_counter()
         self.example = backend.put_batch(eval_host)
         if self.steps_per_call > 1:  # k copies of it for the k-step call
@@ -305,7 +299,7 @@ class Run:
             self.state, self.example).compile()
         self.train_step = make_train_step(self.task, self.backend, self.state).lower(self.state, self.example).compile()
         self.train_calls = {1: self.train_step}
-        if self.steps_per_call > 1:  # other lengths (powers of two, where a call would pass a log point) at first use
+        if self.steps_per_call > 1:
             self._executable(self.steps_per_call, self.examples_k, in_loop=False)
 
     def _executable(self, n: int, block, in_loop: bool = True):

@@ -439,14 +439,13 @@ def test_train_and_evaluate_on_disk_equals_memory(tmp_path, monkeypatch):
     assert groups["dim8"]["tables"] == {"C1": "disk", "C4": "disk"} and groups["dim8"]["cache_slots"] == 1500
     assert groups["dim8"]["hits"] > 0
     assert list(tmp_path.glob("recjax-tiering-*")) == []  # the temporary table directory is gone
-    # Four steps per call (calls of 4 and 2 to each log / eval point at 6 and 12), the cache sized for a call: the
-    # same run.
+    # Four steps per call (4, 1, 1 to each log / eval point at 6 and 12), the cache sized for a call: the same run.
     config = tiny_run_config(tmp_path, disk_over_bytes=20_000, cache_fraction=0.3)
     config.train.steps_per_call = 4
     called = train_and_evaluate(config, tmp_path / "disk4")
     for key in ("auc", "logloss", "final_train_loss", "selected_step"):
         assert called[key] == memory[key], key
-    assert called["loop"]["calls"] == 4 and called["tiering"]["steps"] == 12
+    assert called["loop"]["calls"] == 6 and called["tiering"]["steps"] == 12
 
 
 @pytest.mark.parametrize("fields,key,message", [
