@@ -20,16 +20,19 @@ Shapes
 Fields
   step_examples_per_sec  the bare compiled one-step executable on pre-made device batches (the run's own first 16
                          batches, validated and on the device before timing), dispatched back to back and waited for
-                         once at the end: what the device does with no loop around it. Timed before and after the loop
-                         (`step_examples_per_sec_before` / `_after`); the figure is their mean.
+                         once at the end: what the device does with no loop around it. Timed before the first main job
+                         and after each; a main job is compared with the mean of the two around it.
   loop_examples_per_sec  `train_and_evaluate`'s summary.json examples_per_sec: the main job's loop (its train time
                          excludes compiles, evaluations and checkpoint stalls, as the summary always has).
-  loop_efficiency        loop / step. Above 1 when k steps per call save dispatches the bare one-step loop pays.
+  loop_efficiency        loop / step (with --repeats: the median of the repeats' ratios; `*_each` lists them). Above 1
+                         when k steps per call save dispatches the bare one-step loop pays.
   scan_examples_per_sec  (steps_per_call > 1) the compiled k-step executable on pre-made stacked device batches.
   host_us_per_step       each host cost of one step measured alone, in microseconds: `produce` (the dataset's next
                          train batch), `validate` (`validate_batch`), `transfer` (`put_batch` and wait), `dispatch`
-                         (returning from the compiled call, not waiting; per step), `sync` (reading a finished loss).
-                         On a CPU these compete with the step for the same cores.
+                         (returning from the compiled call, not waiting; per step), `sync` (reading a finished loss);
+                         for the synthetic data, `device_make` (its batch made on the device, waited for) and
+                         `device_make_in_blocks` (per batch of a block of 16). On a CPU these compete with the step
+                         for the same cores.
   loop                   (when the trainer reports it) where the loop's train time went: waiting for input, dispatching
                          calls, host syncs at log points, and the rest (device work the loop waited for).
 """
@@ -40,6 +43,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -101,8 +105,6 @@ def _bare_step(compiled, state, batches, steps: int):
     """(seconds of `steps` back-to-back calls, the median seconds to dispatch one call to an idle device, the final
     state and metrics). Back to back, a call returns once the runtime has room to queue it, so the dispatch cost
     is timed apart: each of a few calls issued after the previous one finished."""
-    import statistics
-
     import jax
 
     state, metrics = compiled(state, batches[0])  # warm: allocations, thread pools
@@ -187,54 +189,65 @@ def measure(shape: str, args) -> list[dict[str, Any]]:
 
     before, dispatch, sync = bare()
     host_us.update({"dispatch": 1e6 * dispatch, "sync": 1e6 * sync})
+    ks = args.steps_per_call or [None]
+    runs: dict = {k: [] for k in ks}
+    scans: dict = {}
+    for repeat in range(args.repeats):
+        for k in ks:  # interleaved, so a change of the machine's load falls on every k alike
+            run_config = _config(shape, args, workdir / f"k{k}_{repeat}")
+            if k is not None:
+                run_config.train.steps_per_call = k
+            if k and k > 1 and k not in scans:  # the k-step executable on pre-made stacked batches
+                stacked = [backend.put_batch(jax.tree.map(lambda *xs: np.stack(xs), *host_batches[i: i + k]),
+                                             stacked=True)
+                           for i in range(0, len(host_batches) - k + 1, k)]
+                state = init_state(task, jax.random.key(config.seed), device_batches[0])
+                scan = make_train_step(task, backend, state, steps_per_call=k).lower(state, stacked[0]).compile()
+                calls = max(1, steps // k)
+                elapsed, scan_dispatch, state, _ = _bare_step(scan, state, stacked, calls)
+                scans[k] = {"scan_examples_per_sec": calls * k * batch_size / elapsed,
+                            "scan_dispatch_us_per_step": 1e6 * scan_dispatch / k}
+                del state, scan
+            # The main job, as the launcher runs it.
+            t0 = time.perf_counter()
+            with contextlib.redirect_stdout(sys.stderr):
+                summary = train_and_evaluate(run_config, workdir / f"k{k}_{repeat}" / "run")
+            run_wall = time.perf_counter() - t0
+            after, _, _ = bare()
+            runs[k].append({"loop": summary["examples_per_sec"], "before": before, "after": after,
+                            "summary": summary, "wall": run_wall})
+            before = after
     records = []
-    for k in args.steps_per_call or [None]:
-        run_config = _config(shape, args, workdir / f"k{k}")
-        if k is not None:
-            run_config.train.steps_per_call = k
-        resolved = int(run_config.train.get("steps_per_call", 1)) if k is not None else None
-        record: dict[str, Any] = {"name": f"loop_{shape}", "shape": shape, "batch_size": batch_size,
-                                  "steps": args.steps, "bare_steps": steps}
-        if resolved and resolved > 1:  # the k-step executable on pre-made stacked batches
-            stacked = [backend.put_batch(jax.tree.map(lambda *xs: np.stack(xs), *host_batches[i: i + resolved]),
-                                         stacked=True)
-                       for i in range(0, len(host_batches) - resolved + 1, resolved)]
-            state = init_state(task, jax.random.key(config.seed), device_batches[0])
-            scan = make_train_step(task, backend, state, steps_per_call=resolved).lower(state, stacked[0]).compile()
-            calls = max(1, steps // resolved)
-            elapsed, scan_dispatch, state, _ = _bare_step(scan, state, stacked, calls)
-            record["scan_examples_per_sec"] = calls * resolved * batch_size / elapsed
-            record["scan_dispatch_us_per_step"] = 1e6 * scan_dispatch / resolved
-            del state, scan
-        # The main job, as the launcher runs it.
-        t0 = time.perf_counter()
-        with contextlib.redirect_stdout(sys.stderr):
-            summary = train_and_evaluate(run_config, workdir / f"k{k}" / "run")
-        run_wall = time.perf_counter() - t0
-        after, _, _ = bare()
-        step_eps = (before + after) / 2
-        loop_eps = summary["examples_per_sec"]
-        record.update({
+    for k in ks:
+        done = runs[k]
+        summary = done[-1]["summary"]
+        steps_eps = [(r["before"] + r["after"]) / 2 for r in done]
+        loops = [r["loop"] for r in done]
+        record: dict[str, Any] = {
+            "name": f"loop_{shape}", "shape": shape, "batch_size": batch_size, "steps": args.steps,
+            "bare_steps": steps, "repeats": len(done),
             "steps_per_call": summary.get("loop", {}).get("steps_per_call", 1),
-            "step_examples_per_sec": step_eps,
-            "step_examples_per_sec_before": before,
-            "step_examples_per_sec_after": after,
-            "loop_examples_per_sec": loop_eps,
-            "loop_efficiency": loop_eps / step_eps,
+            # Medians over the repeats; each repeat's loop against the bare step timed right before and after it.
+            "step_examples_per_sec": statistics.median(steps_eps),
+            "loop_examples_per_sec": statistics.median(loops),
+            "loop_efficiency": statistics.median(lp / st for lp, st in zip(loops, steps_eps, strict=True)),
+            "loop_efficiencies": [lp / st for lp, st in zip(loops, steps_eps, strict=True)],
+            "step_examples_per_sec_each": steps_eps,
+            "loop_examples_per_sec_each": loops,
             "host_us_per_step": host_us,
             "train_time_s": summary["train_time_s"],
-            "run_wall_time_s": run_wall,
+            "run_wall_time_s": done[-1]["wall"],
             "compile_time_s": summary["compile_time_s"],
             "test_auc": summary["auc"],
-        })
-        if "scan_examples_per_sec" in record:
-            record["loop_vs_scan"] = loop_eps / record["scan_examples_per_sec"]
+            **scans.get(k, {}),
+        }
+        if k in scans:
+            record["loop_vs_scan"] = record["loop_examples_per_sec"] / scans[k]["scan_examples_per_sec"]
         if "loop" in summary:
             record["loop"] = summary["loop"]
         record["machine"] = machine_info()
         records.append(record)
         print(json.dumps(record), flush=True)
-        before = after
     import shutil
 
     shutil.rmtree(workdir, ignore_errors=True)
@@ -257,7 +270,7 @@ def _prepare_criteo(args) -> None:
 def _child(shape: str, sweep: str | None, args) -> list[dict[str, Any]]:
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--single", shape, "--steps", str(args.steps),
            "--bare-steps", str(args.bare_steps), "--data-dir", str(args.data_dir),
-           "--kaggle-batch", str(args.kaggle_batch)]
+           "--kaggle-batch", str(args.kaggle_batch), "--repeats", str(args.repeats)]
     if sweep is not None:
         cmd += ["--steps-per-call", sweep]
     _log(f"{shape}, steps_per_call {sweep or 'default'} ...")
@@ -283,6 +296,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps-per-call", default=None,
                         help="comma-separated train.steps_per_call values to sweep (default: the config's default "
                              "only; '1,4,16' for the sweep)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="main jobs per steps_per_call, interleaved (each against the bare step around it; the "
+                             "line reports medians): on a shared machine the load changes between runs")
     parser.add_argument("--rows", type=int, default=300_000, help="lines of the generated Criteo train.txt")
     parser.add_argument("--kaggle-batch", type=int, default=None,
                         help="batch size of kaggle_prepared (default 128, the config's; 2048 with --accelerator)")

@@ -71,10 +71,6 @@ def _host_block(batches: list[Batch], step: int, validate, put: Put) -> tuple[in
     return n, put(block, stacked=True)
 
 
-def _made_block(make, step: int, n: int, put: Put) -> tuple[int, object]:
-    return n, (put(make(step, n)) if n == 1 else put(make(step, n), stacked=True))
-
-
 class BlockPrefetcher:
     """Iterate `(n, block)` in order while the next `depth` blocks are made on `workers` threads.
 
@@ -146,14 +142,18 @@ class BlockPrefetcher:
 class MadeBlocks:
     """Iterate `(n, block)` of blocks made on the device by `make(first_step, n)`, each dispatched one call ahead
     from the consumer's own thread: making a block is an asynchronous device call, so the device has block i + 1 queued
-    behind step i without a Python thread -- threads dispatching beside the loop's made its own dispatches wait (on a
-    2-core CPU: calls of ~1 ms took 12 ms, median). `warmup` jobs (compiling `make` for each length) run on one
-    thread started here, while the trainer compiles its steps, and are waited for before the first block."""
+    behind step i with no Python thread dispatching beside the loop's (a 2-core CPU measured the loop's own calls
+    waiting 12 ms, median, when worker threads dispatched the generator). `put` runs on one worker thread, in order,
+    a block ahead: placing a block on one device does nothing, but a disk tier's reads the block's distinct rows back
+    to the host (waiting for the device), which must not hold up the loop. `warmup` jobs (compiling `make` for each
+    length) run on another thread started here, while the trainer compiles its steps, and are waited for before the
+    first block."""
 
     def __init__(self, make: Callable[[int, int], Batch], lengths: Iterable[int], put: Put, first_step: int = 0,
                  warmup: Iterable[Callable[[], object]] = ()):
         self._make, self._lengths, self._put, self._step = make, iter(lengths), put, first_step
         self._next, self._started = None, False
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recjax-input-put")
         jobs = list(warmup)
         self._warmup = threading.Thread(target=lambda: [job() for job in jobs], daemon=True,
                                         name="recjax-input-warmup")
@@ -163,9 +163,9 @@ class MadeBlocks:
         n = next(self._lengths, None)
         if n is None:
             return None
-        block = _made_block(self._make, self._step, n, self._put)
+        batch = self._make(self._step, n)
         self._step += n
-        return block
+        return n, self._pool.submit(self._put, batch, stacked=True) if n > 1 else self._pool.submit(self._put, batch)
 
     def __iter__(self):
         return self
@@ -178,10 +178,12 @@ class MadeBlocks:
         if current is None:
             raise StopIteration
         self._next = self._dispatch()  # queued behind this block's step
-        return current
+        n, placed = current
+        return n, placed.result()
 
     def close(self) -> None:
         self._warmup.join()
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> "MadeBlocks":
         return self
