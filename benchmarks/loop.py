@@ -26,6 +26,10 @@ Fields
                          excludes compiles, evaluations and checkpoint stalls, as the summary always has).
   loop_efficiency        loop / step (with --repeats: the median of the repeats' ratios; `*_each` lists them). Above 1
                          when k steps per call save dispatches the bare one-step loop pays.
+  loop_cpu_efficiency    the same per CPU-second of the process (the main job's CPU time over its train windows,
+                         summary.json loop.cpu_s, against the bare steps'): on a shared CPU machine the other work's
+                         load moves it far less than wall time. Where the host's work competes with the step's for
+                         the same cores, it is what the loop costs.
   scan_examples_per_sec  (steps_per_call > 1) the compiled k-step executable on pre-made stacked device batches.
   host_us_per_step       each host cost of one step measured alone, in microseconds: `produce` (the dataset's next
                          train batch), `validate` (`validate_batch`), `transfer` (`put_batch` and wait), `dispatch`
@@ -98,6 +102,8 @@ def _config(shape: str, args, workdir: pathlib.Path):
     config.train.steps = args.steps
     config.train.eval_every = args.steps  # validation (and test) once, at the end: not train time either way
     config.checkpoint.dir = str(workdir / "checkpoints")
+    if args.input_workers is not None:
+        config.train.input_workers = args.input_workers
     return config
 
 
@@ -115,10 +121,11 @@ def _bare_step(compiled, state, batches, steps: int):
         state, metrics = compiled(state, batches[i % len(batches)])
         dispatch.append(time.perf_counter() - t0)
         jax.block_until_ready((state, metrics))
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for i in range(steps):
         state, metrics = compiled(state, batches[i % len(batches)])
     jax.block_until_ready((state, metrics))
+    _bare_step.cpu_s = time.process_time() - cpu  # the process's CPU seconds (every thread's) for the steps
     return time.perf_counter() - start, statistics.median(dispatch), state, metrics
 
 
@@ -182,12 +189,13 @@ def measure(shape: str, args) -> list[dict[str, Any]]:
         state = init_state(task, jax.random.key(config.seed), device_batches[0])
         compiled = make_train_step(task, backend, state).lower(state, device_batches[0]).compile()
         elapsed, dispatch, state, metrics = _bare_step(compiled, state, device_batches, steps)
+        cpu = _bare_step.cpu_s
         t0 = time.perf_counter()
         for _ in range(20):
             float(metrics["loss"])
-        return steps * batch_size / elapsed, dispatch, (time.perf_counter() - t0) / 20
+        return steps * batch_size / elapsed, dispatch, (time.perf_counter() - t0) / 20, steps * batch_size / cpu
 
-    before, dispatch, sync = bare()
+    before, dispatch, sync, before_cpu = bare()
     host_us.update({"dispatch": 1e6 * dispatch, "sync": 1e6 * sync})
     ks = args.steps_per_call or [None]
     runs: dict = {k: [] for k in ks}
@@ -213,10 +221,13 @@ def measure(shape: str, args) -> list[dict[str, Any]]:
             with contextlib.redirect_stdout(sys.stderr):
                 summary = train_and_evaluate(run_config, workdir / f"k{k}_{repeat}" / "run")
             run_wall = time.perf_counter() - t0
-            after, _, _ = bare()
+            after, _, _, after_cpu = bare()
+            loop_cpu = (summary["steps"] * batch_size / summary["loop"]["cpu_s"]
+                        if summary.get("loop", {}).get("cpu_s") else None)
             runs[k].append({"loop": summary["examples_per_sec"], "before": before, "after": after,
+                            "loop_cpu": loop_cpu, "step_cpu": (before_cpu + after_cpu) / 2,
                             "summary": summary, "wall": run_wall})
-            before = after
+            before, before_cpu = after, after_cpu
     records = []
     for k in ks:
         done = runs[k]
@@ -225,6 +236,7 @@ def measure(shape: str, args) -> list[dict[str, Any]]:
         loops = [r["loop"] for r in done]
         record: dict[str, Any] = {
             "name": f"loop_{shape}", "shape": shape, "batch_size": batch_size, "steps": args.steps,
+            "input_workers": int(config.train.get("input_workers", 1)),
             "bare_steps": steps, "repeats": len(done),
             "steps_per_call": summary.get("loop", {}).get("steps_per_call", 1),
             # Medians over the repeats; each repeat's loop against the bare step timed right before and after it.
@@ -234,6 +246,13 @@ def measure(shape: str, args) -> list[dict[str, Any]]:
             "loop_efficiencies": [lp / st for lp, st in zip(loops, steps_eps, strict=True)],
             "step_examples_per_sec_each": steps_eps,
             "loop_examples_per_sec_each": loops,
+            # Per CPU-second of the whole process (every thread), which the machine's other load changes far less
+            # than wall time: what the loop costs beside the step, on a CPU where both share the cores.
+            "step_examples_per_cpu_sec": statistics.median(r["step_cpu"] for r in done),
+            **({"loop_examples_per_cpu_sec": statistics.median(r["loop_cpu"] for r in done),
+                "loop_cpu_efficiency": statistics.median(r["loop_cpu"] / r["step_cpu"] for r in done),
+                "loop_cpu_efficiencies": [r["loop_cpu"] / r["step_cpu"] for r in done]}
+               if all(r["loop_cpu"] for r in done) else {}),
             "host_us_per_step": host_us,
             "train_time_s": summary["train_time_s"],
             "run_wall_time_s": done[-1]["wall"],
@@ -271,6 +290,8 @@ def _child(shape: str, sweep: str | None, args) -> list[dict[str, Any]]:
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--single", shape, "--steps", str(args.steps),
            "--bare-steps", str(args.bare_steps), "--data-dir", str(args.data_dir),
            "--kaggle-batch", str(args.kaggle_batch), "--repeats", str(args.repeats)]
+    if args.input_workers is not None:
+        cmd += ["--input-workers", str(args.input_workers)]
     if sweep is not None:
         cmd += ["--steps-per-call", sweep]
     _log(f"{shape}, steps_per_call {sweep or 'default'} ...")
@@ -299,6 +320,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="main jobs per steps_per_call, interleaved (each against the bare step around it; the "
                              "line reports medians): on a shared machine the load changes between runs")
+    parser.add_argument("--input-workers", type=int, default=None,
+                        help="train.input_workers of the main jobs (default: the config's)")
     parser.add_argument("--rows", type=int, default=300_000, help="lines of the generated Criteo train.txt")
     parser.add_argument("--kaggle-batch", type=int, default=None,
                         help="batch size of kaggle_prepared (default 128, the config's; 2048 with --accelerator)")

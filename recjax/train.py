@@ -173,8 +173,9 @@ class Run:
         self.window_losses: list[jax.Array] = []
         self.first_loss: jax.Array | None = None
         # Where the loop's train time goes (summary.json "loop"): waiting for the next block of batches, dispatching
-        # the compiled calls, and reading values back at log points (which waits for the device).
-        self.clock = {"calls": 0, "input_wait_s": 0.0, "dispatch_s": 0.0, "sync_s": 0.0}
+        # the compiled calls, and reading values back at log points (which waits for the device); and the process's
+        # CPU time over the same windows (every thread's: the device's on a CPU, the input pipeline's).
+        self.clock = {"calls": 0, "input_wait_s": 0.0, "dispatch_s": 0.0, "sync_s": 0.0, "cpu_s": 0.0}
         self.train_calls: dict[int, object] = {}  # steps per call -> its executable (1: `train_step`)
 
     # ------------------------------------------------------------------------------------------------ input
@@ -263,7 +264,8 @@ class Run:
         print(f"workdir: {self.workdir}\nembedding tables: {accounting['params']:,} params "
               f"({accounting['bytes'] / 2**20:.1f} MiB) + optimizer {accounting['optimizer_bytes'] / 2**20:.1f} MiB; "
               f"dense params: {self.dense_params:,}; {self.forward_flops:,.0f} FLOPs/example; "
-              f"{self.steps_per_call} step{'s' if self.steps_per_call > 1 else ''} per call", flush=True)
+              f"{self.steps_per_call} step{'s' if self.steps_per_call > 1 else ''} per call on "
+              f"{jax.device_count()} x {jax.devices()[0].device_kind} ({jax.default_backend()})", flush=True)
 
         self.log = MetricLog(self.workdir, batch_size, self.budget.examples_per_epoch, self.loop.history)
         if self.dynamic is not None:
@@ -305,13 +307,14 @@ class Run:
     def _executable(self, n: int, block, in_loop: bool = True):
         """The compiled call of `n` steps, compiled for `block` at its first use (in the loop: not training time)."""
         if n not in self.train_calls:
-            t0 = time.perf_counter()
+            t0, cpu = time.perf_counter(), time.process_time()
             self.train_calls[n] = make_train_step(self.task, self.backend, self.state, steps_per_call=n).lower(
                 self.state, block).compile()
             compiling = time.perf_counter() - t0
             if in_loop:
                 self.compile_time += compiling
                 self.window_start += compiling
+                self.window_cpu += time.process_time() - cpu
         return self.train_calls[n]
 
     # ------------------------------------------------------------------------------------------------- loop
@@ -324,7 +327,7 @@ class Run:
         bar = tqdm.tqdm(initial=step * batch_size, total=budget.steps * batch_size, unit="ex", unit_scale=True,
                         disable=not self.config.train.progress_bar, mininterval=1.0, dynamic_ncols=True)
         ready = next(calls) if step < last else None  # the first block, made while the steps compiled
-        self.window_start, self.window_examples = time.perf_counter(), 0
+        self.window_start, self.window_cpu, self.window_examples = time.perf_counter(), time.process_time(), 0
         in_flight = collections.deque()  # dispatched calls not known to be done (when the backend bounds them)
         diverged = None  # why the run stopped as diverged (summary.json "diverged")
         clock = self.clock
@@ -359,7 +362,7 @@ class Run:
                     best = selection.best_validation[selection.select_on]
                     postfix["best_val"] = f"{best:.4f}@{selection.best_step}"
                 bar.set_postfix(postfix)
-                self.window_start, self.window_examples = time.perf_counter(), 0
+                self.window_start, self.window_cpu, self.window_examples = time.perf_counter(), time.process_time(), 0
             bar.update(n * batch_size)
             if selection.should_stop:
                 break
@@ -374,6 +377,7 @@ class Run:
                 diverged = self._check_divergence(step)  # never checkpoint a diverged state
                 if diverged is not None:
                     self.loop.train_time += time.perf_counter() - self.window_start
+                    self.clock["cpu_s"] += time.process_time() - self.window_cpu
                     break
                 self._save(step)
             if stopping:
@@ -429,8 +433,11 @@ class Run:
             t0 = time.perf_counter()
             self._compile()  # and the k-step calls again at their next use
             dynamic.timings["recompile_s"] += time.perf_counter() - t0
-        # Compiling is not training time (as the first compile is not).
-        self.window_start += dynamic.timings["adjust_compile_s"] + dynamic.timings["recompile_s"] - compiling
+        # Compiling is not training time (as the first compile is not); nor its CPU time (a compile runs on one
+        # thread: about its wall time).
+        compiled = dynamic.timings["adjust_compile_s"] + dynamic.timings["recompile_s"] - compiling
+        self.window_start += compiled
+        self.window_cpu += compiled
 
     def _log_train(self, step: int) -> str | None:
         """The log point after `step`: the window's losses read at once (this waits for the device, so the window's
@@ -438,6 +445,7 @@ class Run:
         diverged = self._check_divergence(step)
         elapsed = time.perf_counter() - self.window_start
         self.loop.train_time += elapsed
+        self.clock["cpu_s"] += time.process_time() - self.window_cpu
         self.log.write({"step": step, "split": "train", "loss": self.loop.loss,
                         "examples_per_sec": self.window_examples / elapsed,
                         "elapsed_s": time.perf_counter() - self.run_start})
@@ -496,9 +504,10 @@ class Run:
 
     def _save(self, step: int) -> None:
         jax.block_until_ready(self.state)
-        saving = time.perf_counter()
+        saving, cpu = time.perf_counter(), time.process_time()
         self.state = self.checkpointer.save(step, self.state, self._loop_saved())
         self.window_start += time.perf_counter() - saving  # the save's stall is not training time
+        self.window_cpu += time.process_time() - cpu
 
     # ---------------------------------------------------------------------------------------------- summary
     def summary(self, step: int, disagreement: str | None = None, diverged: str | None = None) -> dict:
