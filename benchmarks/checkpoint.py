@@ -137,7 +137,7 @@ class Trainer:
     def __init__(self, config):
         import jax
 
-        from recjax import sharding
+        from recjax import placement
         from recjax.data import make_dataset
         from recjax.step import init_state, make_train_step
         from recjax.task import build_task
@@ -146,7 +146,8 @@ class Trainer:
         self.dataset = make_dataset(config.data, seed=config.seed)
         self.task = build_task(config, self.dataset.spec, self.dataset, 100_000)
         self.stream = self.dataset.train_batches(config.train.batch_size)
-        self.sharded = sharding.setup(config, self.task)
+        placed = placement.build(config, self.task)
+        self.sharded = placed if placed.shards > 1 else None
         self.put = jax.device_put if self.sharded is None else self.sharded.put_batch
         self.state = init_state(self.task, jax.random.key(0), jax.device_put(next(self.stream)))
         if self.sharded is not None:
@@ -167,14 +168,14 @@ class Trainer:
     def train(self, steps: int) -> None:
         import jax
 
-        from recjax.sharding.backend import MESH_STEPS_IN_FLIGHT
+        from recjax.sharding.layout import MESH_STEPS_IN_FLIGHT
 
         in_flight = []
         for _ in range(steps):
             self.state, metrics = self.step_fn(self.state, self.put(next(self.stream)))
             self.step += 1
             in_flight.append(metrics["loss"])
-            if self.sharded is not None and len(in_flight) > MESH_STEPS_IN_FLIGHT:  # see recjax/sharding/backend.py
+            if self.sharded is not None and len(in_flight) > MESH_STEPS_IN_FLIGHT:  # see recjax/sharding/layout.py
                 in_flight.pop(0).block_until_ready()
         jax.block_until_ready(self.state)
 
@@ -343,10 +344,9 @@ def block_bytes(block_mb: float) -> int | None:
 def tiering_measurement(rows: int, batch: int, repeats: int, steps: int, info: dict, block_mb: float = 0.0) -> None:
     import jax
 
-    from recjax import tiering
+    from recjax import placement
     from recjax.checkpoint import Checkpointer
     from recjax.data import make_dataset
-    from recjax.embedding_backend import LocalEmbedding
     from recjax.step import init_state, make_train_step
     from recjax.task import build_task
 
@@ -360,7 +360,7 @@ def tiering_measurement(rows: int, batch: int, repeats: int, steps: int, info: d
             config.tiering.dir = str(workdir / "tables")
         dataset = make_dataset(config.data, seed=config.seed)
         task = build_task(config, dataset.spec, dataset, 100_000)
-        backend = tiering.setup(config, task) or LocalEmbedding(task.collection)
+        backend = placement.build(config, task)
         stream = dataset.train_batches(batch)
         first = next(stream)
         state = backend.place_state(init_state(task, jax.random.key(0), first, backend))
@@ -403,7 +403,7 @@ def tiering_measurement(rows: int, batch: int, repeats: int, steps: int, info: d
     for a in arms.values():
         a["backend"].close()
     shutil.rmtree(workdir, ignore_errors=True)
-    state_bytes = arms["memory"]["backend"].process_state_bytes(arms["memory"]["task"].sparse_optimizer)
+    state_bytes = sum(arms["memory"]["backend"].memory_bytes(arms["memory"]["task"].sparse_optimizer))
     _emit({"measurement": "tiering", **{f"{arm}_{k}" + ("_bytes" if k.endswith("host_peak") else "_s"): v
                                         for arm, m in medians.items() for k, v in m.items()},
            "table_state_bytes": state_bytes,

@@ -16,8 +16,9 @@ Shapes (the same as benchmarks/train_step.py)
                     13-512-256-64-16, top 512-256-1; batch 128 / 2048.
 
 Measurements
-  copy_bandwidth    a streaming copy of a 512 MiB f32 array (jit), GB/s = bytes read + written per second: the
-                    machine's memory bandwidth as XLA sees it, the yardstick for the embedding stage.
+  copy_bandwidth    a streaming pass over a 512 MiB f32 array (x + 1 in place), many passes per host sync
+                    (`pallas_kernels.timing`), GB/s = bytes read + written per second: the machine's memory bandwidth
+                    as XLA sees it, the yardstick for the embedding stage.
   stages            the recjax train step cut into its stages, each jitted alone and timed on the same inputs:
                     route (integer math + dedup), gather (distinct rows; without dedup: the pooled lookups from
                     the tables), glue forward (pool + combine), glue backward (its VJP w.r.t. what gather returned),
@@ -42,26 +43,38 @@ Measurements
                     ratios against this run's embedding_stage.
   pool_from_bytes   analytic, no timing: the HBM bytes one training step's embedding pass moves on the two
                     deduplicated paths (pallas_kernels/traffic.py) -- "distinct_rows" (gather the distinct rows, pool
-                    from them) and "table" (pool from the table in the kernel, the update reads its rows) -- for the
-                    shape's batch of uniform ids (the distinct count measured on it), per sparse optimizer.
-  kernel_tracing    (once, not per shape) what embedding.kernel="auto" costs a CPU program: it traces every
-                    platform's kernel at every call site (lax.platform_dependent decides at lowering). CPU seconds to
-                    lower and compile the train and predict steps of a small DLRM (8 features, bags of 1-3, row-wise
-                    Adagrad) with "xla" and "auto", alternating, in one process (the first "auto" traces the kernels'
-                    shapes for the first time; later ones reuse the jitted pallas_call traces).
+                    from them) and "table" (pool from the table in the kernel, the update reads its rows; and with
+                    the GPU's fused backward + update) -- for the shape's batch of uniform ids (the distinct count
+                    measured on it), per sparse optimizer.
 
-Accelerator (`--accelerator`; README, Benchmarks): on a GPU / TPU, every kernel against the XLA reference on the device,
-then per shape (reference_random, kaggle_b2048) XLA vs the Pallas kernels -- the forward pooled from the table, the
-gather of the distinct rows, the fused update (rows given or read in the kernel) -- with ms, the bytes each cannot
-avoid, GB/s and the fraction of the copy bandwidth measured in the same run (and of the HBM spec on TPU), and the
-whole train step per embedding.kernel / pool_from. On a CPU it prints that there is no accelerator and exits 0.
+Accelerator (`--accelerator`; README, Benchmarks): the one command of a GPU / TPU session, bounded: sections with
+budgets (SECTION_BUDGETS, RUN_BUDGET_S: under 4 minutes on an H100 / H200 with jax's start-up), a progress line per
+section on stderr, each measurement's JSON line on stdout as it finishes, a "skipped" line for what a spent budget
+left out, and every thread's stack on stderr if a section runs twice its budget. Every timing is many calls per host
+sync (`pallas_kernels.timing`: a jitted loop whose calls read alternating batches), so dispatch latency is out.
+  check      every kernel against the XLA reference on the device, newest first: the fused backward + update (each
+             sparse optimizer), gather-reduce and gather (f32 and bf16, D 16-200, bags 1-100), the fused update with
+             rows given or read, the distinct-rows gather; exit status 1 if any disagrees.
+  bandwidth  the device copy (as copy_bandwidth above) beside the chip's HBM spec (`hardware.hbm_spec_bytes_per_second`:
+             NVIDIA's data sheets by device kind, jax's chip info on TPU).
+  kernels    per shape (reference_random, kaggle_b2048): XLA vs the Pallas kernels -- the forward pooled from the
+             table, the distinct-rows gather, the fused update (SGD, row-wise Adagrad; rows given / read) and the
+             fused backward + update -- with ms, the bytes each cannot avoid, GB/s, the fractions of the copy and of
+             the HBM spec, the kernel / XLA ratio and the compiled loop's temporary bytes.
+  auto       per shape: what embedding.kernel="auto" measures and chooses on this device (kernel_measure="always",
+             a throw-away cache), beside the shipped table's choice (recjax/kernel_choice.py).
+  steps      per shape: the whole train step with XLA and each kernel variant, ratios over XLA, and which "auto" chose.
+On a CPU it prints that there is no accelerator and exits 0; `--accelerator_dry_run` runs all of it here on tiny
+shapes with the Triton kernels interpreted and no budgets (its times mean nothing).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
+import math
 import os
 import statistics
 import sys
@@ -79,7 +92,7 @@ SHAPES = {
     "kaggle_b2048": dict(tables=None, dim=16, bag=1, batch=2048, bottom=(512, 256, 64, 16), top=(512, 256, 1),
                          sparse="sgd", lr=0.01),
 }
-MEASUREMENTS = ("copy_bandwidth", "stages", "embedding_stage", "torch", "fbgemm", "pool_from_bytes", "kernel_tracing")
+MEASUREMENTS = ("copy_bandwidth", "stages", "embedding_stage", "torch", "fbgemm", "pool_from_bytes")
 NUM_DENSE = 13
 
 
@@ -96,19 +109,6 @@ def machine() -> dict[str, Any]:
 
     return {"cpu_count": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend(),
             "device_kind": jax.devices()[0].device_kind, "load_average": os.getloadavg()[0]}
-
-
-def timed(fn: Callable[[], Any], repeats: int) -> list[float]:
-    """Seconds of each of `repeats` calls (after one warmup call), each blocked until ready."""
-    import jax
-
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def interleaved(contenders: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
@@ -140,14 +140,13 @@ def vocab_sizes(shape: dict) -> tuple[int, ...]:
 
 
 def build(shape: dict, sparse: str, seed: int = 0, dedup: str = "auto", kernel: str = "auto",
-          pool_from: str = "auto"):
+          pool_from: str = "auto", with_state: bool = True):
     """(task, state, batch) for `shape` with sparse optimizer `sparse` (dense SGD), `embedding.dedup`,
-    `embedding.kernel` and `embedding.pool_from`, on device."""
+    `embedding.kernel` and `embedding.pool_from`, on device (state None unless `with_state`)."""
     import jax
     import ml_collections
 
     from experiments.configs.dlrm_synthetic import get_config
-    from recjax.batch import Batch, validate_batch
     from recjax.specs import DatasetSpec, FeatureSpec
     from recjax.step import init_state
     from recjax.task import build_task
@@ -169,28 +168,35 @@ def build(shape: dict, sparse: str, seed: int = 0, dedup: str = "auto", kernel: 
     spec = DatasetSpec(num_dense=NUM_DENSE, features=tuple(
         FeatureSpec(f"C{i + 1}", v, bags[i % len(bags)]) for i, v in enumerate(sizes)))
     task = build_task(config, spec)
-    rng = np.random.default_rng(seed)
-    b = shape["batch"]
-    batch = Batch(dense=rng.standard_normal((b, NUM_DENSE), dtype=np.float32),
-                  ids={f.name: rng.integers(0, f.vocab_size, (b, f.bag_size), dtype=np.int32) for f in spec.features},
-                  lengths={f.name: np.full((b,), f.bag_size, np.int32) for f in spec.features},
-                  labels=rng.integers(0, 2, (b,)).astype(np.float32))
-    validate_batch(batch, spec)
-    batch = jax.device_put(batch)
-    state = init_state(task, jax.random.key(seed), batch)
+    batch = build_batch(spec, shape["batch"], seed)
+    state = init_state(task, jax.random.key(seed), batch) if with_state else None
     return task, state, batch
+
+
+def build_batch(spec, batch_size: int, seed: int):
+    """A validated batch of uniform ids with full bags for `spec`, on device."""
+    import jax
+
+    from recjax.batch import Batch, validate_batch
+
+    rng = np.random.default_rng(seed)
+    batch = Batch(dense=rng.standard_normal((batch_size, NUM_DENSE), dtype=np.float32),
+                  ids={f.name: rng.integers(0, f.vocab_size, (batch_size, f.bag_size), dtype=np.int32)
+                       for f in spec.features},
+                  lengths={f.name: np.full((batch_size,), f.bag_size, np.int32) for f in spec.features},
+                  labels=rng.integers(0, 2, (batch_size,)).astype(np.float32))
+    validate_batch(batch, spec)
+    return jax.device_put(batch)
 
 
 # ------------------------------------------------------------------------------------------ measurements
 def copy_bandwidth(repeats: int) -> dict[str, Any]:
-    import jax
-    import jax.numpy as jnp
+    """A streaming pass over 512 MiB (`pallas_kernels.timing.copy_bandwidth`: many passes per host sync)."""
+    from pallas_kernels import timing
 
-    x = jnp.ones((128 << 20,), jnp.float32)  # 512 MiB
-    copy = jax.jit(lambda x: x * 1.0)
-    seconds = statistics.median(timed(lambda: copy(x), repeats))
-    return {"name": "copy_bandwidth", "bytes": 2 * x.nbytes, "ms": 1000 * seconds,
-            "gb_per_s": 2 * x.nbytes / seconds / 1e9}
+    rate, t = timing.copy_bandwidth(512 << 20, repeats=repeats)
+    return {"name": "copy_bandwidth", "bytes": 2 * (512 << 20), "ms": 1000 * t.seconds, "gb_per_s": rate / 1e9,
+            "iterations": t.iterations}
 
 
 def stages(shape_name: str, shape: dict, repeats: int, dedup: str = "auto") -> dict[str, Any]:
@@ -325,28 +331,13 @@ def pool_from_bytes(shape_name: str, shape: dict, seed: int = 0) -> list[dict[st
     for sparse, state_floats in (("sgd", 0), ("rowwise_adagrad", 1), ("lazy_adam", 2 * dim)):
         counts = {path: training_pass_bytes(path, ids=ids, distinct=distinct, bags=bags, dim=dim,
                                             state_floats_per_row=state_floats) for path in ("distinct_rows", "table")}
+        counts["table_fused_backward"] = training_pass_bytes("table", ids=ids, distinct=distinct, bags=bags, dim=dim,
+                                                             state_floats_per_row=state_floats, fused_backward=True)
         records.append({"name": "pool_from_bytes", "shape": shape_name, "sparse_optimizer": sparse, "ids": ids,
                         "distinct_rows": int(distinct), "bags": bags, **{f"{k}_bytes": v for k, v in counts.items()},
-                        "table_over_distinct_rows": counts["table"] / counts["distinct_rows"]})
+                        "table_over_distinct_rows": counts["table"] / counts["distinct_rows"],
+                        "fused_over_distinct_rows": counts["table_fused_backward"] / counts["distinct_rows"]})
     return records
-
-
-def kernel_tracing(repeats: int) -> dict[str, Any]:
-    from recjax.step import make_predict_step, make_train_step
-
-    shape = dict(tables=(50,) * 8, dim=8, bag=(1, 2, 3), batch=64, bottom=(32, 8), top=(32, 1),
-                 sparse="rowwise_adagrad", lr=0.01)
-    seconds: dict[str, list[float]] = {"xla": [], "auto": []}
-    for _ in range(repeats):
-        for kernel in seconds:
-            task, state, batch = build(shape, "rowwise_adagrad", kernel=kernel)
-            start = time.process_time()
-            make_train_step(task).lower(state, batch).compile()
-            make_predict_step(task).lower(state, batch).compile()
-            seconds[kernel].append(time.process_time() - start)
-            del task, state, batch  # jax's caches stay: a run compiles its steps in one process
-    return {"name": "kernel_tracing", "cpu_s": seconds, "first_auto_over_xla": seconds["auto"][0] / seconds["xla"][0],
-            "median_auto_over_xla": statistics.median(seconds["auto"]) / statistics.median(seconds["xla"])}
 
 
 def torch_comparison(shape_name: str, shape: dict, repeats: int, recjax_step_ms: float | None,
@@ -468,9 +459,9 @@ def fbgemm_comparison(shape_name: str, shape: dict, repeats: int, recjax_ms: dic
 
 
 # ------------------------------------------------------------------------------------------- accelerator
-# `--accelerator`: the one command for the first GPU / TPU session (section "accelerator" of the module docstring).
-# The kernels' impl there is "pallas" (the platform's kernel, as embedding.kernel="auto" picks it); a dry run on a
-# CPU (`--accelerator_dry_run`) interprets the Mosaic kernels ("pallas_tpu") on tiny shapes to check this code runs.
+# `--accelerator`: the one command for a GPU / TPU session (the module docstring's "Accelerator"). The kernels' impl
+# there is "pallas" (the platform's kernel); a dry run on a CPU (`--accelerator_dry_run`) interprets the Triton
+# kernels ("pallas_gpu", what an NVIDIA device runs) on tiny shapes, without budgets, so every line of this code runs.
 ACCELERATOR_SHAPES = ("reference_random", "kaggle_b2048")
 DRY_RUN_SHAPES = {
     "reference_random": dict(tables=(300,) * 2, dim=64, bag=4, batch=8, bottom=(16, 64), top=(16, 1), sparse="sgd",
@@ -478,17 +469,60 @@ DRY_RUN_SHAPES = {
     "kaggle_b2048": dict(tables=(50,) * 3, dim=16, bag=1, batch=16, bottom=(16, 16), top=(16, 1), sparse="sgd",
                          lr=0.01),
 }
+# Seconds each section may start work in, on an H100 / H200 (per shape for the last three): with jax's start-up the
+# whole run stays under 4 minutes. A section that runs out skips what is left (a "skipped" line says what); a section
+# still running at twice its budget dumps every thread's stack to stderr (a stall shows where it is).
+SECTION_BUDGETS = {"check": 30, "bandwidth": 8, "kernels": 30, "auto": 15, "steps": 25}
+RUN_BUDGET_S = 200
+# What a timed loop takes per repeat (`pallas_kernels.timing`).
+LOOP_SECONDS = 0.03
+
+
+class Section:
+    """One section of the accelerator run: its budget, a progress line at start and end, its JSON lines streamed as
+    each measurement finishes."""
+
+    def __init__(self, name: str, budget_s: float, deadline: float, info: dict, dry_run: bool):
+        self.name, self.budget_s, self.info, self.records, self.skipped = name, budget_s, info, 0, 0
+        self.deadline = math.inf if dry_run else min(time.monotonic() + budget_s, deadline)
+
+    def __enter__(self) -> Section:
+        import faulthandler
+
+        self.start = time.monotonic()
+        _log(f"[{self.name}] start (budget {self.budget_s} s)")
+        faulthandler.dump_traceback_later(2 * self.budget_s + 30, exit=False)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import faulthandler
+
+        faulthandler.cancel_dump_traceback_later()
+        _log(f"[{self.name}] done in {time.monotonic() - self.start:.1f} s: {self.records} lines, "
+             f"{self.skipped} skipped")
+
+    def has_time(self, what: str) -> bool:
+        """Whether `what` may start; if not, a "skipped" line says so."""
+        if time.monotonic() < self.deadline:
+            return True
+        self.skipped += 1
+        self.emit({"name": "skipped", "what": what, "reason": f"section budget ({self.budget_s} s) spent"})
+        return False
+
+    def emit(self, record: dict) -> None:
+        self.records += 1
+        _emit({**record, "section": self.name, "machine": self.info})
 
 
 def _accelerator_target(dry_run: bool) -> tuple[str, bool]:
     """(impl, interpret) of the kernels under test."""
-    return ("pallas_tpu", True) if dry_run else ("pallas", False)
+    return ("pallas_gpu", True) if dry_run else ("pallas", False)
 
 
-def accelerator_check(dry_run: bool) -> list[dict[str, Any]]:
-    """Every kernel against its XLA reference on the device: gather-reduce (VPU and MXU pooling, f32 and bf16,
-    D 16 / 64 / 128 / 200, ids with padding and negatives), gather (bags, and sorted distinct ids: merged runs), and
-    the fused update (every sparse optimizer, with and without the rows given). One record per case."""
+def accelerator_check(section: Section, dry_run: bool) -> int:
+    """Every kernel against its XLA reference on the device, the newest first (the fused backward + update, the
+    gather-reduce with f32 tables), then the fused update with rows given / read, gather, the distinct-rows gather,
+    bf16 tables, more dims. One line per case; returns the number of mismatches."""
     import jax
     import jax.numpy as jnp
 
@@ -497,206 +531,296 @@ def accelerator_check(dry_run: bool) -> list[dict[str, Any]]:
 
     impl, interpret = _accelerator_target(dry_run)
     rng = np.random.default_rng(0)
-    records = []
+    num_rows = 1000 if dry_run else 100_000
+    failures = 0
 
     def record(kernel: str, case: dict, got, want, bound) -> None:
+        nonlocal failures
         err = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
         bound = np.broadcast_to(np.asarray(bound, np.float64), err.shape)
-        records.append({"name": "accelerator_check", "kernel": kernel, **case, "impl": impl, "interpret": interpret,
-                        "max_abs_err": float(err.max(initial=0.0)), "ok": bool(np.all(err <= bound))})
+        ok = bool(np.all(err <= bound))
+        failures += not ok
+        section.emit({"name": "accelerator_check", "kernel": kernel, **case, "impl": impl, "interpret": interpret,
+                      "max_abs_err": float(err.max(initial=0.0)), "ok": ok})
 
-    lookups = [(1, 16, 300), (1, 64, 300), (4, 128, 60), (20, 64, 30), (100, 200, 9)] if dry_run else [
-        (1, 16, 65536), (1, 64, 65536), (4, 128, 16384), (20, 64, 8192), (100, 64, 2048), (100, 200, 512)]
-    for length, dim, bags in lookups:
-        for dtype in (jnp.float32, jnp.bfloat16):
-            num_rows = 1000 if dry_run else 1_000_000
-            table = jnp.asarray(rng.normal(size=(num_rows, dim)), dtype)
-            ids = rng.integers(0, num_rows, (bags, length))
-            ids[rng.random(ids.shape) < 0.1] = num_rows  # padding
-            ids[rng.random(ids.shape) < 0.01] = -3  # never read
-            ids = jnp.asarray(ids, jnp.int32)
+    def table_of(dim: int, dtype):
+        return jax.random.normal(jax.random.key(dim), (num_rows, dim), jnp.float32).astype(dtype)
+
+    def lookup(length: int, dim: int, bags: int, dtype, reduce: bool) -> None:
+        table = table_of(dim, dtype)
+        ids = rng.integers(0, num_rows, (bags, length))
+        ids[rng.random(ids.shape) < 0.1] = num_rows  # padding
+        ids[rng.random(ids.shape) < 0.01] = -3  # never read
+        ids = jnp.asarray(ids, jnp.int32)
+        case = {"length": length, "dim": dim, "bags": bags, "dtype": jnp.dtype(dtype).name}
+        if reduce:
             weights = jnp.asarray(rng.normal(size=ids.shape), jnp.float32)
-            case = {"length": length, "dim": dim, "bags": bags, "dtype": jnp.dtype(dtype).name}
             got = jax.jit(lambda t, r, w: gather_reduce(t, r, w, impl=impl, interpret=interpret))(table, ids, weights)
             magnitude = gather_reduce_reference(jnp.abs(table), ids, jnp.abs(weights))
             record("gather_reduce", case, got, gather_reduce_reference(table, ids, weights),
                    2 * length * np.finfo(np.float32).eps * np.asarray(magnitude) + 1e-30)
+        else:
             got = jax.jit(lambda t, r: gather(t, r, impl=impl, interpret=interpret))(table, ids)
             record("gather", case, got, gather_reference(table, ids), 0.0)
-    # The distinct-rows gather of the training step: sorted distinct ids, many adjacent (merged DMAs).
-    num_rows, dim = (1000, 64) if dry_run else (1_000_000, 64)
-    table = jnp.asarray(rng.normal(size=(num_rows, dim)), jnp.float32)
-    unique = np.unique(np.concatenate([rng.integers(0, num_rows, 200 if dry_run else 100_000),
-                                       np.arange(64, 64 + (64 if dry_run else 50_000))]))
-    unique = jnp.asarray(np.pad(unique, (0, 40), constant_values=num_rows), jnp.int32)[:, None]
-    got = jax.jit(lambda t, r: gather(t, r, impl=impl, interpret=interpret))(table, unique)
-    record("gather", {"case": "sorted_distinct_rows", "dim": dim, "bags": int(unique.shape[0])}, got,
-           gather_reference(table, unique), 0.0)
-    # The fused update: each optimizer (with weight decay), rows given or read by the kernel.
-    for name, cls in SPARSE_OPTIMIZERS.items():
-        for dim in (16, 64, 128):
-            for given in (True, False):
-                got, want, rows = _update_case(cls(0.05, weight_decay=1e-3), dim, given, rng, dry_run)
-                case = {"optimizer": name, "dim": dim, "rows": rows, "rows_given": given}
-                record("fused_row_update", case, got, want, 1e-5 * np.abs(want) + 1e-6)
-    return records
+
+    def distinct_rows_gather() -> None:
+        table = table_of(64, jnp.float32)
+        unique = np.unique(np.concatenate([rng.integers(0, num_rows, num_rows // 5),
+                                           np.arange(64, 64 + num_rows // 20)]))
+        unique = jnp.asarray(np.pad(unique, (0, 40), constant_values=num_rows), jnp.int32)[:, None]
+        got = jax.jit(lambda t, r: gather(t, r, impl=impl, interpret=interpret))(table, unique)
+        record("gather", {"case": "sorted_distinct_rows", "dim": 64, "bags": int(unique.shape[0])}, got,
+               gather_reference(table, unique), 0.0)
+
+    def update(name: str, dim: int, mode: str) -> None:
+        got, want, rows = _update_case(SPARSE_OPTIMIZERS[name](0.05, weight_decay=1e-3), dim, mode, rng, dry_run)
+        record("fused_backward_update" if mode == "segments" else "fused_row_update",
+               {"optimizer": name, "dim": dim, "rows": rows, "grads": mode}, got, want,
+               1e-5 * np.abs(want) + 1e-6)
+
+    lookups = [(1, 16, 300), (1, 64, 300), (4, 128, 60), (20, 64, 30), (100, 200, 9)] if dry_run else [
+        (1, 16, 65536), (1, 64, 65536), (4, 128, 16384), (20, 64, 8192), (100, 64, 2048), (100, 200, 512)]
+    cases = [(f"fused_backward_update {n} D64", functools.partial(update, n, 64, "segments"))
+             for n in SPARSE_OPTIMIZERS]
+    cases += [(f"gather_reduce f32 {c}", functools.partial(lookup, *c, jnp.float32, True)) for c in lookups]
+    cases += [(f"fused_row_update {n} D64 {m}", functools.partial(update, n, 64, m))
+              for n in SPARSE_OPTIMIZERS for m in ("given", "read")]
+    cases += [(f"gather f32 {c}", functools.partial(lookup, *c, jnp.float32, False)) for c in lookups]
+    cases += [("gather sorted distinct rows", distinct_rows_gather)]
+    cases += [(f"{k} bf16 {c}", functools.partial(lookup, *c, jnp.bfloat16, k == "gather_reduce"))
+              for k in ("gather_reduce", "gather") for c in lookups]
+    cases += [(f"fused updates {n} D{d} {m}", functools.partial(update, n, d, m))
+              for d in (16, 128) for n in SPARSE_OPTIMIZERS for m in ("segments", "given", "read")]
+    for what, run in cases:
+        if section.has_time(what):
+            run()
+    return failures
 
 
-def _update_case(optimizer, dim: int, given: bool, rng: np.random.Generator, dry_run: bool):
-    """(kernel, XLA reference, rows) of one fused update of sorted distinct rows, table and state flattened."""
+def _update_case(optimizer, dim: int, mode: str, rng: np.random.Generator, dry_run: bool):
+    """(kernel, XLA reference, rows) of one fused update of sorted distinct rows, table and state flattened; `mode`
+    "given" / "read" (current rows passed or read in the kernel) or "segments" (the fused backward + update: each
+    row's gradient summed from its occurrences' pooled gradients)."""
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels import fused_row_update, row_update_reference
+    from pallas_kernels import SegmentGrads, fused_row_update, row_update_reference, sorted_segments
 
     impl, interpret = _accelerator_target(dry_run)
-    num_rows, count = (500, 300) if dry_run else (1_000_000, 200_000)
-    table = jnp.asarray(rng.normal(size=(num_rows, dim)), jnp.float32)
+    num_rows, count, bag = (500, 300, 4) if dry_run else (1_000_000, 200_000, 4)
+    keys = jax.random.split(jax.random.key(dim), 3)  # random values drawn on the device: host RNG is slow here
+    table = jax.random.normal(keys[0], (num_rows, dim), jnp.float32)
     state = {k: v + 0.1 for k, v in optimizer.init(num_rows, dim).items()}
-    ids = np.unique(rng.integers(0, num_rows, count))
-    ids = jnp.asarray(np.pad(ids, (0, 17), constant_values=num_rows), jnp.int32)
-    grads = jnp.asarray(rng.normal(size=(ids.shape[0], dim)), jnp.float32)
-    current = jnp.take(table, ids, axis=0, mode="fill", fill_value=0)
+    if mode == "segments":
+        occurrences = rng.integers(0, num_rows + 1, count)  # num_rows: padding
+        ids, _, starts, order = jax.jit(sorted_segments, static_argnums=1)(jnp.asarray(occurrences, jnp.int32),
+                                                                          num_rows)
+        bags = count // bag + 1
+        grads = SegmentGrads(starts, (order // bag).astype(jnp.int32),
+                             jax.random.normal(keys[1], (count,), jnp.float32)[order],
+                             jax.random.normal(keys[2], (bags, dim), jnp.float32))
+        current = None
+    else:
+        ids = np.unique(rng.integers(0, num_rows, count))
+        ids = jnp.asarray(np.pad(ids, (0, 17), constant_values=num_rows), jnp.int32)
+        grads = jax.random.normal(keys[1], (ids.shape[0], dim), jnp.float32)
+        current = jnp.take(table, ids, axis=0, mode="fill", fill_value=0) if mode == "given" else None
 
     def rule(rows, state_rows, grads, lr, step):
         return optimizer.update_rows(rows, state_rows, grads + optimizer.weight_decay * rows, lr, step)
 
-    want = jax.jit(lambda t, s, c: row_update_reference(t, s, ids, c, grads, rule, jnp.float32(0.05),
-                                                        jnp.int32(3)))(table, state, current)
-    got = jax.jit(lambda t, s, c: fused_row_update(t, s, ids, c, grads, rule, 0.05, 3, impl=impl,
-                                                   interpret=interpret))(table, state, current if given else None)
+    want = jax.jit(lambda t, s: row_update_reference(t, s, ids, current, grads, rule, jnp.float32(0.05),
+                                                     jnp.int32(3)))(table, state)
+    got = jax.jit(lambda t, s: fused_row_update(t, s, ids, current, grads, rule, 0.05, 3, impl=impl,
+                                                interpret=interpret))(table, state)
     flat = lambda tree: np.concatenate([np.ravel(tree[0])] + [np.ravel(tree[1][k]) for k in sorted(tree[1])])  # noqa: E731
     return flat(got), flat(want), int(ids.shape[0])
 
 
-def _group_lookup(shape: dict, rng: np.random.Generator, dry_run: bool):
-    """The engine's view of `shape`: one stacked group (all tables), ids i32[K, B, L] (stacked row ids), weights,
-    and the batch's sorted distinct rows (padded with the sentinel to the ids' count, as `unique_rows` returns)."""
+def accelerator_bandwidth(section: Section, dry_run: bool) -> float:
+    """The device's streaming copy, timed as the kernels are, beside the chip's HBM spec; returns bytes/s."""
+    from pallas_kernels import timing
+    from pallas_kernels.hardware import hbm_spec_bytes_per_second
+
+    rate, copy = timing.copy_bandwidth((4 << 20) if dry_run else (512 << 20), min_seconds=LOOP_SECONDS)
+    spec, source = hbm_spec_bytes_per_second()
+    section.emit({"name": "copy_bandwidth", "gb_per_s": rate / 1e9, "ms": 1000 * copy.seconds,
+                  "iterations": copy.iterations, "hbm_spec_gb_per_s": spec and spec / 1e9, "hbm_spec_source": source,
+                  "copy_over_spec": spec and rate / spec})
+    return rate
+
+
+def _group_lookups(shape: dict, batches: int, seed: int = 0):
+    """The engine's view of `shape` on the device: one stacked group (all tables) f32[R, D], `batches` batches of ids
+    i32[batches, K, B, L] (stacked row ids, uniform per table), and each batch's sorted distinct rows, padded with the
+    sentinel to the ids' count (as `unique_rows` returns them), with the segments of its sorted ids."""
+    import jax
     import jax.numpy as jnp
+
+    from pallas_kernels import sorted_segments
 
     sizes = vocab_sizes(shape)
     offsets = np.cumsum((0,) + sizes)
     rows = int(offsets[-1])
-    ids = np.stack([rng.integers(0, v, (shape["batch"], shape["bag"])) + o for v, o in zip(sizes, offsets,
-                                                                                             strict=False)])
-    unique = np.unique(ids)
-    unique = np.pad(unique, (0, ids.size - unique.size), constant_values=rows)
-    table = jnp.asarray(rng.uniform(-0.01, 0.01, (rows, shape["dim"])).astype(np.float32))
-    return table, jnp.asarray(ids, jnp.int32), jnp.ones(ids.shape, jnp.float32), jnp.asarray(unique, jnp.int32)
+    table = jax.random.uniform(jax.random.key(seed), (rows, shape["dim"]), jnp.float32, -0.01, 0.01)
+    keys = jax.random.split(jax.random.key(seed + 1), len(sizes))
+    ids = jnp.stack([jax.random.randint(k, (batches, shape["batch"], shape["bag"]), 0, v) + o
+                     for k, v, o in zip(keys, sizes, offsets, strict=False)], axis=1).astype(jnp.int32)
+    segments = jax.jit(jax.vmap(lambda x: sorted_segments(x.reshape(-1), rows)))(ids)
+    return table, ids, segments  # segments: (unique, inverse, starts, order), each with a leading batch axis
 
 
-def accelerator_timings(shape_name: str, shape: dict, repeats: int, bandwidth: float, spec_bandwidth: float | None,
-                        dry_run: bool) -> list[dict[str, Any]]:
-    """XLA vs the Pallas kernels on the engine's lookups for `shape`: the forward pooled from the table, the gather of
-    the distinct rows, the fused update (SGD and row-wise Adagrad; rows given or read in the kernel). Each record:
-    ms, the bytes the op cannot avoid, GB/s, its fraction of the copy bandwidth measured in this run (and of the
-    chip's HBM spec when jax knows it), and the Pallas / XLA time ratio."""
-    import jax
+def accelerator_timings(section: Section, shape_name: str, shape: dict, bandwidth: float, dry_run: bool) -> None:
+    """XLA vs the Pallas kernels on the engine's lookups for `shape`, each op's contenders timed round-robin many
+    calls per host sync (`pallas_kernels.timing`), consecutive calls on different batches: the forward pooled from
+    the table, the gather of the distinct rows, the fused update (SGD and row-wise Adagrad; rows given or read in the
+    kernel), and the fused backward + update of the table path. Each line: ms, the bytes the op cannot avoid, GB/s,
+    its fraction of this run's copy bandwidth and of the chip's HBM spec, the kernel / XLA time ratio, and the
+    compiled loop's temporary bytes (a hidden copy of the table would show there)."""
     import jax.numpy as jnp
 
-    from pallas_kernels import gather, gather_reduce
+    from pallas_kernels import SegmentGrads, fused_row_update, gather, gather_reduce, timing
+    from pallas_kernels.hardware import hbm_spec_bytes_per_second
     from recjax.sparse_optim import SGD, RowwiseAdagrad
 
     impl, interpret = _accelerator_target(dry_run)
-    rng = np.random.default_rng(0)
-    table, ids, weights, unique = _group_lookup(shape, rng, dry_run)
-    dim, count = shape["dim"], int(np.sum(np.asarray(unique) < table.shape[0]))
+    spec, _ = hbm_spec_bytes_per_second()
+    batches = 2
+    table, ids, (unique, _, starts, order) = _group_lookups(shape, batches)
+    dim, bag = shape["dim"], shape["bag"]
+    num_rows = table.shape[0]
+    count = int(jnp.sum(unique[0] < num_rows))
     row = dim * 4
+    weights = jnp.ones(ids.shape[1:], jnp.float32)
     kw = {"xla": {}, impl: {"interpret": interpret} if interpret else {}}
-    # op -> (bytes it cannot avoid, () -> {impl: a call that runs it once}). Contenders are made per op and dropped
-    # after it: each update contender owns a copy of the table and state (2 GB each at reference_random), so
-    # holding every op's at once would not fit a 16 GB accelerator.
-    ops = {
-        "pooled_from_table": (ids.size * row + ids.shape[0] * ids.shape[1] * row, lambda: {
-            i: functools.partial(jax.jit(lambda t, i=i: gather_reduce(t, ids, weights, impl=i, **kw[i])), table)
-            for i in kw}),
-        "distinct_rows_gather": (2 * count * row, lambda: {
-            i: functools.partial(jax.jit(lambda t, i=i: gather(t, unique[:, None], impl=i, **kw[i])), table)
-            for i in kw}),
-    }
-    grads = jnp.full((unique.shape[0], dim), 1e-3, jnp.float32)
-    for name, optimizer in (("sgd", SGD(0.01)), ("rowwise_adagrad", RowwiseAdagrad(0.01))):
-        state_row = sum(int(np.prod(s[1:], dtype=np.int64)) for s in optimizer.state_shapes(1, dim).values())
-        for given in (True, False):
-            # Rows read (the given buffer, or the table inside the kernel), grads read, rows written; state read
-            # and written.
-            moved = count * (3 * row + 2 * 4 * state_row)
-            current = jnp.zeros((unique.shape[0], dim), jnp.float32) if given else None
-            ops[f"update_{name}_rows_{'given' if given else 'read'}"] = (
-                moved, lambda optimizer=optimizer, current=current: {
-                    i: _donated_update(table, optimizer, unique, current, grads, i, kw[i]) for i in kw})
-    records = []
-    for op, (moved, make_contenders) in ops.items():
-        times = interleaved(make_contenders(), repeats)
-        ms_by = {i: ms(t) for i, t in times.items()}
-        for i, t in ms_by.items():
-            rate = moved / (t / 1000) / 1e9
-            record = {"name": "accelerator_kernel", "shape": shape_name, "op": op, "impl": i,
-                      "interpret": bool(interpret) and i != "xla", "ms": t, "bytes": moved, "gb_per_s": rate,
-                      "copy_fraction": rate / bandwidth}
-            if spec_bandwidth:
-                record["hbm_spec_fraction"] = rate / spec_bandwidth
-            if i != "xla":
-                record["ratio_over_xla"] = t / ms_by["xla"]
-            records.append(record)
-    return records
+
+    def lookup_ops():
+        def pooled(i, acc, impl=impl):
+            return acc + jnp.sum(gather_reduce(table, ids[i % batches], weights, impl=impl, **kw[impl]))
+
+        def distinct(i, acc, impl=impl):
+            return acc + jnp.sum(gather(table, unique[i % batches][:, None], impl=impl, **kw[impl]))
+
+        yield "pooled_from_table", ids[0].size * row + ids[0].size // bag * row, {
+            i: (functools.partial(pooled, impl=i), jnp.float32(0)) for i in kw}
+        yield "distinct_rows_gather", 2 * count * row, {
+            i: (functools.partial(distinct, impl=i), jnp.float32(0)) for i in kw}
+
+    def update_ops():
+        grads = jnp.full((unique.shape[1], dim), 1e-3, jnp.float32)
+        pooled_grads = jnp.full((ids[0].size // bag, dim), 1e-3, jnp.float32)
+        for name, optimizer in (("sgd", SGD(0.01)), ("rowwise_adagrad", RowwiseAdagrad(0.01))):
+            state_row = sum(int(np.prod(s[1:], dtype=np.int64)) for s in optimizer.state_shapes(1, dim).values())
+            for mode in ("segments", "given", "read"):  # the fused backward + update first (the newest kernel)
+                def body(i, carry, impl, mode=mode, optimizer=optimizer):
+                    b = i % batches
+                    if mode == "segments":  # occurrence k reads its bag's pooled gradient, weight 1
+                        update_grads = SegmentGrads(starts[b], order[b] // bag, jnp.ones(order.shape[1]),
+                                                    pooled_grads)
+                    else:
+                        update_grads = grads
+                    current = jnp.zeros_like(grads) if mode == "given" else None
+                    return fused_row_update(*carry, unique[b], current, update_grads, optimizer.update_rows, 0.01,
+                                            i + 1, impl=impl, **kw[impl])
+
+                # Rows read (the given buffer, or the table inside the kernel) and written, grads read, state read
+                # and written; the segments: each occurrence's source index and weight, the pooled gradients.
+                moved = count * (2 * row + 2 * 4 * state_row) + (
+                    2 * 4 * ids[0].size + pooled_grads.size * 4 if mode == "segments" else count * row)
+                op = f"backward_update_{name}" if mode == "segments" else f"update_{name}_rows_{mode}"
+                yield op, moved, {i: (functools.partial(body, impl=i),
+                                      (table.copy(), optimizer.init(*table.shape))) for i in kw}
+
+    for ops in (lookup_ops, update_ops):
+        for op, moved, contenders in ops():
+            if not section.has_time(f"{shape_name} {op}"):
+                continue
+            timings, _ = timing.compare(contenders, repeats=3 if dry_run else 5, min_seconds=LOOP_SECONDS)
+            del contenders
+            for i, t in timings.items():
+                rate = moved / t.seconds
+                section.emit({"name": "accelerator_kernel", "shape": shape_name, "op": op, "impl": i,
+                              "interpret": bool(interpret) and i != "xla", "ms": 1000 * t.seconds,
+                              "iterations": t.iterations, "bytes": moved, "gb_per_s": rate / 1e9,
+                              "copy_fraction": rate / bandwidth, "hbm_spec_fraction": spec and rate / spec,
+                              "temp_bytes": t.temp_bytes,
+                              **({} if i == "xla" else {"ratio_over_xla": t.seconds / timings["xla"].seconds}),
+                              "config": shape})
 
 
-def _donated_update(table, optimizer, unique, current, grads, impl: str, kw: dict):
-    """A call that runs one donated fused update of `unique` on its own copy of the table and state."""
+def accelerator_auto(section: Section, shape_name: str, shape: dict, dry_run: bool) -> str | None:
+    """What embedding.kernel="auto" chooses for `shape` on this device when it measures (kernel_measure="always",
+    a throw-away cache), beside what the shipped table says; returns the chosen variant."""
+    import tempfile
+
     import jax
 
-    from pallas_kernels import fused_row_update
+    from recjax import kernel_choice
 
-    fn = jax.jit(lambda t, s: fused_row_update(t, s, unique, current, grads, optimizer.update_rows, 0.01, 1,
-                                               impl=impl, **kw), donate_argnums=(0, 1))
-    box = [(table.copy(), optimizer.init(*table.shape))]
+    if not section.has_time(f"{shape_name} auto"):
+        return None
+    task, _, _ = build(shape, shape["sparse"], kernel="xla", with_state=False)
+    probe = task.collection
+    with tempfile.TemporaryDirectory() as cache:
+        embedding = {"kernel": "auto", "pool_from": "auto", "dedup": "auto", "kernel_measure": "always",
+                     "kernel_cache": f"{cache}/choices.json"}
+        device = kernel_choice.current_device()
+        if dry_run:  # as on a one-device GPU, so the measurement runs (the kernels interpreted)
+            device = kernel_choice.Device("gpu", "dry run", 1, None)
+        measure = functools.partial(kernel_choice.measure_variants, probe, task.sparse_optimizer, shape["batch"],
+                                    "auto", repeats=3, min_seconds=LOOP_SECONDS)
+        start = time.monotonic()
+        with contextlib.redirect_stdout(sys.stderr):  # its progress lines; stdout carries the JSON lines only
+            chosen = kernel_choice.choose_kernel(embedding, probe, task.sparse_optimizer, shape["batch"],
+                                                 device=device, measure=measure)
+    _log(f"{shape_name}: {kernel_choice.describe(chosen)}")
+    shipped = kernel_choice.shipped_choice(device.kind, chosen.get("shape_class", ""))
+    section.emit({"name": "accelerator_auto", "shape": shape_name, **chosen, "measure_s": time.monotonic() - start,
+                  "shipped_variant": shipped and shipped[0], "device": jax.devices()[0].device_kind, "config": shape})
+    return chosen["variant"]
 
-    def run():
-        box[0] = fn(*box[0])
-        return box[0]
 
-    return run
+def accelerator_steps(section: Section, shape_name: str, shape: dict, auto_variant: str | None,
+                      dry_run: bool) -> None:
+    """The whole train step with XLA and each kernel variant (`kernel_choice.VARIANTS`), many steps per host sync on
+    two alternating batches, one variant after another (each compiled, timed and freed before the next: three copies
+    of reference_random's state need not fit at once), with ratios over XLA and which of them "auto" measured
+    fastest. The state is initialised once (its shapes do not depend on the kernels) and copied per variant."""
+    import jax
+    import jax.numpy as jnp
 
-
-def accelerator_steps(shape_name: str, shape: dict, repeats: int, dry_run: bool) -> list[dict[str, Any]]:
-    """The whole train step with each embedding.kernel / pool_from: XLA, the kernels on the distinct rows, the
-    kernels pooling from the tables, and "auto" (what a run gets); in one run, with ratios over XLA. The variants
-    run one after another, each freed before the next is built: reference_random's state is 2 GB of tables, and
-    four at once would not fit a 16 GB accelerator (a dedicated device times steadily; on a shared CPU host the
-    round-robin `interleaved` matters more)."""
-    import gc
-
+    from pallas_kernels import timing
+    from recjax import kernel_choice
     from recjax.step import make_train_step
 
-    impl, _ = _accelerator_target(dry_run)
-    variants = {"xla": ("xla", "auto"), "kernels_distinct_rows": (impl, "distinct_rows"),
-                "kernels_table": (impl, "table"), "auto": ("auto", "auto")}
-    records = []
-    for name, (kernel, pool_from) in variants.items():
-        task, state, batch = build(shape, shape["sparse"], kernel=kernel, pool_from=pool_from)
-        step = make_train_step(task).lower(state, batch).compile()
-        box = [state]
-        del state
+    if not section.has_time(f"{shape_name} steps"):
+        return
+    base, state, _ = build(shape, shape["sparse"], kernel="xla")
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *[build_batch(base.spec, shape["batch"], seed) for seed in (1, 2)])
+    xla_seconds = None
+    for name, (kernel, pool_from) in kernel_choice.VARIANTS.items():
+        if not section.has_time(f"{shape_name} step {name}"):
+            break
+        task, _, _ = build(shape, shape["sparse"], kernel=kernel, pool_from=pool_from or "auto", with_state=False)
+        step = make_train_step(task)
 
-        def run(step=step, box=box, batch=batch):
-            box[0], metrics = step(box[0], batch)
-            return metrics["loss"]
+        def body(i, state, step=step):
+            return step(state, jax.tree.map(lambda x: x[i % 2], stacked))[0]
 
-        step_ms = ms(interleaved({name: run}, repeats)[name])
-        records.append({"name": "accelerator_step", "shape": shape_name, "variant": name, "kernel": kernel,
-                        "pool_from": task.collection.pool_from, "dedup": task.collection.dedup, "ms": step_ms,
-                        "ratio_over_xla": step_ms / records[0]["ms"] if records else 1.0})
-        del task, step, box, batch, run
-        gc.collect()
-    return records
+        t = timing.seconds_per_call(body, jax.tree.map(lambda x: x.copy(), state), repeats=3 if dry_run else 5,
+                                    min_seconds=LOOP_SECONDS)
+        xla_seconds = xla_seconds or t.seconds  # XLA runs first
+        collection = task.collection
+        section.emit({"name": "accelerator_step", "shape": shape_name, "variant": name, "kernel": collection.kernel,
+                      "pool_from": collection.pool_from, "dedup": collection.dedup, "ms": 1000 * t.seconds,
+                      "iterations": t.iterations, "ratio_over_xla": t.seconds / xla_seconds,
+                      "auto_chose": name == auto_variant, "temp_bytes": t.temp_bytes, "config": shape})
+        del task, step, body, t
 
 
-def accelerator(repeats: int, dry_run: bool) -> int:
+def accelerator(dry_run: bool, budget_s: float = RUN_BUDGET_S) -> int:
     """The `--accelerator` command: 0 when every kernel matches XLA on the device (or there is no device), else 1."""
     import jax
-
-    from pallas_kernels.hardware import tpu_budget
 
     info = machine()
     if jax.default_backend() not in ("tpu", "gpu") and not dry_run:
@@ -704,26 +828,26 @@ def accelerator(repeats: int, dry_run: bool) -> int:
              f"{jax.default_backend()}; run this on a GPU or TPU host (nothing to check here)")
         _emit({"name": "accelerator", "status": "no accelerator", "machine": info})
         return 0
-    _log("checking every kernel against XLA on the device")
-    failures = 0
-    for record in accelerator_check(dry_run):
-        failures += not record["ok"]
-        _emit({**record, "machine": info})
-    budget = tpu_budget()
-    spec = None  # GB/s of the chip's HBM from jax's table (per TensorCore there), TPU only
-    if jax.default_backend() == "tpu" and budget.hbm_bytes_per_second:
-        spec = budget.hbm_bytes_per_second * budget.num_cores / 1e9
-    _log("copy bandwidth")
-    bandwidth = copy_bandwidth(repeats)["gb_per_s"]
-    _emit({"name": "copy_bandwidth", "gb_per_s": bandwidth, "hbm_spec_gb_per_s": spec, "machine": info})
-    for name in ACCELERATOR_SHAPES:
-        shape = DRY_RUN_SHAPES[name] if dry_run else SHAPES[name]
-        _log(f"{name}: kernels vs XLA")
-        for record in accelerator_timings(name, shape, repeats, bandwidth, spec, dry_run):
-            _emit({**record, "config": shape, "machine": info})
-        _log(f"{name}: train step per embedding.kernel / pool_from")
-        for record in accelerator_steps(name, shape, repeats, dry_run):
-            _emit({**record, "config": shape, "machine": info})
+    deadline = time.monotonic() + budget_s
+
+    def section(name: str) -> Section:
+        return Section(name, SECTION_BUDGETS[name], deadline, info, dry_run)
+
+    with section("check") as s:
+        failures = accelerator_check(s, dry_run)
+    with section("bandwidth") as s:
+        bandwidth = accelerator_bandwidth(s, dry_run)
+    shapes = {name: (DRY_RUN_SHAPES if dry_run else SHAPES)[name] for name in ACCELERATOR_SHAPES}
+    for name, shape in shapes.items():
+        with section("kernels") as s:
+            accelerator_timings(s, name, shape, bandwidth, dry_run)
+    auto = {}
+    for name, shape in shapes.items():
+        with section("auto") as s:
+            auto[name] = accelerator_auto(s, name, shape, dry_run)
+    for name, shape in shapes.items():
+        with section("steps") as s:
+            accelerator_steps(s, name, shape, auto[name], dry_run)
     _emit({"name": "accelerator", "status": "checked", "kernel_mismatches": failures, "machine": info})
     return 1 if failures else 0
 
@@ -735,23 +859,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=",".join(MEASUREMENTS), help=f"comma-separated, from {MEASUREMENTS}")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per contender (medians reported)")
     parser.add_argument("--accelerator", action="store_true",
-                        help="the first-accelerator check: every kernel vs XLA on the device, kernel and train-step "
-                             "times (reference_random, kaggle_b2048); on a CPU it says so and exits 0")
+                        help="the accelerator session's one command: every kernel vs XLA on the device, the copy "
+                             "bandwidth and the HBM spec, kernel times, what embedding.kernel=auto measures, and "
+                             "train-step times (reference_random, kaggle_b2048), in --budget_s; on a CPU it says so "
+                             "and exits 0")
+    parser.add_argument("--budget_s", type=float, default=RUN_BUDGET_S,
+                        help="--accelerator: seconds the sections may start work in (each also has its own budget)")
     parser.add_argument("--accelerator_dry_run", action="store_true",
-                        help="run --accelerator's code on this CPU: tiny shapes, Mosaic kernels interpreted (its "
-                             "times mean nothing)")
+                        help="run --accelerator's code on this CPU: tiny shapes, Triton kernels interpreted, no "
+                             "budgets (its times mean nothing)")
     args = parser.parse_args(argv)
     if args.accelerator or args.accelerator_dry_run:
-        return accelerator(args.repeats, args.accelerator_dry_run)
+        return accelerator(args.accelerator_dry_run, args.budget_s)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     only = {m.strip() for m in args.only.split(",") if m.strip()}
     unknown = [s for s in shapes if s not in SHAPES] + sorted(only - set(MEASUREMENTS))
     if unknown:
         parser.error(f"unknown shapes or measurements {unknown}; shapes {list(SHAPES)}, measurements {MEASUREMENTS}")
     info = machine()
-    if "kernel_tracing" in only:
-        _log("kernel tracing: compile time with embedding.kernel xla vs auto")
-        _emit({**kernel_tracing(args.repeats), "machine": info})
     bandwidth = None
     if "copy_bandwidth" in only or "embedding_stage" in only:
         _log("copy bandwidth")

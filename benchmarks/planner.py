@@ -10,7 +10,7 @@ step times on 8 CPU devices.
     python benchmarks/planner.py --sections measure                # this machine's gather / scatter / all_to_all
 
 One JSON line per measurement on stdout (progress on stderr), with the machine. Sections:
-  meta     the 856-table set's statistics next to the published ones (recjax/sharding/meta_tables.py)
+  meta     the 856-table set's statistics next to the published ones (experiments/planning/meta_tables.py)
   tasks    for each device count and table count, `--tasks` tasks sampled from the set (memory per device: its share
            of the task's bytes at 75 % fill; A100-like hosts of 8, recjax/sharding/cost_model.py `gpu_cluster`),
            planned by recjax (beam search; and restricted to whole tables, `recjax_table`, the baselines' space) and
@@ -63,7 +63,7 @@ def emit(record: dict) -> None:
 
 # ------------------------------------------------------------------------------------------------------- meta
 def section_meta(args) -> None:
-    from recjax.sharding import meta_tables
+    from experiments.planning import meta_tables
 
     emit({"section": "meta", **meta_tables.summary(meta_tables.meta_tables(args.seed))})
 
@@ -138,7 +138,7 @@ def summarize(name: str, devices: int, tables: int, runs: list[dict[str, dict]])
 
 
 def section_tasks(args) -> None:
-    from recjax.sharding import meta_tables
+    from experiments.planning import meta_tables
 
     tables = meta_tables.meta_tables(args.seed)
     for devices in args.devices:
@@ -157,7 +157,7 @@ def section_tasks(args) -> None:
 
 # ----------------------------------------------------------------------------------------------------- neural
 def section_neural(args) -> None:
-    from recjax.sharding import cost_net, meta_tables
+    from experiments.planning import cost_net, meta_tables
     from recjax.sharding import planner as P
     from recjax.sharding.cost_model import AnalyticCostModel, Topology
 
@@ -220,7 +220,7 @@ def _sharding_benchmark():
 def section_rank(args) -> None:
     import jax
 
-    from recjax import sharding
+    from recjax import placement, sharding
     from recjax.sharding import cost_model as C
     from recjax.step import init_state, make_train_step
 
@@ -234,7 +234,7 @@ def section_rank(args) -> None:
     runs = {}
     for name in plans:
         config.sharding.plan = name
-        sharded = sharding.setup(config, task)
+        sharded = placement.build(config, task)
         state = sharded.place_state(host_state)
         device_batch = sharded.put_batch(batch)
         compiled = make_train_step(task, sharded, state).lower(state, device_batch).compile()
@@ -242,12 +242,12 @@ def section_rank(args) -> None:
         jax.block_until_ready(metrics)
         infos = sharding.table_infos(task.collection, task.sparse_optimizer)
         problem = C.Problem(tuple(C.PlannerTable(i) for i in infos),
-                            C.Topology.cpu_host(sharded.mesh.size, sharded.plan.device_memory_bytes),
-                            int(config.train.batch_size), config.sharding.get("row_split", "range"))
-        predicted = C.plan_cost(C.AnalyticCostModel(problem.topology), problem, sharded.plan.placements)
+                            C.Topology.cpu_host(sharded.layout.mesh.size, sharded.layout.plan.device_memory_bytes),
+                            int(config.train.batch_size), config.sharding.row_split)
+        predicted = C.plan_cost(C.AnalyticCostModel(problem.topology), problem, sharded.layout.plan.placements)
         runs[name] = {"state": state, "step": compiled, "batch": device_batch, "times": [],
                       "predicted_ms": 1e3 * predicted.max, "predicted_sum_ms": 1e3 * float(predicted.devices.sum()),
-                      "shardings": sorted({p.sharding for p in sharded.plan.placements})}
+                      "shardings": sorted({p.sharding for p in sharded.layout.plan.placements})}
         _log(f"rank: {name} compiled, predicted {runs[name]['predicted_ms']:.2f} ms")
     for _ in range(args.repeats):  # round robin: a burst of load on the shared machine hits every plan alike
         for name in plans:
@@ -257,7 +257,7 @@ def section_rank(args) -> None:
             jax.block_until_ready(metrics)
             r["times"].append(time.perf_counter() - t0)
     measured = [1e3 * statistics.median(runs[p]["times"]) for p in plans]
-    from recjax.sharding.cost_model import spearman
+    from experiments.planning.cost_net import spearman
 
     emit({"section": "rank", "shape": "kaggle_b2048", "vocab_cap": args.vocab_cap, "mesh": args.mesh,
           "repeats": args.repeats, "plans": list(plans), "measured_step_ms": measured,

@@ -41,6 +41,19 @@ Measurements
              under every setting. The disk-tier model's cache hit ratio is read from the server's /metrics after its
              curve. The load generator shares the machine's cores with the server: its own CPU time is part of the
              figures.
+  drain      the f32 export behind a fresh server per case (--drain_cases, REQUESTSxROWS@SECONDS): that many
+             concurrent requests of that many rows, each on its own connection, and SIGTERM that many seconds after
+             they start (recjax/serving/measure.py drain_burst): per answer, how many clients got it, how many were
+             refused a connection (the listening socket closed), how many lost an accepted connection without an
+             answer (never, since issue 43), the exit status and the server's drain report.
+  stalled    --stalled connections to the f32 export's server whose headers promise a 100-byte body and send 10 bytes
+             of it (recjax/serving/measure.py stalled_clients): what each got and when (408 after the body timeout,
+             --stalled_body_timeout; the connection closed), and regular one-row requests' latency meanwhile.
+  cpu        the server's own CPU microseconds per request (its process's user + system time, Linux), --cpu_requests
+             sent one at a time: GET /healthz (HTTP and connection handling alone) and one-row POST /v1/score
+             (max_batch 1), on one kept-alive connection and on a new connection each; --repeats servers in turn.
+             Unlike latency, CPU time is not inflated by other work waiting for the same cores, so it compares two
+             versions of the server on a loaded machine (run it in each checkout, alternating).
 """
 
 from __future__ import annotations
@@ -56,7 +69,7 @@ from typing import Any
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-MEASUREMENTS = ("tables", "forward", "overhead", "load")
+MEASUREMENTS = ("tables", "forward", "overhead", "load", "drain", "stalled", "cpu")
 SHARED = os.environ.get("RECJAX_SHARED_DATA", str(REPO.parent / "shared" / "data"))
 RESULTS = sys.stdout  # the JSON lines; everything else (training's and the data builders' prints) goes to stderr
 
@@ -384,13 +397,19 @@ def main() -> None:
                              "table's rows (0: not)")
     parser.add_argument("--models", default="", help="load: only these models' fixed-setting curves (names as in "
                                                      "the JSON lines, e.g. 'f32,f32 disk 10%%'; default all)")
+    parser.add_argument("--drain_cases", default="300x256@1.0,1500x32@1.0,1500x32@3.0",
+                        help="drain: REQUESTSxROWS@SECONDS per case (issue 43's cases)")
+    parser.add_argument("--cpu_requests", type=int, default=5000, help="cpu: requests per measurement")
+    parser.add_argument("--stalled", type=int, default=3000, help="stalled: connections that never send their body")
+    parser.add_argument("--stalled_body_timeout", type=float, default=30.0,
+                        help="stalled: the server's --body_timeout_seconds (30: its default)")
     parser.add_argument("--plot", default="benchmarks/serving.png")
     args = parser.parse_args()
     only = args.only.split(",")
     unknown = set(only) - set(MEASUREMENTS)
     if unknown:
         parser.error(f"--only: unknown {sorted(unknown)}; choose from {MEASUREMENTS}")
-    for name in ("datasets", "methods", "formats", "grid", "models"):
+    for name in ("datasets", "methods", "formats", "grid", "models", "drain_cases"):
         setattr(args, name, [v for v in getattr(args, name).split(",") if v])
     args.forward_sizes = [int(v) for v in args.forward_sizes.split(",")]
     args.rates = [float(v) for v in args.rates.split(",")]
@@ -410,7 +429,7 @@ def main() -> None:
 def run(args, only: list[str], root: pathlib.Path) -> None:
     if "tables" in only:
         measure_tables(args, root)
-    if {"forward", "overhead", "load"} & set(only):
+    if {"forward", "overhead", "load", "drain", "stalled", "cpu"} & set(only):
         models = with_disk_tier(args, exports(args, root))
         rows = request_rows(models["f32"])
         if "forward" in only:
@@ -421,6 +440,47 @@ def run(args, only: list[str], root: pathlib.Path) -> None:
             curves = measure_load(args, models, rows)
             if args.plot:
                 plot(curves, REPO / args.plot if not pathlib.Path(args.plot).is_absolute() else pathlib.Path(args.plot))
+        if "drain" in only:
+            measure_drain(args, models["f32"], rows)
+        if "cpu" in only:
+            measure_cpu(args, models["f32"], rows)
+        if "stalled" in only:
+            from recjax.serving.measure import ServerProcess, stalled_clients
+
+            with ServerProcess(models["f32"], body_timeout_seconds=args.stalled_body_timeout) as process:
+                record = stalled_clients(process, rows, args.stalled, guard_s=4 * args.stalled_body_timeout + 60)
+            _emit({"measurement": "stalled", "model": "f32", "body_timeout_s": args.stalled_body_timeout, **record})
+            _log(f"stalled: {record}")
+
+
+def measure_cpu(args, directory: pathlib.Path, rows: list[dict]) -> None:
+    from recjax.serving.measure import ServerProcess, cpu_per_request
+
+    body = json.dumps({"rows": [rows[0]]}).encode()
+    requests = {"healthz": b"GET /healthz HTTP/1.1\r\nHost: bench\r\n\r\n",
+                "score": (b"POST /v1/score HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n" % len(body)) + body}
+    for repeat in range(args.repeats):
+        with ServerProcess(directory, max_batch=1, max_wait_ms=0) as process:
+            for path, request in requests.items():
+                for new in (False, True):
+                    us = cpu_per_request(process, request, args.cpu_requests, new)
+                    _emit({"measurement": "cpu", "model": "f32", "repeat": repeat, "request": path,
+                           "connection": "new" if new else "kept", "requests": args.cpu_requests,
+                           "server_cpu_us_per_request": us})
+                    _log(f"cpu: {path} on a {'new' if new else 'kept'} connection: {us:.0f} us of server CPU")
+
+
+def measure_drain(args, directory: pathlib.Path, rows: list[dict]) -> None:
+    from recjax.serving.measure import ServerProcess, drain_burst
+
+    for case in args.drain_cases:
+        size, _, after = case.partition("@")
+        count, per_request = (int(v) for v in size.split("x"))
+        with ServerProcess(directory, max_batch=args.format_batch, max_wait_ms=args.format_wait_ms) as process:
+            record = drain_burst(process, rows, count, per_request, float(after))
+        _emit({"measurement": "drain", "model": "f32", "max_batch": args.format_batch, **record})
+        _log(f"drain {case}: {record['outcomes']}, exit {record['exit_status']}; {record['drain']}")
 
 
 if __name__ == "__main__":

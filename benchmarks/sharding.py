@@ -100,7 +100,7 @@ def build(shape: dict, args, plan: str, seed: int = 0):
 def measure(name: str, shape: dict, args) -> None:
     import jax
 
-    from recjax import sharding
+    from recjax import placement
     from recjax.sharding import hlo
     from recjax.sharding.plan import minimum_exchange_bytes
     from recjax.step import init_state, make_train_step
@@ -114,7 +114,7 @@ def measure(name: str, shape: dict, args) -> None:
         _log(f"{name} / {plan}")
         config.sharding.plan = plan
         try:
-            sharded = sharding.setup(config, task)
+            sharded = placement.build(config, task)
         except ValueError as error:  # e.g. a plan that does not fit: report it, go on
             print(json.dumps({"name": name, "plan": plan, "error": str(error)}), flush=True)
             continue
@@ -136,20 +136,20 @@ def measure(name: str, shape: dict, args) -> None:
             entry["bytes"] += c["bytes"]
         exchange = sum(ops.get(op, {}).get("bytes", 0) for op in ("all-to-all", "all-gather"))
         itemsize = np.dtype(args.exchange_dtype if args.exchange_dtype != "bfloat16" else "float16").itemsize
-        minimum = minimum_exchange_bytes(sharded.plan, itemsize)
+        minimum = minimum_exchange_bytes(sharded.layout.plan, itemsize)
         memory = compiled.memory_analysis()
         peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
                 - memory.alias_size_in_bytes)
         blocks = {k: int(np.prod(v.addressable_shards[0].data.shape)) * 4 for k, v in state.tables.items()}
         # Per device: its table blocks (tables only, padding included) vs the plan's assignment and an even share.
-        per_device = [0] * sharded.mesh.size
+        per_device = [0] * sharded.layout.mesh.size
         for v in state.tables.values():
             for shard in v.addressable_shards:
                 per_device[shard.device.id] += int(np.prod(shard.data.shape)) * 4
-        total_rows = sum(p.table.rows * p.table.dim * 4 for p in sharded.plan.placements)
-        assigned = [sum(p.device_bytes(d, sharded.plan.mesh_shape) * p.table.dim // (p.table.dim
+        total_rows = sum(p.table.rows * p.table.dim * 4 for p in sharded.layout.plan.placements)
+        assigned = [sum(p.device_bytes(d, sharded.layout.plan.mesh_shape) * p.table.dim // (p.table.dim
                                                                                    + p.table.state_floats)
-                        for p in sharded.plan.placements) for d in range(sharded.mesh.size)]
+                        for p in sharded.layout.plan.placements) for d in range(sharded.layout.mesh.size)]
 
         states = {"single": single_state, "sharded": state}
         steps = {"single": lambda s: single_step(s, single_batch),
@@ -169,9 +169,9 @@ def measure(name: str, shape: dict, args) -> None:
                     overflows.append(int(m["bucket_overflows"]))
         single_state = states["single"]
         record = {
-            "name": name, "plan": plan, "mesh": dict(sharded.plan.mesh_shape),
+            "name": name, "plan": plan, "mesh": dict(sharded.layout.plan.mesh_shape),
             "exchange_dtype": args.exchange_dtype,
-            "shardings": sorted({p.sharding for p in sharded.plan.placements}),
+            "shardings": sorted({p.sharding for p in sharded.layout.plan.placements}),
             "step_ms": 1000 * statistics.median(times["sharded"]),
             "single_device_step_ms": 1000 * statistics.median(times["single"]),
             "compile_s": compile_s,
@@ -181,12 +181,12 @@ def measure(name: str, shape: dict, args) -> None:
             "fallback_exchange_bytes": fallback,
             "overflow_steps": sum(o > 0 for o in overflows), "timed_steps": len(overflows),
             "peak_device_bytes": int(peak),
-            "table_bytes_max": max(per_device), "table_bytes_share": total_rows / sharded.mesh.size,
-            "table_max_over_share": max(per_device) / (total_rows / sharded.mesh.size),
+            "table_bytes_max": max(per_device), "table_bytes_share": total_rows / sharded.layout.mesh.size,
+            "table_max_over_share": max(per_device) / (total_rows / sharded.layout.mesh.size),
             "table_max_over_assigned": max(b / a for b, a in zip(per_device, assigned, strict=True) if a),
             "blocks": blocks,
             "config": {**{k: v for k, v in shape.items() if k != "tables"}, "rows": [p.table.rows for p in
-                                                                                     sharded.plan.placements]},
+                                                                                     sharded.layout.plan.placements]},
             "machine": machine(),
         }
         print(json.dumps(record), flush=True)

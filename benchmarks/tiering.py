@@ -9,11 +9,14 @@ One JSON line per measurement to stdout (and appended to --out), progress to std
 fresh temporary directory by default), removed at the end. Sections:
 
   engines   random reads / writes of 260-byte records (dim 64 + a row-wise accumulator) in batches of 8192 distinct
-            rows of a 1M-row table, per candidate engine: the file mapped + numpy gathers on a 16-thread pool (what
-            recjax uses), pread / pwrite from the same pool, LMDB, RocksDB (rocksdict), tensorstore (zarr3, 256-row
-            chunks); warm (page cache holding the file) and, where the engine reads a plain file, cold (its pages
-            dropped with posix_fadvise DONTNEED; a mapping's own pages with MADV_DONTNEED first). The two key-value
-            stores and tensorstore keep their own files, so only their warm numbers are comparable.
+            rows of a 1M-row table, per candidate engine: the file mapped + numpy gathers on a 16-thread pool (main's
+            until session 17: SIGBUS on a truncated file), the same mapping copied through by the kernel
+            (process_vm_readv / writev, 1,024 rows a call: a short count instead of SIGBUS), the store itself
+            (recjax/tiering/store.py: pread / pwrite a row per call from its 16-thread pool), LMDB, RocksDB
+            (rocksdict), tensorstore (zarr3, 256-row chunks); warm (page cache holding the file) and, where the engine
+            reads a plain file, cold (its pages dropped with posix_fadvise DONTNEED; a mapping's own pages with
+            MADV_DONTNEED first); for the mappings, what their first batch added to the process's RssFile. The two
+            key-value stores and tensorstore keep their own files, so only their warm numbers are comparable.
   floor     the disk itself: random 4 KiB reads/s one at a time and 16 in flight, sequential read MB/s, with the page
             cache dropped (posix_fadvise DONTNEED; whether O_DIRECT opens is reported too).
   kaggle    the Kaggle shape (26 Criteo Kaggle cardinalities, 33.8M rows, dim 16, bottom 512-256-64-16, top 512-256-1,
@@ -27,13 +30,19 @@ fresh temporary directory by default), removed at the end. Sections:
   mlperf52  the MLPerf DLRMv2 table set (experiments/configs/dlrm_synthetic.py:mlperf52, 52.3 GB of f32 rows) trained
             with its six large tables on disk, beside the same model with every table capped at --cap rows in memory
             (the speed goal's reference) and the full table set compressed with QR (--qr_collisions) to fit in memory
-            (the "compress or offload" row): examples/s, test AUC, hit rate, peak RSS of each run (each in its own
-            process: `python -m experiments.train`).
-  mesh      the disk tier on a mesh (recjax/tiering/mesh.py): the synthetic default (26 tables, dim 16) on 8 CPU
-            devices (data=4 x model=2), every table row-wise, trained by the launcher in memory and with every table
-            on disk behind a cache of --mesh_cache of the rows the fullest device owns, on each device: examples/s of
-            both and their ratio, AUC and logloss of both (equal: the runs are bit-identical), hit rate, rows read
-            and written (each run in its own process: `python -m experiments.train --cpu_devices=8`).
+            (the "compress or offload" row): examples/s, test AUC, hit rate, peak RSS and its split (the process's
+            own memory, file-backed pages) of each run (each in its own process: `python -m experiments.train`,
+            --mlperf_steps from scratch). Then the steady state (--mlperf_window > 0): the disk arm's cache filled by
+            a replay of batches without the model step until every slot holds a row (at most --mlperf_fill batches),
+            then --mlperf_window train steps timed, beside as many steps of the capped arm (each arm in its own
+            process): examples/s and its ratio to the capped arm's, hit rate, rows read / written and evictions /
+            write-backs per step, the peaks of RssAnon and RssFile over the window and the process. --vocab_cap and
+            --disk_over shrink the preset for a smoke run.
+  mesh      the disk tier on a mesh (recjax/tiering/slots.py `BlockSlots`): the synthetic default (26 tables, dim 16)
+            on 8 CPU devices (data=4 x model=2), every table row-wise, trained by the launcher in memory and with every
+            table on disk behind a cache of --mesh_cache of the rows the fullest device owns, on each device:
+            examples/s of both and their ratio, AUC and logloss of both (equal: the runs are bit-identical), hit rate,
+            rows read and written (each run in its own process: `python -m experiments.train --cpu_devices=8`).
   plot      tiering.png beside --out: step-time ratio and hit rate against cache size, one line per Zipf exponent.
 """
 
@@ -57,6 +66,7 @@ from typing import Any
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's recjax, not an installed one
 SECTIONS = ("engines", "floor", "kaggle", "mlperf52", "mesh", "plot")
 OUT: pathlib.Path | None = None
 
@@ -78,6 +88,14 @@ def emit(record: dict) -> None:
     if OUT is not None:
         with OUT.open("a") as f:
             f.write(line + "\n")
+
+
+def rss_file() -> int:
+    """This process's file-backed resident bytes (RssFile in /proc/self/status)."""
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def drop_page_cache(path: pathlib.Path) -> None:
@@ -111,7 +129,9 @@ def engines(directory: pathlib.Path, rows: int = 1_000_000, width: int = 65, bat
     path = directory / "engine.f32"
     data.tofile(path)
 
-    # the mapped file, numpy gathers over the pool (recjax/tiering/store.py)
+    # The file mapped, numpy gathers / scatters over the pool: main's store until a truncated file killed a run with
+    # SIGBUS (a mapped page past the end of the file). RssFile's growth after the first batch: what its 8,192 rows
+    # mapped, against the 32 MiB a page per row would be.
     fd = os.open(path, os.O_RDWR)
     region = mmap.mmap(fd, rows * record_bytes)
     region.madvise(mmap.MADV_RANDOM)
@@ -125,46 +145,88 @@ def engines(directory: pathlib.Path, rows: int = 1_000_000, width: int = 65, bat
     def mapped_write(r):
         list(pool.map(lambda p: mapped.__setitem__(r[p], values[p]), split(len(r))))
 
+    rss0 = rss_file()
     assert np.array_equal(mapped_read(picks[0]), data[picks[0]])
+    first = rss_file() - rss0
     warm_read, write = rate(mapped_read), rate(mapped_write)
     region.flush()
     region.madvise(mmap.MADV_DONTNEED)
     drop_page_cache(path)
     cold = rate(mapped_read, 3)
-    emit({"section": "engines", "engine": "mmap + numpy, 16 threads", "warm_read_rows_s": warm_read,
-          "write_rows_s": write, "cold_read_rows_s": cold, "record_bytes": record_bytes})
+    emit({"section": "engines", "engine": "mmap + numpy, 16 threads (SIGBUS on a truncated file)",
+          "warm_read_rows_s": warm_read, "write_rows_s": write, "cold_read_rows_s": cold,
+          "rss_file_first_batch_bytes": first, "record_bytes": record_bytes})
+
+    # The kernel copying rows through the same mapping: process_vm_readv / writev on this process's own memory,
+    # 1,024 rows a call, over the pool. A fault it cannot serve (a page past the end of a truncated file) ends the
+    # call early instead of raising SIGBUS.
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        calls = [libc.process_vm_readv, libc.process_vm_writev]
+        for call in calls:
+            call.restype = ctypes.c_ssize_t
+            call.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
+                             ctypes.c_ulong]
+        base = mapped.ctypes.data
+
+        def through_kernel(write: bool, r, buffer) -> None:
+            def work(p):
+                for at in range(0, len(p), 1024):
+                    part = p[at: at + 1024]
+                    mine = np.empty((len(part), 2), np.uint64)
+                    mine[:, 0] = buffer.ctypes.data + part.astype(np.uint64) * np.uint64(record_bytes)
+                    mine[:, 1] = record_bytes
+                    theirs = np.empty((len(part), 2), np.uint64)
+                    theirs[:, 0] = base + r[part].astype(np.uint64) * np.uint64(record_bytes)
+                    theirs[:, 1] = record_bytes
+                    done = calls[write](os.getpid(), mine.ctypes.data, len(part), theirs.ctypes.data, len(part), 0)
+                    assert done == len(part) * record_bytes, (done, ctypes.get_errno())
+
+            list(pool.map(work, split(len(r))))
+
+        def vm_read(r):
+            out = np.empty((len(r), width), np.float32)
+            through_kernel(False, r, out)
+            return out
+
+        data.tofile(path)
+        drop_page_cache(path)
+        rss0 = rss_file()
+        assert np.array_equal(vm_read(picks[0]), data[picks[0]])
+        first = rss_file() - rss0
+        warm_read, write = rate(vm_read), rate(lambda r: through_kernel(True, r, values))
+        region.flush()
+        region.madvise(mmap.MADV_DONTNEED)
+        drop_page_cache(path)
+        cold = rate(vm_read, 3)
+        emit({"section": "engines", "engine": "mmap + process_vm_readv / writev, 16 threads", "warm_read_rows_s":
+              warm_read, "write_rows_s": write, "cold_read_rows_s": cold, "rss_file_first_batch_bytes": first,
+              "record_bytes": record_bytes})
     mapped = None  # the mapping cannot close while an array exports it
     region.close()
-
-    # pread / pwrite, one call per row, over the pool
-    def pread_rows(r):
-        out = np.empty((len(r), width), np.float32)
-        view = memoryview(out).cast("B")
-
-        def work(p):
-            for i in p:
-                os.preadv(fd, [view[i * record_bytes:(i + 1) * record_bytes]], int(r[i]) * record_bytes)
-
-        list(pool.map(work, split(len(r))))
-        return out
-
-    def pwrite_rows(r):
-        view = memoryview(values).cast("B")
-
-        def work(p):
-            for i in p:
-                os.pwrite(fd, view[i * record_bytes:(i + 1) * record_bytes], int(r[i]) * record_bytes)
-
-        list(pool.map(work, split(len(r))))
-
-    data.tofile(path)
-    assert np.array_equal(pread_rows(picks[0]), data[picks[0]])
-    warm_read, write = rate(pread_rows), rate(pwrite_rows)
-    drop_page_cache(path)
-    cold = rate(pread_rows, 3)
-    emit({"section": "engines", "engine": "pread / pwrite, 16 threads", "warm_read_rows_s": warm_read,
-          "write_rows_s": write, "cold_read_rows_s": cold, "record_bytes": record_bytes})
     os.close(fd)
+
+    # The store itself (recjax/tiering/store.py): pread / pwrite a row per call over its pool.
+    from recjax.tiering.store import RowStore
+
+    (directory / "store").mkdir(exist_ok=True)
+    store = RowStore([("T", 0, rows, directory / "store")], width, threads)
+    start = time.perf_counter()
+    store.write_initial(0, data)
+    initial_s = time.perf_counter() - start
+    store.open()
+    rss0 = rss_file()
+    assert np.array_equal(store.read(picks[0]), data[picks[0]])
+    warm_read, write = rate(store.read), rate(lambda r: store.write(r, values))
+    drop_page_cache(directory / "store" / "T.f32")
+    cold = rate(store.read, 3)
+    emit({"section": "engines", "engine": f"store: pread / pwrite a row per call, {threads} threads (recjax)",
+          "warm_read_rows_s": warm_read, "write_rows_s": write, "cold_read_rows_s": cold,
+          "rss_file_growth_bytes": rss_file() - rss0, "initial_write_s": initial_s, "record_bytes": record_bytes})
+    store.close()
+    shutil.rmtree(directory / "store")
 
     keys = np.arange(rows, dtype=">u8").tobytes()
 
@@ -283,7 +345,6 @@ def floor(directory: pathlib.Path, size: int = 2 << 30) -> None:
 
 # ----------------------------------------------------------------------------------------------------- kaggle
 def kaggle_config(zipf: float, tiered: bool, cache: float, prefetch: bool = True, vocab_cap: int = 0):
-    sys.path.insert(0, str(REPO))
     from experiments.configs.dlrm_synthetic import get_config
 
     config = get_config("kaggle")
@@ -308,9 +369,8 @@ def time_steps(config, directory: pathlib.Path, host_batches, warmup: int, fill=
     training steps leave it in, at the cost of the host's I/O alone."""
     import jax
 
-    from recjax import tiering
+    from recjax import placement
     from recjax.data.pipeline import DevicePrefetcher
-    from recjax.embedding_backend import LocalEmbedding
     from recjax.specs import DatasetSpec, FeatureSpec
     from recjax.step import init_state, make_train_step
     from recjax.task import build_task
@@ -319,7 +379,8 @@ def time_steps(config, directory: pathlib.Path, host_batches, warmup: int, fill=
                                                     for i, v in enumerate(config.data.vocab_sizes)))
     task = build_task(config, spec)
     config.tiering.dir = str(directory)
-    backend = tiering.setup(config, task) or LocalEmbedding(task.collection)
+    backend = placement.build(config, task)
+    disk = next((s for s in backend.storages if s.name == "disk"), None)
     try:
         t0 = time.perf_counter()
         with DevicePrefetcher(iter(host_batches), lambda b, w: None, put=backend.put_batch) as batches:
@@ -327,10 +388,10 @@ def time_steps(config, directory: pathlib.Path, host_batches, warmup: int, fill=
             state = backend.place_state(init_state(task, jax.random.key(0), host_batches[0], backend))
             init_s = time.perf_counter() - t0
             filled, fill_s = 0, 0.0
-            if fill is not None and hasattr(backend, "caches"):
+            if fill is not None and disk is not None:
                 t1 = time.perf_counter()
                 for b in fill:
-                    state, _ = backend.prepare_train(state, backend.put_batch(b))
+                    state, _ = disk.prepare_train(state, backend.put_batch(b))
                     filled += 1
                     if filled % 50 == 0:  # keep the queued swaps few
                         jax.block_until_ready(state.tables)
@@ -357,7 +418,7 @@ def time_steps(config, directory: pathlib.Path, host_batches, warmup: int, fill=
         summary = backend.summary()
         if "tiering" in summary:
             (g0, before), = stats_at["tiering"]["groups"].items()
-            occupied = int((backend.caches[g0].row_of_slot >= 0).sum())
+            occupied = int((disk.caches[g0].row_of_slot >= 0).sum())
             out.update({"fill_steps": filled, "fill_s": fill_s, "cache_full": occupied / before["cache_slots"]})
             after = summary["tiering"]["groups"][g0]
             lookups = after["lookups"] - before["lookups"]
@@ -406,19 +467,27 @@ def kaggle(directory: pathlib.Path, zipfs, caches, steps: int, warmup: int, voca
 
 
 # --------------------------------------------------------------------------------------------------- mlperf52
-def mlperf52(directory: pathlib.Path, steps: int, cap: int, qr_collisions: int, eval_examples: int) -> None:
+def mlperf52(directory: pathlib.Path, steps: int, cap: int, qr_collisions: int, eval_examples: int,
+             vocab_cap: int = 0, disk_over: int = 0, window: int = 0, warmup: int = 5, fill: int = 0) -> None:
+    """The three arms trained by the launcher from scratch, then (`window` > 0) the steady state: the disk arm's
+    cache filled by a replay of up to `fill` batches, then `window` train steps timed, beside the capped arm's
+    `window` steps (`steady_window`, each arm in its own process). `vocab_cap` / `disk_over` shrink the preset
+    (smoke runs: every table capped at `vocab_cap` rows, the disk rule at `disk_over` bytes)."""
     from recjax.data.synthetic import MLPERF_VOCAB_SIZES
 
-    capped = tuple(min(v, cap) for v in MLPERF_VOCAB_SIZES)
+    vocab = tuple(min(v, vocab_cap) for v in MLPERF_VOCAB_SIZES) if vocab_cap else MLPERF_VOCAB_SIZES
+    capped = tuple(min(v, cap) for v in vocab)
     common = [f"--config.train.steps={steps}", f"--config.train.eval_every={steps}", "--config.train.log_every=25",
               f"--config.data.eval_examples={eval_examples}", "--config.train.progress_bar=False"]
+    shrunk = [f"--config.data.vocab_sizes={vocab}"] if vocab_cap else []
     arms = {
-        "disk": [f"--config.tiering.dir={directory / 'mlperf52'}"],
+        "disk": [*shrunk, f"--config.tiering.dir={directory / 'mlperf52'}",
+                 *([f"--config.tiering.disk_over_bytes={disk_over}"] if disk_over else [])],
         "capped_memory": [f"--config.data.vocab_sizes={capped}", "--config.tiering.disk_over_bytes=0"],
-        "qr_memory": ["--config.embedding.method=qr", f"--config.embedding.options.collisions={qr_collisions}",
+        "qr_memory": [*shrunk, "--config.embedding.method=qr", f"--config.embedding.options.collisions={qr_collisions}",
                       "--config.tiering.disk_over_bytes=0"],
     }
-    for arm, extra in arms.items():
+    for arm, extra in arms.items() if steps else ():
         workdir = directory / f"run_{arm}"
         command = [sys.executable, "-m", "experiments.train", "--config=experiments/configs/dlrm_synthetic.py:mlperf52",
                    f"--workdir={workdir}", *common, *extra]
@@ -432,16 +501,153 @@ def mlperf52(directory: pathlib.Path, steps: int, cap: int, qr_collisions: int, 
             continue
         summary = json.loads((workdir / "summary.json").read_text())
         record = {"section": "mlperf52", "arm": arm, "command": " ".join(command[2:]), "wall_s": wall,
-                  **{k: summary[k] for k in ("examples_per_sec", "auc", "logloss", "peak_rss_bytes", "embedding_bytes",
+                  **{k: summary[k] for k in ("examples_per_sec", "auc", "logloss", "peak_rss_bytes",
+                                             "peak_rss_anon_bytes", "peak_rss_file_bytes", "embedding_bytes",
                                              "embedding_optimizer_bytes", "compile_time_s", "train_time_s", "steps",
                                              "batch_size", "bayes_auc")}}
         if "tiering" in summary:
             (group, stats), = summary["tiering"]["groups"].items()
             record.update({"hit_rate": stats["hit_rate"], "cache_slots": stats["cache_slots"],
                            "rows_read": stats["rows_read"], "rows_written": stats["rows_written"],
+                           "evictions": stats["evictions"], "writebacks": stats["writebacks"],
                            "read_s": summary["tiering"]["read_s"], "plan_s": summary["tiering"]["plan_s"]})
         emit(record)
         shutil.rmtree(directory / "mlperf52", ignore_errors=True)
+    if not window:
+        return
+    results = {}
+    for arm in ("capped_memory", "disk"):
+        params = {"arm": arm, "cap": cap, "vocab_cap": vocab_cap, "disk_over": disk_over, "window": window,
+                  "warmup": warmup, "fill": fill, "directory": str(directory / "mlperf52_window")}
+        _log(f"mlperf52 steady state, {arm}: {params}")
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, __file__, "--child", json.dumps(params)], cwd=REPO,
+                              capture_output=True, text=True)
+        (directory / f"window_{arm}.log").write_text(done.stdout + done.stderr)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode or not lines:
+            emit({"section": "mlperf52", "arm": f"{arm}, steady state", "error": (done.stdout + done.stderr)[-2000:]})
+            return
+        results[arm] = {"section": "mlperf52", "arm": f"{arm}, steady state", **json.loads(lines[-1]),
+                        "wall_s": time.perf_counter() - start}
+        if arm == "disk":
+            results[arm]["capped_examples_per_sec"] = results["capped_memory"]["examples_per_sec"]
+            results[arm]["ratio_to_capped"] = (results[arm]["examples_per_sec"]
+                                               / results["capped_memory"]["examples_per_sec"])
+        emit(results[arm])
+        shutil.rmtree(directory / "mlperf52_window", ignore_errors=True)
+
+
+def steady_window(arm: str, cap: int, vocab_cap: int, disk_over: int, window: int, warmup: int, fill: int,
+                  directory: str) -> dict:
+    """One arm of the mlperf52 preset at steady state, in this process (the parent runs each arm in a child of its
+    own, so the RSS figures are the arm's): the disk arm's cache is filled first by replaying batches through it
+    without the model step (each batch's rows planned, its misses read and its victims written back as a train step
+    does; `time_steps`), until every slot holds a row -- from then on every miss evicts and writes a row back -- or
+    `fill` batches; then `warmup` train steps and `window` timed ones, run as the trainer runs them (batches placed
+    on the prefetch thread, two steps in flight). Examples/s, hit rate, rows read / written and evictions /
+    write-backs per step over the window; the peaks of the process's own memory (RssAnon) and of its file-backed
+    pages (RssFile), over the window and over the whole process, sampled on a thread (recjax/rss.py)."""
+    import jax
+
+    from experiments.configs.dlrm_synthetic import get_config
+    from recjax import placement
+    from recjax.data.pipeline import DevicePrefetcher
+    from recjax.data.synthetic import SyntheticDataset
+    from recjax.rss import RssSampler, resident
+    from recjax.specs import DatasetSpec, FeatureSpec
+    from recjax.step import init_state, make_train_step
+    from recjax.task import build_task
+
+    process = RssSampler().start()
+    config = get_config("mlperf52")
+    if vocab_cap:
+        config.data.vocab_sizes = tuple(min(v, vocab_cap) for v in config.data.vocab_sizes)
+    if arm == "capped_memory":
+        config.data.vocab_sizes = tuple(min(v, cap) for v in config.data.vocab_sizes)
+        config.tiering.disk_over_bytes = 0
+    elif disk_over:
+        config.tiering.disk_over_bytes = disk_over
+    config.tiering.dir = directory
+    batch_size = int(config.train.batch_size)
+    spec = DatasetSpec(num_dense=13, features=tuple(FeatureSpec(f"C{i + 1}", v)
+                                                    for i, v in enumerate(config.data.vocab_sizes)))
+    task = build_task(config, spec)
+    data = SyntheticDataset(vocab_sizes=config.data.vocab_sizes, zipf_exponent=config.data.zipf_exponent,
+                            eval_examples=16, seed=0)
+    stream = data.train_batches(batch_size)
+    backend = placement.build(config, task)
+    disk = next((s for s in backend.storages if s.name == "disk"), None)
+    try:
+        t0 = time.perf_counter()
+        first = next(stream)
+        state = backend.place_state(init_state(task, jax.random.key(0), first, backend))
+        jax.block_until_ready(state)
+        out = {"init_s": time.perf_counter() - t0, "batch_size": batch_size, "window_steps": window,
+               "embedding_rows": int(sum(config.data.vocab_sizes))}
+        caches = disk.caches if disk is not None else {}
+        if caches:
+            t0, filled = time.perf_counter(), 0
+            for batch in stream:
+                state, _ = disk.prepare_train(state, backend.put_batch(batch))
+                filled += 1
+                if filled % 20 == 0 or filled >= fill:
+                    jax.block_until_ready(state.tables)  # keep the queued swaps few
+                    full = all(c.free == 0 for c in caches.values())
+                    if full or filled >= fill:
+                        break
+            jax.block_until_ready(state.tables)
+            # The replay's queued write-backs done before the window; its rows stay dirty in the cache, as a long
+            # run's do (every row a step uses is), so from the window's first step a miss evicts a dirty row.
+            disk._drain()
+            out.update({"fill_steps": filled, "fill_s": time.perf_counter() - t0,
+                        "cache_full": min(1 - c.free / c.size for c in caches.values()),
+                        "cache_slots": sum(c.size for c in caches.values()),
+                        "cached_rows": sum(disk.layouts[g].cached_rows for g in caches)})
+        host = [next(stream) for _ in range(warmup + window)]
+        with DevicePrefetcher(iter(host), lambda b, w: None, put=backend.put_batch) as batches:
+            batch = next(batches)
+            step = make_train_step(task, backend, state).lower(state, batch).compile()
+            in_flight, before, window_rss = [], None, None
+            for i in range(warmup + window):
+                if i == warmup:
+                    jax.block_until_ready(state)
+                    before = json.loads(json.dumps(backend.summary()))
+                    window_rss = RssSampler().start()
+                    start = time.perf_counter()
+                state, metrics = step(state, batch)
+                in_flight.append(metrics["loss"])
+                if len(in_flight) > 2:
+                    in_flight.pop(0).block_until_ready()
+                if i + 1 < warmup + window:
+                    batch = next(batches)
+            jax.block_until_ready(state)
+            elapsed = time.perf_counter() - start
+        window_rss.stop()
+        out.update({"examples_per_sec": window * batch_size / elapsed, "step_ms": 1000 * elapsed / window,
+                    "window_peak_rss_anon_bytes": window_rss.peaks["anon"],
+                    "window_peak_rss_file_bytes": window_rss.peaks["file"],
+                    "window_peak_rss_bytes": window_rss.peaks["total"]})
+        after = backend.summary()
+        if "tiering" in after:
+            lookups = hits = 0
+            for g, stats in after["tiering"]["groups"].items():
+                was = before["tiering"]["groups"][g]
+                lookups += stats["lookups"] - was["lookups"]
+                hits += stats["hits"] - was["hits"]
+                for key in ("rows_read", "rows_written", "evictions", "writebacks"):
+                    out[f"{key}_per_step"] = out.get(f"{key}_per_step", 0) + (stats[key] - was[key]) / window
+            out["hit_rate"] = hits / max(lookups, 1)
+            for key in ("read_s", "plan_s", "write_s", "queue_wait_s"):
+                out[f"{key[:-2]}_ms_per_step"] = 1000 * (after["tiering"][key] - before["tiering"][key]) / window
+        backend.finish(state)  # the final write-back (files kept under --dir): its memory counts too
+    finally:
+        backend.close()
+    now = resident() or {}
+    out.update({"peak_rss_bytes": now.get("peak"), "peak_rss_anon_bytes": process.summary()["peak_rss_anon_bytes"],
+                "peak_rss_file_bytes": process.summary()["peak_rss_file_bytes"]})
+    process.stop()
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------- mesh
@@ -521,7 +727,17 @@ def main() -> None:
     parser.add_argument("--kaggle_fill", type=int, default=0,
                         help="kaggle: batches replayed through each disk arm's cache before the warm-up (no model "
                              "step: the cache's steady state in minutes); every arm is timed on the batches after")
-    parser.add_argument("--mlperf_steps", type=int, default=300)
+    parser.add_argument("--mlperf_steps", type=int, default=300, help="mlperf52: steps the launcher trains each arm "
+                                                                        "from scratch (0: skip those arms)")
+    parser.add_argument("--mlperf_window", type=int, default=50, help="mlperf52: train steps timed at steady state "
+                                                                      "(the disk arm's cache full), beside the capped "
+                                                                      "arm's (0: skip)")
+    parser.add_argument("--mlperf_warmup", type=int, default=5, help="mlperf52: untimed steps before the window")
+    parser.add_argument("--mlperf_fill", type=int, default=40_000, help="mlperf52: at most this many batches "
+                                                                         "replayed to fill the disk arm's cache")
+    parser.add_argument("--disk_over", type=int, default=0, help="mlperf52: tiering.disk_over_bytes (0: the "
+                                                                 "preset's 256 MiB; smoke runs with --vocab_cap)")
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     parser.add_argument("--cap", type=int, default=4_000_000, help="rows per table of the capped in-memory arm")
     parser.add_argument("--qr_collisions", type=int, default=16, help="QR arm: ids per quotient row")
     parser.add_argument("--eval_examples", type=int, default=65536)
@@ -533,6 +749,9 @@ def main() -> None:
 
     cli.tune_malloc()  # as the launcher does, so the benchmark measures what a run gets
     cli.use_cpu_if_no_accelerator()
+    if args.child:  # one mlperf52 arm at steady state, for the parent (`mlperf52`)
+        print(json.dumps(steady_window(**json.loads(args.child))), flush=True)
+        return
     OUT = pathlib.Path(args.out) if args.out else None
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(only) - set(SECTIONS)
@@ -549,7 +768,8 @@ def main() -> None:
             kaggle(directory, [float(z) for z in args.zipfs.split(",")], [float(c) for c in args.caches.split(",")],
                    args.kaggle_steps, args.kaggle_warmup, args.vocab_cap, args.kaggle_fill)
         if "mlperf52" in only:
-            mlperf52(directory, args.mlperf_steps, args.cap, args.qr_collisions, args.eval_examples)
+            mlperf52(directory, args.mlperf_steps, args.cap, args.qr_collisions, args.eval_examples, args.vocab_cap,
+                     args.disk_over, args.mlperf_window, args.mlperf_warmup, args.mlperf_fill)
         if "mesh" in only:
             mesh(directory, args.mesh_steps, args.mesh_batch, args.mesh_cache)
         if "plot" in only and OUT is not None:

@@ -116,6 +116,12 @@ def md_budget_dims(rows: Sequence[int], alpha: float, base_dim: int, budget: int
     return [int(d) for d in dims_at(lo)]
 
 
+def md_budget_floor(rows: Sequence[int], base_dim: int, fixed_params: int = 0) -> int:
+    """The fewest params `md_budget_dims` can plan: every table at dim 1 (rows + a 1 x base_dim projection each, none
+    when base_dim is 1) plus `fixed_params`."""
+    return int(fixed_params + sum(int(n) + (base_dim if base_dim > 1 else 0) for n in rows))
+
+
 def _check_rule(n: np.ndarray, alpha: float, base_dim: int) -> None:
     if n.size == 0 or np.any(n <= 0):
         raise ValueError(f"mixed-dim rule needs positive table sizes, got {n.tolist()}")

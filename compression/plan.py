@@ -54,7 +54,7 @@ import numpy as np
 from ml_collections.config_dict import placeholder
 
 from compression.base import TableSpec
-from compression.mixed_dim import DEFAULT_ALPHA, md_budget_dims, md_dims, projection_params
+from compression.mixed_dim import DEFAULT_ALPHA, md_budget_dims, md_budget_floor, md_dims, projection_params
 from compression.registry import METHODS
 
 MD_GROUP_KNOBS = {"alpha": DEFAULT_ALPHA, "budget": 0, "round_pow2": False}
@@ -192,7 +192,13 @@ def _plan_mixed_dims(names, vocab_sizes, base_dim, resolved, specs, md_rule, md_
                 fixed += vocab_sizes[i] * d + projection_params((d,), base_dim)
         solve = [i for i in md_rule if specs[i] is None]
         if solve:
-            dims = md_budget_dims([vocab_sizes[i] for i in solve], alpha, base_dim, budget, round_pow2, fixed)
+            try:
+                dims = md_budget_dims([vocab_sizes[i] for i in solve], alpha, base_dim, budget, round_pow2, fixed)
+            except ValueError as error:  # below the floor: say how far md can go on these tables
+                full = sum(vocab_sizes[i] for i in (*md_rule, *md_fixed)) * base_dim
+                floor = md_budget_floor([vocab_sizes[i] for i in solve], base_dim, fixed)
+                raise ValueError(f"{error}: the most md compresses these tables is {full / floor:.2f}x (full "
+                                 f"{full:,} params), at embedding.dim {base_dim}") from None
             for i, d in zip(solve, dims, strict=True):
                 specs[i] = TableSpec(names[i], vocab_sizes[i], base_dim, "md", {"dim": d})
         elif fixed > budget:
@@ -209,3 +215,31 @@ def load_id_counts(path: str) -> dict[str, np.ndarray]:
     """Per-id counts from an .npz holding one f64[vocab_size] array per feature name."""
     with np.load(path) as data:
         return {k: np.asarray(data[k], np.float64) for k in data.files}
+
+
+def md_blocks_params(name: str, vocab_size: int, counts: np.ndarray, base_dim: int, options: Mapping) -> int:
+    """Params of one md_blocks table (block rows + projections) at base dim `base_dim`, from the method itself."""
+    from compression.registry import build_method
+
+    method = build_method(TableSpec(name, vocab_size, base_dim, "md_blocks", {**options, "counts": counts}))
+    return sum(t.params for t in method.physical_tables()) + method.glue_params()
+
+
+def md_blocks_base_dim(counts: Mapping[str, np.ndarray], budget: float, max_dim: int,
+                       options: Mapping | None = None) -> int:
+    """The largest base dim d0 in [1, max_dim] at which the md_blocks tables of `counts` ({feature: f64[vocab_size]}
+    per-id counts) take at most `budget` params: with md_blocks the hottest block is d0 wide and the others follow
+    Ginart et al.'s power rule from it, so for a given temperature (`options.alpha`) the base dim is the knob that
+    sets the size. A ValueError saying the largest ratio md_blocks reaches (every block at dim 1, d0 = 1) when
+    even that exceeds the budget."""
+    options = {k: v for k, v in (options or {}).items() if k != "counts"}
+
+    def params(d0: int) -> int:
+        return sum(md_blocks_params(name, len(c), np.asarray(c), d0, options) for name, c in counts.items())
+
+    if params(1) > budget:
+        full = sum(len(c) for c in counts.values()) * max_dim
+        raise ValueError(f"md_blocks cannot fit {budget:,.0f} params: at base dim 1 (every block 1 wide) its tables "
+                         f"take {params(1):,}, {full / params(1):.2f}x fewer than full tables at dim {max_dim}")
+    # Params grow with d0 but for the projections a block drops when it reaches d0, so scan rather than bisect.
+    return max(d0 for d0 in range(1, max_dim + 1) if params(d0) <= budget)

@@ -36,10 +36,12 @@ def check_same_config(run_dir: pathlib.Path, expected_json: str) -> None:
 
 
 def train_or_resume(config: ml_collections.ConfigDict, run_dir: pathlib.Path, prefix: str = "",
-                    log: Callable[[str], None] = print, describe: Callable[[dict], str] = lambda s: "") -> dict:
+                    log: Callable[[str], None] = print, describe: Callable[[dict], str] = lambda s: "",
+                    keep_checkpoints: bool = False) -> dict:
     """The run's summary: read from `run_dir` if it finished before (same config), else trained now.
 
-    `describe(summary)` adds the run's headline numbers to the log line.
+    `describe(summary)` adds the run's headline numbers to the log line; `keep_checkpoints` keeps the finished run's
+    checkpoints (what a sweep measures or restores from).
     """
     summary_path = run_dir / "summary.json"
     if summary_path.exists():
@@ -51,7 +53,7 @@ def train_or_resume(config: ml_collections.ConfigDict, run_dir: pathlib.Path, pr
     summary = train_and_evaluate(config, run_dir)
     log(f"{prefix} {describe(summary)} ({time.perf_counter() - t0:.1f} s)")
     checkpoints = run_dir / "checkpoints"
-    if not config.get("checkpoint", {}).get("dir") and checkpoints.is_dir():
+    if not keep_checkpoints and not config.get("checkpoint", {}).get("dir") and checkpoints.is_dir():
         shutil.rmtree(checkpoints)
     return summary
 

@@ -25,14 +25,18 @@ where one per-table ratio r' for all compressed tables is found by bisection on 
            after the methods' own model bytes (FIITED's packed row offsets, about 1.1 % of a 16-dim table) are
            taken from the budget.
 "full" is the baseline and runs once per seed, at ratio 1. A ratio a method cannot reach (QR needs at least
-2 sqrt(n) rows, MD at least dim 1 per table, tables kept full cost what they cost) is run at the method's
-maximum compression (TT: rank 1). Every CSV and the plot report the *achieved* ratio: the run summary's
-`compression_ratio` (full bytes / embedding bytes, recjax.train).
+2 sqrt(n) rows, MD at least dim 1 per row, TT rank 1, tables kept full cost what they cost) is never run at some
+other ratio: the sweep prints one line with the largest ratio the method reaches on these tables (its plan at
+maximum compression) and skips that method's targets beyond it; "reaching" allows REACH_TOLERANCE (5 %) below the
+target, as the methods' integer knobs step. Every CSV and the plot report the *achieved* ratio: the run summary's
+`compression_ratio` (full bytes / embedding bytes, recjax.train). FIITED's pools start full and shrink to their
+budget over the ramp (compression/fiited.py): the ratio planned for it is the one after the ramp, and the log line
+says the memory the pools hold until then.
 
 Each run calls `recjax.train.train_and_evaluate` in `<workdir>/<method>_x<ratio>_seed<seed>/`. A run whose
 summary.json exists is not trained again (the sweep resumes); if its config.json differs from the config the
-sweep would run, the sweep stops rather than mix results. A run whose config equals an earlier one of the sweep
-(two targets past the method's reach) reuses that run. The script keeps compiled steps in <workdir>/.jax_cache
+sweep would run, the sweep stops rather than mix results. Every (method, target, seed) row is its own run: no run
+stands in for another target. The script keeps compiled steps in <workdir>/.jax_cache
 (--compilation_cache), so runs that differ only in their seed skip most of the compile. Outputs in --workdir:
   results.csv          one row per (method, target_ratio, seed): method, target_ratio, ratio, params (dense +
                        embedding), embedding_params, embedding_bytes, auc, logloss, ne, examples_per_sec, seed,
@@ -43,11 +47,12 @@ sweep would run, the sweep stops rather than mix results. A run whose config equ
 """
 
 import csv
+import dataclasses
 import math
 import pathlib
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ml_collections
@@ -56,7 +61,7 @@ from absl import flags
 from compression.base import TableSpec
 from compression.plan import plan_tables
 from compression.registry import build_method
-from experiments.runs import config_json, keep_or_remove_on_failure, open_workdir, train_or_resume, write_csv
+from experiments.runs import keep_or_remove_on_failure, open_workdir, train_or_resume, write_csv
 from recjax import cli
 from recjax.data import make_dataset
 from recjax.embedding import EmbeddingCollection
@@ -73,6 +78,36 @@ SUMMARY_METRICS = ("auc", "logloss", "ne")
 METHOD_COLORS = {"hashing": "tab:blue", "qr": "tab:orange", "md": "tab:green", "tt": "tab:red",
                  "fiited": "tab:purple", "row_prune": "tab:brown", "uniform_dim": "tab:gray"}
 DEFAULT_THRESHOLD = 200  # the facebookresearch/dlrm reference's --qr-threshold / --md-threshold default
+# A target counts as reached when the planned ratio is at most this far below it (relative): MD's integer dims, QR's
+# integer remainders and TT's ranks move the bytes in steps (tests/test_sweep_compression.py: within 2-10 %).
+REACH_TOLERANCE = 0.05
+
+
+class UnreachableRatio(ValueError):
+    """A method cannot compress the tables to the target: `largest` is the ratio of `section`, its closest plan --
+    its maximum compression, but for uniform_dim, whose ratio moves in steps (what it would run instead, which the
+    sweep never does silently)."""
+
+    def __init__(self, method: str, target: float, largest: float, section: ml_collections.ConfigDict):
+        if method in REACH_LIMITS:
+            text = f"the most it compresses them is {largest:.2f}x ({REACH_LIMITS[method]})"
+        else:
+            text = f"its closest plan compresses them {largest:.2f}x ({STEP_LIMITS.get(method, 'its knobs step')})"
+        super().__init__(f"{method} cannot reach {target:g}x on these tables: {text}")
+        self.method, self.target, self.largest, self.section = method, target, largest, section
+
+
+# Why a method's compression stops where it does (the UnreachableRatio message) ...
+REACH_LIMITS = {
+    "md": "every table over the threshold at dim 1 plus its projection; the rest full",
+    "qr": "every table over the threshold at about 2 sqrt(n) rows; the rest full",
+    "tt": "every table over the threshold at TT-rank 1; the rest full",
+    "hashing": "one bucket per table over the threshold; the rest full",
+    "fiited": "the tables kept full and the packed row offsets alone exceed the budget",
+    "row_prune": "the tables kept full and the packed row offsets alone exceed the budget",
+}
+# ... or, for a method whose ratio moves in steps, why it falls between them.
+STEP_LIMITS = {"uniform_dim": "every row round(keep D) columns wide, so the ratio moves in steps of whole columns"}
 # The sweep's epoch budget where it differs from the dataset config's (which is sized for the full model, early
 # stopped). Compressed tables learn slower -- hashing's shared buckets, FIITED's re-laid-out pools -- and with the
 # configs' 10 epochs most compressed runs were selected at their last step, still improving when the budget ended
@@ -207,8 +242,36 @@ def _per_table_knobs(method: str, name: str, n: int, dim: int, table_ratio: floa
 
 def embedding_section(method: str, spec: DatasetSpec, dim: int, target_ratio: float,
                       threshold: int = DEFAULT_THRESHOLD, qr_op: str = "mult", seed: int = 0,
-                      md_alpha: float = 0.3) -> ml_collections.ConfigDict:
-    """`config.embedding`'s method, options and per-table overrides for `method` at `target_ratio`.
+                      md_alpha: float = 0.3, method_options: Mapping[str, Any] | None = None
+                      ) -> ml_collections.ConfigDict:
+    """`config.embedding`'s method, options and per-table overrides for `method` at `target_ratio` (see
+    `_embedding_section`); an `UnreachableRatio` holding the plan at maximum compression when the method cannot come
+    within REACH_TOLERANCE of the target."""
+    section = _embedding_section(method, spec, dim, target_ratio, threshold, qr_op, seed, md_alpha, method_options)
+    if method == "full":
+        return section
+    planned = planned_accounting(spec, _with_section(dim, section), after_ramp=True)
+    ratio = planned["full_bytes"] / planned["bytes"]
+    if ratio < target_ratio * (1 - REACH_TOLERANCE):
+        raise UnreachableRatio(method, target_ratio, ratio, section)
+    return section
+
+
+def _with_section(dim: int, section: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A config holding just the embedding section (what `planned_accounting` reads)."""
+    config = ml_collections.ConfigDict()
+    config.embedding = ml_collections.ConfigDict({"dim": dim, "method": section.method, "options": section.options,
+                                                  "tables": section.tables, "pooling": "sum"})
+    return config
+
+
+def _embedding_section(method: str, spec: DatasetSpec, dim: int, target_ratio: float,
+                      threshold: int = DEFAULT_THRESHOLD, qr_op: str = "mult", seed: int = 0,
+                      md_alpha: float = 0.3, method_options: Mapping[str, Any] | None = None
+                      ) -> ml_collections.ConfigDict:
+    """`config.embedding`'s method, options and per-table overrides for `method` at `target_ratio`; an
+    `UnreachableRatio` (holding the plan at maximum compression) when the method cannot come within REACH_TOLERANCE
+    of the target.
 
     Args:
       method: "full", "hashing", "qr", "md" or "tt".
@@ -219,6 +282,7 @@ def embedding_section(method: str, spec: DatasetSpec, dim: int, target_ratio: fl
       qr_op: the QR combine ("mult", "add" or "concat").
       seed: draws the universal hash (hashing).
       md_alpha: the mixed-dim temperature.
+      method_options: more options of the method, the same for every table (e.g. fiited's compact_slack).
     """
     if target_ratio < 1:
         raise ValueError(f"target ratio must be >= 1 (full bytes / compressed bytes), got {target_ratio}")
@@ -232,6 +296,8 @@ def embedding_section(method: str, spec: DatasetSpec, dim: int, target_ratio: fl
     if method == "full":
         return section
     section.options.threshold = threshold
+    for key, value in (method_options or {}).items():
+        section.options[key] = value
     budget = full_params / target_ratio
     compressed = [(name, n) for name, n in zip(names, vocab, strict=True) if n > threshold]
     fixed = sum(n for n in vocab if n <= threshold) * dim  # tables kept full
@@ -310,11 +376,29 @@ def _method_options(section: ml_collections.ConfigDict) -> dict[str, Any]:
     return {k: v for k, v in section.options.to_dict().items() if k != "threshold"}
 
 
-def planned_accounting(spec: DatasetSpec, config: ml_collections.ConfigDict) -> dict:
-    """`EmbeddingCollection.accounting()` of the tables `config.embedding` plans (what the run will report)."""
+def planned_accounting(spec: DatasetSpec, config: ml_collections.ConfigDict, after_ramp: bool = False) -> dict:
+    """`EmbeddingCollection.accounting()` of the tables `config.embedding` plans: what the run starts with, or
+    (`after_ramp`) what it reports at the end, dynamic pools (FIITED, row_prune) shrunk to their final budget."""
     names = [f.name for f in spec.features]
     tables = plan_tables(names, [f.vocab_size for f in spec.features], config.embedding.dim, config.embedding)
+    if after_ramp:  # a dynamic pool ends compacted to exactly its final budget (recjax/dynamic.py)
+        tables = [dataclasses.replace(t, options={**t.options, "capacity": method.pool_chunks})
+                  if hasattr(method := build_method(t), "pool_chunks") else t for t in tables]
     return EmbeddingCollection(spec, tables, config.embedding.pooling).accounting()
+
+
+def planned_line(spec: DatasetSpec, config: ml_collections.ConfigDict, target_ratio: float) -> str:
+    """What the sweep says before training a run: the target, the planned ratio and bytes, and for dynamic pools
+    the ratio after the ramp and the memory they hold during it."""
+    start = planned_accounting(spec, config)
+    end = planned_accounting(spec, config, after_ramp=True)
+    text = (f"target {target_ratio:g}x, planned {end['full_bytes'] / end['bytes']:.2f}x, {end['bytes']:,} embedding "
+            "bytes")
+    if start["bytes"] != end["bytes"]:
+        text += (f" after the ramp; during it the pools start full: {start['full_bytes'] / start['bytes']:.2f}x, "
+                 f"peak {start['bytes']:,} bytes (+ {start['optimizer_bytes']:,} bytes of optimizer state and "
+                 "utility while training)")
+    return text
 
 
 # ---------------------------------------------------------------------------------------------- runs
@@ -340,11 +424,14 @@ def run_name(method: str, target_ratio: float, seed: int) -> str:
 
 
 def run_config(base: ml_collections.ConfigDict, spec: DatasetSpec, method: str, target_ratio: float, seed: int,
-               threshold: int = DEFAULT_THRESHOLD, qr_op: str = "mult") -> ml_collections.ConfigDict:
-    """`base` with the run's seed and the embedding section of `method` at `target_ratio`."""
+               threshold: int = DEFAULT_THRESHOLD, qr_op: str = "mult", md_alpha: float = 0.3,
+               method_options: Mapping[str, Any] | None = None) -> ml_collections.ConfigDict:
+    """`base` with the run's seed and the embedding section of `method` at `target_ratio` (an UnreachableRatio when
+    the method cannot reach it)."""
     config = ml_collections.ConfigDict(base.to_dict())
     config.seed = seed
-    section = embedding_section(method, spec, int(config.embedding.dim), target_ratio, threshold, qr_op, seed)
+    section = embedding_section(method, spec, int(config.embedding.dim), target_ratio, threshold, qr_op, seed,
+                                md_alpha, method_options)
     config.embedding.method = section.method
     config.embedding.options = section.options
     config.embedding.tables = section.tables
@@ -363,39 +450,41 @@ def result_row(method: str, target_ratio: float, seed: int, summary: dict, run: 
 
 def run_sweep(base: ml_collections.ConfigDict, workdir: str | pathlib.Path, methods: Sequence[str],
               ratios: Sequence[float], seeds: Sequence[int], threshold: int = DEFAULT_THRESHOLD,
-              qr_op: str = "mult", title: str = "", log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+              qr_op: str = "mult", title: str = "", log: Callable[[str], None] = print,
+              md_alpha: float = 0.3, unreachable: list[UnreachableRatio] | None = None,
+              method_options: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """Train every (method, target ratio, seed) not trained yet; write results.csv, results_summary.csv and
-    pareto.png to `workdir`; return the results rows."""
+    pareto.png to `workdir`; return the results rows. A target a method cannot reach is not run: one line says the
+    largest ratio it reaches (and the error is appended to `unreachable` when given)."""
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     spec = dataset_spec(base)
     runs = sweep_runs(methods, ratios, seeds)
     rows = []
-    done: dict[str, tuple[str, dict]] = {}  # config.json text -> (run name, summary) of runs in this sweep
+    said: dict[str, float] = {}  # method -> the smallest target the log has called out of its reach
     for i, (method, target_ratio, seed) in enumerate(runs, 1):
-        config = run_config(base, spec, method, target_ratio, seed, threshold, qr_op)
         run_dir = workdir / run_name(method, target_ratio, seed)
         prefix = f"[{i}/{len(runs)}] {run_dir.name}:"
-        summary_path = run_dir / "summary.json"
-        planned_json = config_json(config)
-        if planned_json in done and not summary_path.exists():
-            # A target beyond the method's reach gives the same config as a smaller one (e.g. md at 16x and 64x
-            # both put every table at dim 1): reuse that run instead of training the same thing again.
-            source, summary = done[planned_json]
-            log(f"{prefix} same config as {source}, reused (ratio {summary['compression_ratio']:.2f})")
-            rows.append(result_row(method, target_ratio, seed, summary, source))
-            write_csv(workdir / "results.csv", rows, RESULT_FIELDS)
+        try:
+            config = run_config(base, spec, method, target_ratio, seed, threshold, qr_op, md_alpha,
+                                method_options if method != "full" else None)
+        except UnreachableRatio as error:
+            if target_ratio < said.get(method, math.inf):  # one line covers every larger target of the method
+                beyond = sorted({r for m, r, _ in runs if m == method and r >= target_ratio})
+                log(f"{prefix} skipped: {error}; not running {method} at {', '.join(f'{r:g}x' for r in beyond)}")
+                said[method] = target_ratio
+                if unreachable is not None:
+                    unreachable.append(error)
             continue
-        if not summary_path.exists():
-            planned = planned_accounting(spec, config)
-            planned_ratio = planned["full_bytes"] / planned["bytes"]
-            log(f"{prefix} training (target {target_ratio:g}x, planned {planned_ratio:.2f}x, {planned['bytes']:,} "
-                "embedding bytes)")
+        if not (run_dir / "summary.json").exists():
+            log(f"{prefix} training ({planned_line(spec, config, target_ratio)})")
         summary = train_or_resume(config, run_dir, prefix, log, _describe)
-        done[planned_json] = run_dir.name, summary
         rows.append(result_row(method, target_ratio, seed, summary, run_dir.name))
         write_csv(workdir / "results.csv", rows, RESULT_FIELDS)  # after every run: a long sweep is readable early
     length = f"{int(base.train.steps)} steps" if base.train.steps is not None else f"{base.train.epochs:g} epochs"
+    if not rows:
+        log("no run was trained (every target out of reach)")
+        return rows
     write_outputs(rows, workdir, title or f"{base.data.name}, {length}, seeds {list(seeds)}")
     pinned = list(dict.fromkeys(pinned_runs(rows)))
     if pinned:

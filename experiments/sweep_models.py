@@ -17,10 +17,13 @@ learning rates and regularisation and the test split never chooses anything. Run
 
 Outputs in --workdir:
   results.csv           one row per run: model, seed, the grid's values (`setting`), kept (the (model, seed)'s
-                        selected run), selected_step, epochs, stopped_early, validation_auc, validation_logloss,
-                        auc, logloss, ne (test at the selected step), params, examples_per_sec, run
+                        selected run), selected_step, selected_epoch (the epochs of train data seen at the selected
+                        step), epochs (the epochs it trained: to the budget, or to the early stop, `train.
+                        early_stopping_patience` evaluations past the selected step), stopped_early, validation_auc,
+                        validation_logloss, auc, logloss, ne (test at the selected step), params, examples_per_sec, run
   results_summary.csv   per model over the kept runs: mean and std (over seeds) of test auc and logloss, validation
-                        auc, selected epoch, the kept settings; printed as a table
+                        auc, the mean epochs trained and the mean selected epoch, the kept settings; printed as a
+                        table
 """
 
 import ast
@@ -42,10 +45,10 @@ from recjax import cli
 from recjax.errors import ConfigError
 from recjax.models import MODELS
 
-RESULT_FIELDS = ("model", "seed", "setting", "kept", "selected_step", "epochs", "stopped_early", "validation_auc",
-                 "validation_logloss", "auc", "logloss", "ne", "params", "examples_per_sec", "run")
+RESULT_FIELDS = ("model", "seed", "setting", "kept", "selected_step", "selected_epoch", "epochs", "stopped_early",
+                 "validation_auc", "validation_logloss", "auc", "logloss", "ne", "params", "examples_per_sec", "run")
 SUMMARY_FIELDS = ("model", "runs", "auc_mean", "auc_std", "logloss_mean", "logloss_std", "validation_auc_mean",
-                  "epochs_mean", "kept_settings")
+                  "epochs_mean", "selected_epoch_mean", "kept_settings")
 
 
 def parse_grid(entries: Sequence[str]) -> dict[str, list[Any]]:
@@ -129,7 +132,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "logloss_mean": statistics.fmean(r["logloss"] for r in kept),
             "logloss_std": std([r["logloss"] for r in kept]),
             "validation_auc_mean": statistics.fmean(r["validation_auc"] for r in kept),
-            "epochs_mean": statistics.fmean(r["epochs"] or 0.0 for r in kept),
+            "epochs_mean": statistics.fmean(r["epochs"] or 0.0 for r in kept),  # trained, not selected
+            "selected_epoch_mean": statistics.fmean(r["selected_epoch"] or 0.0 for r in kept),
             "kept_settings": "; ".join(r["setting"] or "-" for r in kept),
         })
     return out
@@ -157,7 +161,10 @@ def run_sweep(base: ml_collections.ConfigDict, workdir: str | pathlib.Path, mode
         summary = train_or_resume(config, run_dir, f"[{i}/{len(runs)}] {run_dir.name}:", log, _describe)
         rows.append({
             "model": model, "seed": seed, "setting": " ".join(f"{k}={v}" for k, v in setting.items()),
-            "kept": False, "selected_step": summary["selected_step"], "epochs": summary.get("epochs"),
+            "kept": False, "selected_step": summary["selected_step"],
+            "selected_epoch": (summary["selected_step"] * summary["batch_size"] / summary["examples_per_epoch"]
+                               if summary.get("examples_per_epoch") else None),
+            "epochs": summary.get("epochs"),
             "stopped_early": summary["stopped_early"], "validation_auc": summary["validation"]["auc"],
             "validation_logloss": summary["validation"]["logloss"], "auc": summary["auc"],
             "logloss": summary["logloss"], "ne": summary["ne"], "params": summary["params"],
@@ -171,11 +178,11 @@ def run_sweep(base: ml_collections.ConfigDict, workdir: str | pathlib.Path, mode
 
 def format_table(summary_rows: Sequence[dict[str, Any]]) -> list[str]:
     lines = [f"{'model':<8} {'runs':>4}  {'test auc':>17}  {'test logloss':>17}  {'val auc':>7}  {'epochs':>6}  "
-             "kept settings"]
+             f"{'sel. ep':>7}  kept settings"]
     for r in summary_rows:
         lines.append(f"{r['model']:<8} {r['runs']:>4}  {r['auc_mean']:.4f} ± {r['auc_std']:.4f}  "
                      f"{r['logloss_mean']:.4f} ± {r['logloss_std']:.4f}  {r['validation_auc_mean']:.4f}  "
-                     f"{r['epochs_mean']:>6.2f}  {r['kept_settings']}")
+                     f"{r['epochs_mean']:>6.2f}  {r['selected_epoch_mean']:>7.2f}  {r['kept_settings']}")
     return lines
 
 

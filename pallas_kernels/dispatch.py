@@ -21,6 +21,9 @@ from typing import Any
 import jax
 
 IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
+# Names the kernels' code as measured: recjax's `embedding.kernel="auto"` caches its measured choices under it, so a
+# change to any kernel that can move its speed must change this, or cached choices would outlive what they measured.
+KERNELS_REVISION = "issue41-2"
 
 
 def check_impl(impl: str, interpret: Any, what: str) -> None:

@@ -9,7 +9,8 @@ Implementations (`impl=`, the same meaning for every kernel family: pallas_kerne
   "pallas_tpu"  the Mosaic TPU kernel: ids in SMEM (scalar prefetch), the table left in HBM, rows DMA'd into a
                 double-buffered VMEM scratch (one DMA per run of 8 adjacent ids, else per row), the DMAs pipelined
                 across grid steps, pooled on the VPU (bags of <= 8 ids) or the MXU.
-  "pallas_gpu"  the Triton kernel: a block of bags per program, rows gathered with masked loads, f32 accumulation.
+  "pallas_gpu"  the Triton kernel: a block of bags per program, a chunk of each bag's ids per loop step (many rows in
+                flight), rows gathered with masked loads, f32 accumulation.
   "pallas"      Mosaic on TPU, Triton on CUDA / ROCm, chosen when the computation is lowered.
   "auto"        as "pallas" on TPU / CUDA / ROCm, the XLA reference elsewhere, chosen when lowered.
 `interpret=True` (or a `pltpu.InterpretParams`) runs the kernel "pallas_tpu" / "pallas_gpu" names ("pallas": the
@@ -27,7 +28,7 @@ sentinel dropped; duplicates summed exactly, accumulated in f32 and cast to the 
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ from pallas_kernels.dispatch import IMPLS, by_platform, check_impl
 from pallas_kernels.hardware import gpu_budget, tpu_budget
 
 __all__ = ["IMPLS", "gather", "gather_reduce", "gather_reduce_reference", "gather_reference",
-           "mosaic_fallback_reason", "mosaic_plan", "triton_fallback_reason"]
+           "mosaic_fallback_reason", "mosaic_plan", "triton_blocks", "triton_fallback_reason"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST  # f32 products on the MXU (the default rounds operands to bf16 on TPU)
 
@@ -550,17 +551,34 @@ def _high_half(words: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------------------------------------------
 # Triton GPU kernel.
 #
-# Grid: (bag blocks of BB, column blocks of DT). A program walks the L ids of its BB bags one column at a time:
-# loads BB ids, gathers BB rows (DT columns each) with one masked load (ids outside [0, R) and columns past D masked
-# to zero), and accumulates w * row in f32 registers. Triton tensors must have power-of-two shapes: DT is D rounded up
-# to a power of two (at most 128), masked past D; the table is not padded. BB is as large as the register tile allows
-# (_TRITON_TILE elements) unless that leaves fewer than _TRITON_PROGRAMS_PER_SM programs per SM of the device
-# (`hardware.gpu_budget`); the loads are software-pipelined over as many stages as the device's shared memory per
-# block holds (at most 3).
+# Grid: (bag blocks of BB, column blocks of DT). A program walks its BB bags' L ids a chunk of LC positions at a time:
+# it loads the [BB, LC] ids of the chunk, gathers their BB x LC rows (DT columns each) with one masked load -- ids
+# outside [0, R), positions past L and columns past D masked to zero -- and adds w * row over the chunk's positions
+# into an f32 [BB, DT] accumulator (bf16 / f16 rows are widened to f32 as loaded). One loop step thus has BB x LC
+# independent rows in flight, the memory-level parallelism a gather needs (FBGEMM's TBE forward keeps a warp's 32
+# ids' rows in flight the same way); each row's DT columns are contiguous and the row offset is a multiple of D, so
+# Triton can issue vector loads along a row. Triton tensors must have power-of-two shapes: DT is D rounded up to a
+# power of two (at most 128), masked past D, and the table is never padded; LC is L rounded up to a power of two, at
+# most _TRITON_MAX_CHUNK. BB is as large as the register tile allows (_TRITON_TILE elements of BB x LC x DT) unless
+# that leaves fewer than _TRITON_PROGRAMS_PER_SM programs per SM of the device (`hardware.gpu_budget`), but keeps at
+# least _TRITON_MIN_ROWS rows per step; the loads are software-pipelined over as many stages as the device's shared
+# memory per block holds (at most 3). Every stacked table of a group is one array with row offsets (the engine's
+# groups, FBGEMM TBE's stacking), so one launch serves every feature of a (group, bag size).
 
-_TRITON_TILE = 4096  # BB * DT elements per program: 32 f32 accumulator registers per thread at 4 warps
+_TRITON_TILE = 8192  # BB * LC * DT elements gathered per loop step: 64 f32 registers per thread at 4 warps
+_TRITON_MAX_CHUNK = 16  # LC: bag positions per loop step
+_TRITON_MIN_ROWS = 16  # BB * LC: rows in flight per loop step, at least
 _TRITON_PROGRAMS_PER_SM = 4
 _TRITON_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+class TritonBlocks(NamedTuple):
+    """How the Triton kernel tiles one case (section comment)."""
+
+    bags: int  # BB, bags per program
+    chunk: int  # LC, bag positions per loop step
+    cols: int  # DT, columns per program
+    stages: int  # software-pipelining stages of the loop's loads
 
 
 def triton_fallback_reason(kind: str, num_rows: int, dim: int, dtype: Any, length: int) -> str | None:
@@ -570,16 +588,18 @@ def triton_fallback_reason(kind: str, num_rows: int, dim: int, dtype: Any, lengt
     return None
 
 
-def triton_blocks(num_bags: int, dim: int, itemsize: int) -> tuple[int, int, int]:
-    """(BB bags, DT columns, pipeline stages) per program for this device (section comment)."""
+def triton_blocks(num_bags: int, length: int, dim: int, itemsize: int) -> TritonBlocks:
+    """The tiling for this case on this device (section comment)."""
     budget = gpu_budget()
-    col_block = min(pl.next_power_of_2(dim), 128)
-    bag_block = max(16, min(256, _TRITON_TILE // col_block))
-    col_blocks = pl.cdiv(dim, col_block)
-    while bag_block > 16 and pl.cdiv(num_bags, bag_block) * col_blocks < _TRITON_PROGRAMS_PER_SM * budget.sm_count:
-        bag_block //= 2
-    stages = max(1, min(3, budget.shared_memory_per_block // (bag_block * col_block * itemsize)))
-    return bag_block, col_block, stages
+    cols = min(pl.next_power_of_2(dim), 128)
+    chunk = min(pl.next_power_of_2(length), _TRITON_MAX_CHUNK)
+    floor = max(1, _TRITON_MIN_ROWS // chunk)
+    bags = max(floor, min(256, _TRITON_TILE // (chunk * cols)))
+    col_blocks = pl.cdiv(dim, cols)
+    while bags > floor and pl.cdiv(num_bags, bags) * col_blocks < _TRITON_PROGRAMS_PER_SM * budget.sm_count:
+        bags //= 2
+    stages = max(1, min(3, budget.shared_memory_per_block // (bags * chunk * cols * itemsize)))
+    return TritonBlocks(bags, chunk, cols, stages)
 
 
 def _triton(kind: str, table, ids, weights, *, interpret: Any):
@@ -588,62 +608,75 @@ def _triton(kind: str, table, ids, weights, *, interpret: Any):
     if num_bags == 0 or length == 0 or triton_fallback_reason(kind, num_rows, dim, table.dtype, length):
         return _reference(kind, table, ids, weights)
     return _triton_call(kind, table, _sanitize(ids, num_rows), weights,
-                        blocks=triton_blocks(num_bags, dim, table.dtype.itemsize), interpret=bool(interpret))
+                        blocks=triton_blocks(num_bags, length, dim, table.dtype.itemsize), interpret=bool(interpret))
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("blocks", "interpret"), inline=True)
-def _triton_call(kind: str, table, ids, weights, *, blocks: tuple[int, int, int], interpret: bool):
+def _triton_call(kind: str, table, ids, weights, *, blocks: TritonBlocks, interpret: bool):
     """The pallas_call over sanitized ids (jitted like `_mosaic_call`)."""
     num_rows, dim = table.shape
     num_bags, length = ids.shape
-    bag_block, col_block, stages = blocks
     operands = [ids] if weights is None else [ids, weights]
     out_shape = (num_bags, dim) if kind == "reduce" else (num_bags, length, dim)
     kernel = functools.partial(_triton_kernel, kind=kind, num_rows=num_rows, num_bags=num_bags, length=length,
-                               dim=dim, bag_block=bag_block, col_block=col_block)
+                               dim=dim, blocks=blocks)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
-        grid=(pl.cdiv(num_bags, bag_block), pl.cdiv(dim, col_block)),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=stages),
+        grid=(pl.cdiv(num_bags, blocks.bags), pl.cdiv(dim, blocks.cols)),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=blocks.stages),
         interpret=interpret,
         name="gather_triton" if kind == "gather" else "gather_reduce_triton",
     )(*operands, table)
 
 
-def _triton_kernel(*refs, kind: str, num_rows: int, num_bags: int, length: int, dim: int, bag_block: int,
-                   col_block: int):
+def _triton_kernel(*refs, kind: str, num_rows: int, num_bags: int, length: int, dim: int, blocks: TritonBlocks):
     """ids i32[B, L], (reduce) weights f32[B, L], table [R, D], out f32[B, D] or f32[B, L, D]; all whole arrays."""
     if kind == "reduce":
         ids_ref, w_ref, table_ref, out_ref = refs
     else:
         (ids_ref, table_ref, out_ref), w_ref = refs, None
-    bag = pl.program_id(0) * bag_block + jnp.arange(bag_block, dtype=jnp.int32)
-    col = pl.program_id(1) * col_block + jnp.arange(col_block, dtype=jnp.int32)
+    bag = pl.program_id(0) * blocks.bags + jnp.arange(blocks.bags, dtype=jnp.int32)
+    col = pl.program_id(1) * blocks.cols + jnp.arange(blocks.cols, dtype=jnp.int32)
     bag_ok, col_ok = bag < num_bags, col < dim
-    out_ok = bag_ok[:, None] & col_ok[None, :]
+    # Index arrays broadcast to [BB, LC] (ids, weights) and [BB, LC, DT] (rows): interpret mode discharges
+    # all-array indexing, and Triton turns it into the same pointer arithmetic.
+    bags_2d = jnp.broadcast_to(bag[:, None], (blocks.bags, blocks.chunk))
+    tile = (blocks.bags, blocks.chunk, blocks.cols)
+    cols_3d = jnp.broadcast_to(col[None, None, :], tile)
+    col_ok_3d = jnp.broadcast_to(col_ok[None, None, :], tile)
 
-    def rows_at(pos):
-        """f32[BB, DT]: row ids[bag, pos] of the table (zeros for the sentinel), and the bag's weight mask."""
-        row = plgpu.load(ids_ref.at[bag, pos], mask=bag_ok, other=num_rows)
-        ok = bag_ok & (row < num_rows)
+    def chunk_at(c):
+        """(positions [BB, LC], the slots that exist (bag < B, position < L), the ids read (id in [0, R)) and the
+        rows f32[BB, LC, DT] -- zeros where no id is read) of chunk c."""
+        pos = jnp.broadcast_to((c * blocks.chunk + jnp.arange(blocks.chunk, dtype=jnp.int32))[None, :],
+                               (blocks.bags, blocks.chunk))
+        slot_ok = bag_ok[:, None] & (pos < length)
+        row = plgpu.load(ids_ref.at[bags_2d, pos], mask=slot_ok, other=num_rows)
+        ok = slot_ok & (row < num_rows)
         safe = jnp.where(ok, row, 0)  # masked lanes never read, but keep their addresses in bounds
-        vals = plgpu.load(table_ref.at[safe[:, None], col[None, :]], mask=ok[:, None] & col_ok[None, :], other=0)
-        return vals.astype(jnp.float32), ok
+        rows_3d = jnp.broadcast_to(safe[:, :, None], tile)
+        vals = plgpu.load(table_ref.at[rows_3d, cols_3d], mask=jnp.broadcast_to(ok[:, :, None], tile) & col_ok_3d,
+                          other=0)
+        return pos, slot_ok, ok, vals.astype(jnp.float32)
 
+    steps = pl.cdiv(length, blocks.chunk)
     if kind == "gather":
-        def copy(pos, carry):
-            vals, _ = rows_at(pos)
-            plgpu.store(out_ref.at[bag[:, None], pos, col[None, :]], vals, mask=out_ok)
+        def copy(c, carry):
+            pos, slot_ok, _, vals = chunk_at(c)
+            index = (jnp.broadcast_to(bag[:, None, None], tile), jnp.broadcast_to(pos[:, :, None], tile), cols_3d)
+            plgpu.store(out_ref.at[index], vals, mask=jnp.broadcast_to(slot_ok[:, :, None], tile) & col_ok_3d)
             return carry
 
-        jax.lax.fori_loop(0, length, copy, 0)
+        jax.lax.fori_loop(0, steps, copy, 0)
         return
 
-    def accumulate(pos, acc):
-        vals, ok = rows_at(pos)
-        w = plgpu.load(w_ref.at[bag, pos], mask=ok, other=0.0)
-        return acc + w[:, None] * vals
+    def accumulate(c, acc):
+        pos, _, ok, vals = chunk_at(c)
+        w = plgpu.load(w_ref.at[bags_2d, pos], mask=ok, other=0.0)
+        return acc + jnp.sum(w[:, :, None] * vals, axis=1)
 
-    acc = jax.lax.fori_loop(0, length, accumulate, jnp.zeros((bag_block, col_block), jnp.float32))
-    plgpu.store(out_ref.at[bag[:, None], col[None, :]], acc, mask=out_ok)
+    acc = jax.lax.fori_loop(0, steps, accumulate, jnp.zeros((blocks.bags, blocks.cols), jnp.float32))
+    out_index = (jnp.broadcast_to(bag[:, None], (blocks.bags, blocks.cols)),
+                 jnp.broadcast_to(col[None, :], (blocks.bags, blocks.cols)))
+    plgpu.store(out_ref.at[out_index], acc, mask=bag_ok[:, None] & col_ok[None, :])

@@ -15,6 +15,7 @@ fit every chip.
 
 import contextlib
 import dataclasses
+import re
 from collections.abc import Iterator
 
 import jax
@@ -29,6 +30,19 @@ TPU_VMEM_BUFFER_FRACTION = 0.75
 TPU_SMEM_IDS_FRACTION = 0.5
 GPU_FALLBACK_SM_COUNT = 108  # an A100
 GPU_FALLBACK_SHARED_MEMORY = 48 * 1024  # per block without the opt-in, on every CUDA / ROCm part
+# Peak HBM bandwidth by GPU device kind (as `jax.devices()[0].device_kind` names it), bytes per second, from NVIDIA's
+# data sheets; the first pattern that matches wins. A measured kernel's GB/s is quoted as a fraction of this (and of
+# the device copy measured beside it, `timing.copy_bandwidth`): the spec is what the memory can do, the copy what XLA
+# gets out of it.
+GPU_HBM_SPEC = (
+    (r"\bH200\b", 4.8e12),  # H200 SXM / NVL, 141 GB HBM3e ("NVIDIA GH200" does not match: no word boundary)
+    (r"\bH100 NVL\b", 3.9e12),
+    (r"\bH100 PCIe\b", 2.0e12),
+    (r"\bH100\b", 3.35e12),  # H100 SXM5 80 GB HBM3 ("NVIDIA H100 80GB HBM3")
+    (r"\bA100\b.*80GB.*PCIe", 1.935e12),
+    (r"\bA100\b.*80GB", 2.039e12),  # A100 SXM4 80 GB
+    (r"\bA100\b", 1.555e12),  # the 40 GB parts
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,3 +115,22 @@ def for_tpu_chip(device_kind: str, num_cores: int = 1) -> Iterator[None]:
         device_kind=device_kind, num_cores=num_cores, platform="tpu"))
     with jax.sharding.use_abstract_mesh(mesh):
         yield
+
+
+def hbm_spec_bytes_per_second(device: jax.Device | None = None) -> tuple[float | None, str]:
+    """(peak HBM bytes per second, where the figure comes from) of `device` (default: the first device): GPUs from
+    GPU_HBM_SPEC by device kind, TPUs from jax's chip table (`pltpu.get_tpu_info()`, per TensorCore, times the
+    TensorCores); (None, why) when neither knows the device."""
+    device = device or jax.devices()[0]
+    kind = device.device_kind
+    if device.platform == "gpu":
+        for pattern, rate in GPU_HBM_SPEC:
+            if re.search(pattern, kind):
+                return rate, f"data sheet ({kind})"
+        return None, f"no HBM spec known for {kind!r} (hardware.GPU_HBM_SPEC)"
+    if device.platform == "tpu":
+        budget = tpu_budget()
+        if budget.hbm_bytes_per_second:
+            return budget.hbm_bytes_per_second * budget.num_cores, f"jax's TPU chip info ({budget.chip})"
+        return None, f"jax's TPU chip info has no bandwidth for {kind!r}"
+    return None, f"no HBM on a {device.platform} device"

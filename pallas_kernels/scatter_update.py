@@ -25,6 +25,15 @@ Three implementations, one contract:
     kernels for its EXACT_* optimizers (gradients of duplicate ids are summed first, then each distinct row is
     updated by one thread block).
 
+The fused backward + update (FBGEMM's table-batched embedding backward, `split_embedding_backward_codegen_*`: the
+ids sorted once, each distinct row's gradient summed over its run of occurrences in f32, then the optimizer applied
+to that row by the same thread block): `grads` may be a `SegmentGrads` instead of f32[U, D] -- for each distinct row
+the segment of its occurrences in the sorted order (`dedup.sorted_segments`), and per occurrence the gradient row it
+reads (a pooled bag's gradient, or a per-id gradient) and its pooling weight. The GPU kernel sums each row's segment
+in registers and updates the row in the same program, so neither the per-occurrence gradients [M, D] nor the summed
+[U, D] ever reach memory; the XLA path and the TPU kernel sum the segments first (`segment_grads_reference`, an XLA
+segment sum) and then update as before.
+
 Distinctness is the caller's contract: no id < R may appear twice in `unique_rows`. With distinct ids no two GPU
 programs and no two in-flight TPU DMAs touch the same row, which is why neither path needs atomics or ordering
 between blocks -- as in FBGEMM's EXACT_* backward, which sorts the ids, sums each distinct row's gradient and then
@@ -53,7 +62,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -86,14 +95,48 @@ GPU_TILE_ELEMENTS = 4096
 GPU_PROGRAMS_PER_SM = 2
 
 
+class SegmentGrads(NamedTuple):
+    """Each distinct row's gradient as a sum over its occurrences, for the fused backward + update.
+
+    grads[u] = sum_{k in [starts[u], starts[u + 1])} weights[k] * source_rows[sources[k]], summed in f32 in k order.
+
+    starts: i32[U + 1] the segments of the sorted occurrences (`dedup.sorted_segments`; non-decreasing; the padding
+      ids' segments are ignored whatever they hold).
+    sources: i32[M] for the k-th sorted occurrence, the row of `source_rows` holding its gradient (in [0, P)).
+    weights: f32[M] its pooling weight (1 for a per-id gradient, 0 for padding).
+    source_rows: f32[P, D] the gradients the occurrences read: the pooled bags' gradients (a bag's rows all read
+      the same one) and per-id gradients.
+    """
+
+    starts: jax.Array
+    sources: jax.Array
+    weights: jax.Array
+    source_rows: jax.Array
+
+
+def segment_grads_reference(segments: SegmentGrads, num_unique: int) -> jax.Array:
+    """f32[U, D]: each distinct row's summed gradient (`SegmentGrads`), by an XLA segment sum over the sorted
+    occurrences. Occurrences past starts[U] belong to no row and are dropped."""
+    starts, sources, weights, source_rows = segments
+    (count,) = sources.shape
+    # The distinct row of the k-th occurrence: how many segments start at or before k (after the first).
+    marks = jnp.zeros(count + 1, jnp.int32).at[starts[1:]].add(1, mode="drop")
+    row_of = jnp.cumsum(marks, dtype=jnp.int32)[:count]
+    per_occurrence = weights.astype(jnp.float32)[:, None] * jnp.take(source_rows, sources, axis=0, mode="clip")
+    return jax.ops.segment_sum(per_occurrence, row_of, num_segments=num_unique, indices_are_sorted=True)
+
+
 def row_update_reference(table: jax.Array, state: State, unique_rows: jax.Array, current: jax.Array | None,
-                         grads: jax.Array, rule: RowRule, lr: jax.Array, step: jax.Array
+                         grads: jax.Array | SegmentGrads, rule: RowRule, lr: jax.Array, step: jax.Array
                          ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """XLA path: gather the touched rows' state, apply `rule`, scatter rows and state back (see `fused_row_update`).
 
     Padding ids (>= R) gather zeros (mode="fill") and are dropped by the scatter (mode="drop"), so they are never
-    read out of bounds nor written. `current` None: the rows are gathered here too.
+    read out of bounds nor written. `current` None: the rows are gathered here too. `SegmentGrads` are summed first
+    (`segment_grads_reference`).
     """
+    if isinstance(grads, SegmentGrads):
+        grads = segment_grads_reference(grads, unique_rows.shape[0])
     if current is None:
         current = jnp.take(table, unique_rows, axis=0, mode="fill", fill_value=0)
     state_rows = {k: jnp.take(v, unique_rows, axis=0, mode="fill", fill_value=0) for k, v in state.items()}
@@ -104,7 +147,7 @@ def row_update_reference(table: jax.Array, state: State, unique_rows: jax.Array,
 
 
 def fused_row_update(table: jax.Array, state: State, unique_rows: jax.Array, current: jax.Array | None,
-                     grads: jax.Array,
+                     grads: jax.Array | SegmentGrads,
                      rule: RowRule, lr: jax.Array | float, step: jax.Array | int, *, impl: Impl = "auto",
                      interpret: bool | pltpu.InterpretParams = False) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Apply `rule` to the distinct touched rows of `table` and their optimizer state, writing both in place.
@@ -118,7 +161,10 @@ def fused_row_update(table: jax.Array, state: State, unique_rows: jax.Array, cur
       current: f32[U, D] the rows' current values, when the forward pass gathered them (the kernels then use them
         rather than re-reading the table; padding slots may hold anything); None when it pooled straight from the
         table: each path then reads the touched rows itself (the kernels inside, with the state rows).
-      grads: f32[U, D] each row's exactly summed gradient (any weight-decay term is folded into `rule`).
+      grads: f32[U, D] each row's exactly summed gradient (any weight-decay term is folded into `rule`), or a
+        `SegmentGrads` saying how to sum it from the occurrences' gradients (the fused backward + update: the GPU
+        kernel sums each row's segment in the program that updates the row; XLA and the TPU kernel sum the segments
+        with an XLA segment sum first).
       rule: `rule(rows, state_rows, grads, lr, step) -> (new_rows, new_state_rows)`, a pure jnp function over a
         block of N rows (state rows f32[N, D] or f32[N]); recjax passes `SparseOptimizer.update_rows` with the
         weight-decay term folded into the gradient.
@@ -140,7 +186,16 @@ def fused_row_update(table: jax.Array, state: State, unique_rows: jax.Array, cur
     num_rows, dim = table.shape
     (num_unique,) = unique_rows.shape
     assert current is None or current.shape == (num_unique, dim), (table.shape, unique_rows.shape, current.shape)
-    assert grads.shape == (num_unique, dim), (table.shape, unique_rows.shape, grads.shape)
+    if isinstance(grads, SegmentGrads):
+        assert grads.starts.shape == (num_unique + 1,), (unique_rows.shape, grads.starts.shape)
+        assert grads.sources.ndim == 1 and grads.weights.shape == grads.sources.shape, (grads.sources.shape,
+                                                                                         grads.weights.shape)
+        assert grads.source_rows.ndim == 2 and grads.source_rows.shape[1] == dim, (table.shape,
+                                                                                   grads.source_rows.shape)
+        grads = SegmentGrads(grads.starts.astype(jnp.int32), grads.sources.astype(jnp.int32),
+                             grads.weights.astype(jnp.float32), grads.source_rows.astype(jnp.float32))
+    else:
+        assert grads.shape == (num_unique, dim), (table.shape, unique_rows.shape, grads.shape)
     for k, v in state.items():
         assert v.shape in ((num_rows, dim), (num_rows,)), (k, v.shape, table.shape)
     state = dict(state)
@@ -186,8 +241,11 @@ def kernel_fallback_reason(platform: Literal["tpu", "gpu"], rule: RowRule, table
 def _kernel_or_reference(platform, table, state, unique_rows, current, grads, lr, step, *, rule, interpret):
     if platform == "xla" or kernel_fallback_reason(platform, rule, table, state) is not None:
         return row_update_reference(table, state, unique_rows, current, grads, rule, lr, step)
-    kernel = _tpu_row_update if platform == "tpu" else _gpu_row_update
-    return kernel(table, state, unique_rows, current, grads, rule, lr, step, interpret=interpret)
+    if platform == "tpu":
+        if isinstance(grads, SegmentGrads):  # the Mosaic kernel takes summed gradients (module docstring)
+            grads = segment_grads_reference(grads, unique_rows.shape[0])
+        return _tpu_row_update(table, state, unique_rows, current, grads, rule, lr, step, interpret=interpret)
+    return _gpu_row_update(table, state, unique_rows, current, grads, rule, lr, step, interpret=interpret)
 
 
 def _check_rule_output(new_rows, new_state, rows, state_rows):
@@ -508,17 +566,26 @@ def _gpu_row_update(table, state, unique_rows, current, grads, rule, lr, step, *
     input, so it reads them from there) with masked loads, applies the rule and scatters rows and state with
     masked stores into the aliased buffers. Ids are distinct, so no two programs write the same row and plain
     stores suffice; padding ids and the tail past U are masked off, so nothing is read or written for them.
+
+    With `SegmentGrads` the program first sums its rows' gradients: step j of a loop as long as the block's longest
+    segment adds, for every row whose segment has a j-th occurrence, that occurrence's weight times its source
+    gradient row (one masked [rows, D] gather per step), in f32 registers -- FBGEMM's backward accumulates a run of
+    equal ids the same way before its optimizer step. Padding ids get an empty segment, so the padding slots' many
+    occurrences (all sorted into the sentinel's segment) cost nothing. A block's loop is as long as its hottest row's
+    segment: heavily skewed ids make some blocks loop long (FBGEMM splits long segments over several thread blocks;
+    not done here).
     """
     num_rows, dim = table.shape
     (num_unique,) = unique_rows.shape
     keys = sorted(state)
     block = _gpu_block_rows(num_unique, dim)
-
+    segmented = isinstance(grads, SegmentGrads)
     given = [] if current is None else [current]
+    grad_operands = list(grads) if segmented else [grads]
 
     def kernel(ids_ref, lr_ref, step_ref, *refs):
         current_ref, refs = (refs[0], refs[1:]) if given else (None, refs)
-        grads_ref, refs = refs[0], refs[1:]
+        grad_refs, refs = refs[:len(grad_operands)], refs[len(grad_operands):]
         # refs[:1 + len(keys)] are the table / state inputs: aliased to the outputs, used through those.
         table_out, *state_out = refs[1 + len(keys):]
         start = pl.program_id(0) * block
@@ -530,8 +597,8 @@ def _gpu_row_update(table, state, unique_rows, current, grads, rule, lr, step, *
         row_index = jnp.where(valid, row_ids, num_rows)
         # Full integer indexers rather than `ref.at[ids, :]`: interpret mode discharges only all-slice or
         # all-array indexing, and Triton turns either into the same pointer arithmetic.
-        wide_index = (jnp.broadcast_to(row_index[:, None], (block, dim)),
-                      jnp.broadcast_to(jnp.arange(dim)[None, :], (block, dim)))
+        columns = jnp.broadcast_to(jnp.arange(dim)[None, :], (block, dim))
+        wide_index = (jnp.broadcast_to(row_index[:, None], (block, dim)), columns)
         wide_mask = jnp.broadcast_to(valid[:, None], (block, dim))
         in_range_2d = jnp.broadcast_to(in_range[:, None], (block, dim))
 
@@ -542,7 +609,25 @@ def _gpu_row_update(table, state, unique_rows, current, grads, rule, lr, step, *
             rows = plgpu.load(table_out.at[wide_index], mask=wide_mask, other=0.0)
         else:
             rows = plgpu.load(current_ref.at[pl.ds(start, block), :], mask=in_range_2d, other=0.0)
-        grads_block = plgpu.load(grads_ref.at[pl.ds(start, block), :], mask=in_range_2d, other=0.0)
+        if segmented:
+            starts_ref, sources_ref, weights_ref, source_rows_ref = grad_refs
+            first = plgpu.load(starts_ref.at[pl.ds(start, block)], mask=in_range, other=0)
+            end = plgpu.load(starts_ref.at[pl.ds(start + 1, block)], mask=in_range, other=0)
+            count = jnp.where(valid, end - first, 0)  # padding ids: no occurrence is read
+
+            def add_occurrence(j, acc):
+                live = j < count
+                at = jnp.where(live, first + j, 0)
+                source = plgpu.load(sources_ref.at[at], mask=live, other=0)
+                weight = plgpu.load(weights_ref.at[at], mask=live, other=0.0)
+                source_index = (jnp.broadcast_to(source[:, None], (block, dim)), columns)
+                values = plgpu.load(source_rows_ref.at[source_index],
+                                    mask=jnp.broadcast_to(live[:, None], (block, dim)), other=0.0)
+                return acc + weight[:, None] * values
+
+            grads_block = lax.fori_loop(0, jnp.max(count), add_occurrence, jnp.zeros((block, dim), jnp.float32))
+        else:
+            grads_block = plgpu.load(grad_refs[0].at[pl.ds(start, block), :], mask=in_range_2d, other=0.0)
         state_rows = {}
         for k, ref in zip(keys, state_out, strict=True):
             index, mask = index_and_mask(ref)
@@ -556,17 +641,19 @@ def _gpu_row_update(table, state, unique_rows, current, grads, rule, lr, step, *
 
     out_shape = [jax.ShapeDtypeStruct(table.shape, table.dtype),
                  *[jax.ShapeDtypeStruct(state[k].shape, state[k].dtype) for k in keys]]
+    first_aliased = 3 + len(given) + len(grad_operands)
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(pl.cdiv(num_unique, block),),
-        # Operands: ids, lr, step, (current,) grads, table, *state; the table and state are updated in place.
-        input_output_aliases={4 + len(given) + i: i for i in range(1 + len(keys))},
+        # Operands: ids, lr, step, (current,) grads or the segments' four arrays, table, *state; the table and state
+        # are updated in place.
+        input_output_aliases={first_aliased + i: i for i in range(1 + len(keys))},
         # Triton explicitly: this jax lowers a plain pallas_call on GPU with Mosaic GPU by default, whose copies
         # move whole blocks through shared memory in 128-byte units -- no fit for scattered single rows (see the
         # module docstring).
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=bool(interpret),
-        name="fused_row_update_gpu",
-    )(unique_rows, lr.reshape(1), step.reshape(1), *given, grads, table, *[state[k] for k in keys])
+        name="fused_backward_update_gpu" if segmented else "fused_row_update_gpu",
+    )(unique_rows, lr.reshape(1), step.reshape(1), *given, *grad_operands, table, *[state[k] for k in keys])
     return outs[0], dict(zip(keys, outs[1:], strict=True))

@@ -3,7 +3,7 @@
     dense:   f32[B, num_dense]     already transformed (e.g. log(1 + x) for Criteo counts)
     ids:     {feature: i32[B, L_f]} padded bags; slots at or beyond `lengths` are ignored
     lengths: {feature: i32[B]}     valid ids per example, 0..L_f
-    labels:  f32[B]                in {0, 1}
+    labels:  f32[B]                in {0, 1} (spec.target "binary"), or any finite value ("regression": ratings)
 
 Validation runs on the host before anything reaches the device, because JAX clamps out-of-range gathers
 silently: an id outside [0, vocab_size) would otherwise train some other row without a word.
@@ -54,10 +54,15 @@ def validate_batch(batch: Batch, spec: DatasetSpec, *, any_id: frozenset[str] = 
             f"{where}: dense feature {col} of example {row} is {batch.dense[row, col]}; "
             "dense features must be finite (impute missing values and log-transform counts before training)"
         )
-    bad_labels = (batch.labels != 0.0) & (batch.labels != 1.0)
-    if bad_labels.any():
+    if spec.target == "regression":
+        bad_labels = ~np.isfinite(batch.labels)
+        rule = "regression labels must be finite"
+    else:
+        bad_labels = ~np.isin(batch.labels, (0.0, 1.0))
+        rule = "labels must be 0 or 1"
+    if np.any(bad_labels):
         row = int(np.argmax(bad_labels))
-        raise ValueError(f"{where}: label of example {row} is {batch.labels[row]}; labels must be 0 or 1")
+        raise ValueError(f"{where}: label of example {row} is {batch.labels[row]}; {rule}")
     if set(batch.ids) != set(spec.feature_names) or set(batch.lengths) != set(spec.feature_names):
         raise ValueError(
             f"{where}: sparse features {sorted(batch.ids)} do not match the dataset's {list(spec.feature_names)}"

@@ -15,6 +15,7 @@ import ctypes
 import glob
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import pathlib
 import re
@@ -24,7 +25,7 @@ from typing import NoReturn
 
 from absl import flags as absl_flags
 
-from recjax.errors import Interrupted, UserError
+from recjax.errors import Interrupted, UserError, reported
 from recjax.validation import find
 
 DEBUG_ENV = "RECJAX_DEBUG"
@@ -300,10 +301,36 @@ def quiet_libraries() -> None:
         absl_logging.set_verbosity(absl_logging.WARNING)
 
 
+class _ReportedErrors(logging.Filter):
+    """Drops a library's log record of an exception the entry point reports itself, as one line (`errors.reported`:
+    a UserError, a full disk). Orbax logs every exception of its background threads with its traceback and then hands
+    it to the caller that waits for the save, which reports it: a table file truncated during a save printed 5-7
+    tracebacks before its one `error:` line. And Orbax's warning that a save waited for the previous one: the
+    checkpointer waits for it on purpose before each save (a stall it counts itself), which Orbax adds up as its own
+    wait."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and reported(record.exc_info[1]):
+            return False
+        return not str(record.msg).startswith("Waiting for previous save to complete took")
+
+
+_REPORTED_ERRORS = _ReportedErrors()
+
+
+def quiet_reported_errors() -> None:
+    """Install `_ReportedErrors` on absl's logger (Orbax's), unless debugging (then every log shows)."""
+    absl = logging.getLogger("absl")
+    if not debugging() and _REPORTED_ERRORS not in absl.filters:
+        absl.addFilter(_REPORTED_ERRORS)
+
+
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
     """Turn a UserError into `error: <message>` and exit status 2, and Ctrl-C into one line and exit status 130
-    (argparse scripts wrap their main in this)."""
+    (argparse scripts wrap their main in this); library logs of the errors reported so are dropped
+    (`quiet_reported_errors`)."""
+    quiet_reported_errors()
     try:
         yield
     except UserError as error:

@@ -15,7 +15,7 @@ re-compiles its steps. Budgets only fall, so with a slack s a ramp from 1 to b c
 times, plus once at the ramp's end to the exact budget (4 times for b = 10 % and the default s = 1).
 
 On any backend (`adjust_placed`) the adjustment runs on the single-device layout: a mesh gathers the state to it and
-lays it out again after (the routing arrays are replicated there, recjax/sharding/backend.py); a compaction re-plans
+lays it out again after (the routing arrays are replicated there, recjax/sharding/layout.py); a compaction re-plans
 the placement for the new shapes (`EmbeddingBackend.rebuilt`).
 
 Checkpoints: the routing arrays are saved whole with every checkpoint; an adjustment marks every slot whose values
@@ -222,7 +222,7 @@ class DynamicTables:
         specs = [dataclasses.replace(s, options={**s.options, "capacity": int(capacities[f])})
                  if f in capacities else s for f, s in old.table_specs.items()]
         new = EmbeddingCollection(old.spec, specs, old.pooling, old.bounds_check, old.kernel, old.dedup,
-                                  old.pool_from)
+                                  old.pool_from, old.kernel_choice)
         return dataclasses.replace(task, collection=new, glue=EmbeddingGlue(new))
 
     # ------------------------------------------------------------------------------------- checkpoints

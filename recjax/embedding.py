@@ -18,9 +18,13 @@ step), the route skips the sort, `gather` pools straight from the tables (what i
 vectors, the values the loss is differentiated against), and `sparse_update` scatter-adds every occurrence's
 update into the table: two passes over the touched rows instead of four plus a sort.
 
-With dedup and `pool_from="table"` (the accelerator default, see `resolve_pool_from`), the forward also pools
-straight from the tables (inside the gather-reduce kernel: no XLA gather reads a table), and the backward sums each
-occurrence's gradient into the batch's distinct rows, which the fused update kernel reads and writes itself.
+With dedup and `pool_from="table"` (see `resolve_pool_from`), the forward also pools straight from the tables (inside
+the gather-reduce kernel: no XLA gather reads a table), and the backward and the update are one fused step: the
+route sorts the group's ids once with their positions (`sorted_segments`: each distinct row's occurrences are one
+segment of the sorted order), and `sparse_update` hands the update each row's segment and, per occurrence, the
+pooled gradient it reads and its weight (`SegmentGrads`) -- the GPU kernel sums each row's gradient in f32 and
+applies the optimizer in the same program (FBGEMM's table-batched backward); XLA and the TPU kernel sum the segments
+with an XLA segment sum first.
 """
 
 import dataclasses
@@ -34,12 +38,12 @@ import numpy as np
 
 from compression import EmbeddingMethod, PhysicalTable, TableSpec, build_method
 from compression.registry import METHODS
-from pallas_kernels import gather, gather_reduce, unique_rows
+from pallas_kernels import SegmentGrads, gather, gather_reduce, sorted_segments, unique_rows
 from pallas_kernels.gather_reduce import mosaic_fallback_reason, triton_fallback_reason
 from pallas_kernels.traffic import training_pass_bytes
 from recjax.sparse_optim import SparseOptimizer, scatter_apply, sparse_apply
 from recjax.specs import DatasetSpec
-from recjax.validation import choice, get, integer
+from recjax.validation import check_text, choice, get, integer
 
 POOLINGS = ("sum", "mean")
 # What a jitted step does with an id outside [0, vocab_size) of a feature whose method does not hash (the host
@@ -48,11 +52,16 @@ POOLINGS = ("sum", "mean")
 #           WARNING bounds-check mode); "error" also raises on the host, naming the feature and the count; "off"
 #           trusts the caller (an out-of-range id then reads another feature's rows).
 BOUNDS_CHECKS = ("zero", "error", "off")
-# Which implementation the gather-reduce and the sparse update use (pallas_kernels/dispatch.py): "auto" (Pallas
-# kernels on TPU / GPU, the XLA path on CPU), "xla", "pallas" (the platform's kernels), or one named kernel family,
-# "pallas_tpu" (Mosaic) / "pallas_gpu" (Triton). On a CPU the Pallas ones run in Pallas's interpreter ("pallas": the
-# Mosaic kernels) -- slow, for tests.
+# Which implementation the gather-reduce and the sparse update use (pallas_kernels/dispatch.py): "xla", "pallas" (the
+# platform's kernels, decided when the step is lowered), or one named kernel family, "pallas_tpu" (Mosaic) /
+# "pallas_gpu" (Triton) -- on a CPU the Pallas ones run in Pallas's interpreter ("pallas": the Mosaic kernels), slow,
+# for tests -- or "auto": chosen by measurement per device kind and step shape, never slower than XLA
+# (recjax/kernel_choice.py, which `task.build_task` runs before building the collection). A collection built directly
+# with "auto" has had no measurement and runs XLA.
 KERNELS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu")
+# When `embedding.kernel="auto"` measures (recjax/kernel_choice.py): "auto" (when neither the cache nor the shipped
+# table has a choice for the device kind and step shape), "always" (measure again, rewrite the cache entry), "never".
+KERNEL_MEASURE = ("auto", "always", "never")
 # Where a deduplicated training step's forward pools its bags from: "distinct_rows" (the batch's distinct rows,
 # gathered first), "table" (straight from the tables, inside the kernel), or "auto" (`resolve_pool_from`).
 POOL_FROM = ("auto", "distinct_rows", "table")
@@ -70,6 +79,10 @@ def check_embedding(config: Mapping) -> None:
         choice(config, "embedding.bounds_check", BOUNDS_CHECKS)
     if "kernel" in get(config, "embedding"):
         choice(config, "embedding.kernel", KERNELS)
+    if "kernel_measure" in get(config, "embedding"):
+        choice(config, "embedding.kernel_measure", KERNEL_MEASURE)
+    if "kernel_cache" in get(config, "embedding"):
+        check_text("embedding.kernel_cache", get(config, "embedding.kernel_cache"))
     if "pool_from" in get(config, "embedding"):
         choice(config, "embedding.pool_from", POOL_FROM)
     if "dedup" in get(config, "embedding"):
@@ -115,6 +128,10 @@ class Routes:
     # pool_from="table": the features' slots are stacked row ids (the bags pool from the tables), and these say
     # where each slot's row sits in `unique` {feature: (i32[B, L], ...)}; None on the distinct-rows layout.
     unique_slots: dict[str, tuple[jax.Array, ...]] | None = None
+    # pool_from="table": per group (starts i32[N_g + 1], order i32[M_g]) of `sorted_segments` -- the group's M_g bag
+    # slots (in the route's order: features, then their table reads, each [B, L] flat) sorted by row, and where each
+    # distinct row's run of them starts -- what the fused backward + update sums (`segment_grads`).
+    segments: dict[str, tuple[jax.Array, jax.Array]] | None = None
 
     @property
     def deduplicated(self) -> bool:
@@ -197,7 +214,8 @@ class EmbeddingCollection:
     """All sparse features of a model, compiled to stacked physical tables."""
 
     def __init__(self, spec: DatasetSpec, tables: Sequence[TableSpec], pooling: str = "sum",
-                 bounds_check: str = "zero", kernel: str = "auto", dedup: bool = True, pool_from: str = "auto"):
+                 bounds_check: str = "zero", kernel: str = "auto", dedup: bool = True, pool_from: str = "auto",
+                 kernel_choice: Mapping | None = None):
         if pooling not in POOLINGS:
             raise ValueError(f"unknown pooling '{pooling}'; use one of {POOLINGS}")
         if bounds_check not in BOUNDS_CHECKS:
@@ -205,8 +223,12 @@ class EmbeddingCollection:
         self.bounds_check = bounds_check
         if kernel not in KERNELS:
             raise ValueError(f"unknown kernel '{kernel}'; use one of {KERNELS}")
+        if kernel == "auto":  # not chosen by kernel_choice.choose_kernel (see KERNELS): XLA
+            kernel_choice = kernel_choice or {"requested": "auto", "kernel": "xla", "source": "default",
+                                              "reason": "no measured choice (recjax/kernel_choice.py): the XLA path"}
+            kernel = "xla"
         self.kernel = kernel
-        # Pallas kernels run interpreted on a CPU.
+        # Pallas kernels run interpreted on a CPU (a test exporting the accelerator step from a CPU host sets it off).
         self.interpret = kernel.startswith("pallas") and jax.default_backend() == "cpu"
         self.dedup = dedup  # the training route's default; see the module docstring
         by_name = {t.name: t for t in tables}
@@ -240,10 +262,17 @@ class EmbeddingCollection:
             if rows >= np.iinfo(np.int32).max:
                 raise ValueError(f"stacked group {group} has {rows} rows, more than int32 row ids can address")
         # What the deduplicated training route's forward pools from (module docstring); resolved once, here.
-        lookups = {("reduce" if self.methods[p.feature].pools_before_combine else "gather", self.group_rows[p.group],
-                    p.table.dim, self.spec.features[self.spec.feature_names.index(p.feature)].bag_size)
-                   for placed in self.placements.values() for p in placed}
-        self.pool_from = resolve_pool_from(pool_from, kernel, sorted(lookups))
+        self.pool_from = resolve_pool_from(pool_from, kernel, self.lookup_cases())
+        # How `kernel` was chosen (recjax/kernel_choice.py; the run's summary reports it).
+        self.kernel_choice = dict(kernel_choice) if kernel_choice else {"requested": kernel, "kernel": kernel,
+                                                                        "source": "config"}
+
+    def lookup_cases(self) -> list[tuple[str, int, int, int]]:
+        """(kind "reduce" / "gather", group rows, dim, bag size) of every distinct lookup the kernels would run."""
+        return sorted({("reduce" if self.methods[p.feature].pools_before_combine else "gather",
+                        self.group_rows[p.group], p.table.dim,
+                        self.spec.features[self.spec.feature_names.index(p.feature)].bag_size)
+                       for placed in self.placements.values() for p in placed})
 
     # ----------------------------------------------------------------------------------------- accounting
     @property
@@ -369,15 +398,20 @@ class EmbeddingCollection:
                 # A negative local row means "this id has no row in this physical table" (e.g. mixed-dim blocks).
                 stacked = jnp.where(valid & (r >= 0), r + p.offset, self.group_rows[p.group]).astype(jnp.int32)
                 stacked_by_group[p.group].append(stacked)
-        unique, slots_by_group = {}, {}
+        unique, slots_by_group, segments = {}, {}, {}
         for group, parts in stacked_by_group.items():
             if not dedup:
                 slots_by_group[group] = parts
                 continue
-            unique[group], inverse = unique_rows(
-                jnp.concatenate([r.reshape(-1) for r in parts]), self.group_rows[group])
+            flat = jnp.concatenate([r.reshape(-1) for r in parts])
+            if pool_from_table:  # one sort that also gives each distinct row's occurrences (module docstring)
+                unique[group], inverse, starts, order = sorted_segments(flat, self.group_rows[group])
+                segments[group] = (starts[: self.group_rows[group] + 2], order)
+            else:
+                unique[group], inverse = unique_rows(flat, self.group_rows[group])
             # A group has at most group_rows distinct rows plus the sentinel, so a group smaller than the batch's
-            # slots (TT cores, QR remainders) gathers and updates only that many (the dropped tail is all sentinel).
+            # slots (TT cores, QR remainders) gathers and updates only that many (the dropped tail is all sentinel;
+            # its segments are empty, so the kept starts still end at M).
             unique[group] = unique[group][: self.group_rows[group] + 1]
             bounds = np.cumsum([0] + [r.size for r in parts])
             slots_by_group[group] = [inverse[a:b].reshape(r.shape)
@@ -395,7 +429,8 @@ class EmbeddingCollection:
                 _raise_invalid_ids, tuple(invalid), {f.name: f.vocab_size for f in self.spec.features}, counts),
                 lambda: None)
         return Routes(unique=unique if dedup else None, features=features, invalid_ids=invalid,
-                      unique_slots=unique_slots if pool_from_table else None)
+                      unique_slots=unique_slots if pool_from_table else None,
+                      segments=segments if pool_from_table else None)
 
     @property
     def wants_embedding_grads(self) -> bool:
@@ -469,41 +504,70 @@ class EmbeddingCollection:
     # ------------------------------------------------------------------------------------ sparse update
     def sparse_update(self, optimizer: SparseOptimizer, tables: dict[str, jax.Array],
                       state: dict[str, dict[str, jax.Array]], routes: Routes, rows: "Mapping[str, jax.Array] | Lookups",
-                      row_grads: Mapping[str, jax.Array], lr: jax.Array, step: jax.Array) -> tuple[dict, dict]:
+                      row_grads: Mapping[str, jax.Array], lr: jax.Array, step: jax.Array,
+                      apply: Mapping | None = None, scatter: Mapping | None = None) -> tuple[dict, dict]:
         """Apply the optimizer to the distinct rows of each group, given d loss / d rows (what `gather` returned).
 
         Without dedup, `row_grads` are d loss / d lookups: each occurrence's gradient (times its pooling weight)
         is scatter-added by the optimizer's rule into its row (`scatter_apply`; duplicates sum, as in SGD). With
-        `pool_from="table"` they are too, and are first summed into each distinct row's exact gradient
-        (`distinct_row_grads`); the update then reads the rows' current values itself (`rows` is unused)."""
+        `pool_from="table"` they are too, and the update sums each distinct row's exact gradient from them itself
+        (`segment_grads`: the fused backward + update) and reads the rows' current values itself (`rows` is
+        unused). `apply` / `scatter` ({group: fn}, default `sparse_apply` / `scatter_apply`) update a group where its
+        rows live (recjax/embedding_backend.py `Storage`: host memory updates its rows on the host)."""
         if not routes.deduplicated:
-            return self._scatter_update(optimizer, tables, state, routes.features, row_grads, lr, step)
+            return self._scatter_update(optimizer, tables, state, routes.features, row_grads, lr, step, scatter)
         table_path = routes.pools_from_tables
-        if table_path:
-            row_grads = self.distinct_row_grads(routes, row_grads)
+        grads = self.segment_grads(routes, row_grads) if table_path else row_grads
         new_tables, new_state = dict(tables), dict(state)
         for group, unique in routes.unique.items():
-            new_tables[group], new_state[group] = sparse_apply(
-                self.group_optimizer(optimizer, group), tables[group], state[group], unique,
-                None if table_path else rows[group], row_grads[group], lr, step, kernel=self.kernel)
+            args = (self.group_optimizer(optimizer, group), tables[group], state[group], unique,
+                    None if table_path else rows[group], grads[group], lr, step)
+            if apply is None:
+                new_tables[group], new_state[group] = sparse_apply(*args, kernel=self.kernel, interpret=self.interpret)
+            else:
+                new_tables[group], new_state[group] = apply[group](*args, self.kernel, self.interpret)
         return new_tables, new_state
 
-    def distinct_row_grads(self, routes: Routes, grads: Lookups) -> dict[str, jax.Array]:
-        """{group: f32[N_g, d]}: d loss / d each distinct row, from d loss / d the lookups pooled from the tables
-        (`pool_from="table"`): each occurrence's gradient (times its pooling weight) added at its slot in
-        `unique`, duplicates summed exactly in f32 -- what autodiff does on the distinct-rows layout."""
-        summed = {g: jnp.zeros((u.shape[0], self.group_dims[g]), jnp.float32) for g, u in routes.unique.items()}
-        features, slots = routes.features, routes.unique_slots
+    def segment_grads(self, routes: Routes, grads: Lookups) -> dict[str, SegmentGrads]:
+        """{group: SegmentGrads}: how the fused update sums d loss / d each distinct row (`pool_from="table"`) from
+        d loss / d the lookups pooled from the tables -- each occurrence adds its bag's pooled gradient times its
+        pooling weight (per-id methods: its own gradient), duplicates summed exactly in f32, as autodiff does on the
+        distinct-rows layout.
+
+        A group's source rows are its pool batches' gradients [K * B, d] then its per-id gradients [B * L, d], each
+        flattened; occurrence (b, l) of a pooled table read reads its bag's row, of a per-id read its own. The
+        occurrences are numbered in the route's order (`Routes.segments`) and put in sorted order by `order`."""
+        features, batch = routes.features, routes.batch_size
+        sources: dict[str, list[jax.Array]] = {g: [] for g in routes.unique}
+        first_row = dict.fromkeys(routes.unique, 0)
+        base: dict[tuple[str, int], int] = {}  # (feature, table read) -> its first source row
         for key, members in self.pool_batches(features).items():
-            for k, (name, index) in enumerate(members):
-                group = self.placements[name][index].group
-                per_id = features[name].weights[..., None] * grads.pooled[key][k][:, None, :]  # [B, L, d]
-                summed[group] = summed[group].at[slots[name][index].reshape(-1)].add(
-                    per_id.reshape(-1, per_id.shape[-1]), mode="drop")
+            group = self.placements[members[0][0]][members[0][1]].group
+            for k, member in enumerate(members):
+                base[member] = first_row[group] + k * batch
+            sources[group].append(grads.pooled[key].reshape(-1, self.group_dims[group]))
+            first_row[group] += len(members) * batch
         for name, per_table in grads.per_id.items():
-            for p, s, g in zip(self.placements[name], slots[name], per_table, strict=True):
-                summed[p.group] = summed[p.group].at[s.reshape(-1)].add(g.reshape(-1, g.shape[-1]), mode="drop")
-        return summed
+            for p, g in zip(self.placements[name], per_table, strict=True):
+                base[(name, p.index)] = first_row[p.group]
+                sources[p.group].append(g.reshape(-1, self.group_dims[p.group]))
+                first_row[p.group] += g.shape[0] * g.shape[1]
+        source_of: dict[str, list[jax.Array]] = {g: [] for g in routes.unique}
+        weight_of: dict[str, list[jax.Array]] = {g: [] for g in routes.unique}
+        for name, placed in self.placements.items():  # the route's order of occurrences
+            pooled_first = self.methods[name].pools_before_combine
+            for p, slots in zip(placed, features[name].slots, strict=True):
+                flat = jnp.arange(slots.size, dtype=jnp.int32)
+                length = slots.shape[1]
+                # Pooled: occurrence (b, l) reads bag b's gradient; per id: its own (the weight is inside it).
+                source_of[p.group].append(base[(name, p.index)] + (flat // length if pooled_first else flat))
+                weight_of[p.group].append(features[name].weights.reshape(-1) if pooled_first
+                                          else jnp.ones(slots.size, jnp.float32))
+        out = {}
+        for group, (starts, order) in routes.segments.items():
+            out[group] = SegmentGrads(starts, jnp.concatenate(source_of[group])[order],
+                                      jnp.concatenate(weight_of[group])[order], jnp.concatenate(sources[group]))
+        return out
 
     def group_optimizer(self, optimizer: SparseOptimizer, group: str) -> SparseOptimizer:
         """`optimizer` with the weight decay the group's rows take (`PhysicalTable.decay_scale`)."""
@@ -512,9 +576,10 @@ class EmbeddingCollection:
                                                                 weight_decay=optimizer.weight_decay * scale)
 
     def _scatter_update(self, optimizer: SparseOptimizer, tables: dict[str, jax.Array], state: dict,
-                        features: Mapping[str, FeatureRoute], grads: Lookups, lr: jax.Array, step: jax.Array
-                        ) -> tuple[dict, dict]:
+                        features: Mapping[str, FeatureRoute], grads: Lookups, lr: jax.Array, step: jax.Array,
+                        scatter: Mapping | None = None) -> tuple[dict, dict]:
         new_tables = dict(tables)
+        add = (lambda group: scatter_apply) if scatter is None else scatter.__getitem__  # noqa: E731
         for key, members in self.pool_batches(features).items():
             # One scatter per member: XLA materialises a scatter's updates, and per member that temporary is
             # [B, L, d] rather than [K, B, L, d] (the scatters update the donated table in place, one after another).
@@ -522,12 +587,12 @@ class EmbeddingCollection:
                 group = self.placements[name][index].group
                 ids = features[name].slots[index].reshape(-1)
                 per_id = features[name].weights[..., None] * grads.pooled[key][k][:, None, :]  # [B, L, d]
-                new_tables[group] = scatter_apply(optimizer, new_tables[group], ids,
-                                                  per_id.reshape(-1, per_id.shape[-1]), lr, step)
+                new_tables[group] = add(group)(optimizer, new_tables[group], ids,
+                                               per_id.reshape(-1, per_id.shape[-1]), lr, step)
         for name, per_table in grads.per_id.items():
             for p, slots, g in zip(self.placements[name], features[name].slots, per_table, strict=True):
-                new_tables[p.group] = scatter_apply(optimizer, new_tables[p.group], slots.reshape(-1),
-                                                    g.reshape(-1, g.shape[-1]), lr, step)
+                new_tables[p.group] = add(p.group)(optimizer, new_tables[p.group], slots.reshape(-1),
+                                                   g.reshape(-1, g.shape[-1]), lr, step)
         return new_tables, dict(state)
 
 

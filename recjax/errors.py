@@ -41,3 +41,41 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(message)
         self.step = step
         self.resumable = resumable
+
+
+def free_bytes(path) -> int:
+    """Free bytes on the disk holding `path` (a pathlib.Path; its nearest existing parent), for the messages of a full
+    disk; 0 if that cannot be read."""
+    import shutil
+
+    for p in (path, *path.parents):
+        try:
+            return shutil.disk_usage(p).free
+        except OSError:
+            continue
+    return 0
+
+
+def _chain(error: BaseException | None):
+    """`error` and the errors it was raised from, innermost last."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def disk_full(error: BaseException | None) -> bool:
+    """Whether `error`, or an error it was raised from, is a write refused for want of space: ENOSPC / EDQUOT, also as
+    tensorstore words it (`RESOURCE_EXHAUSTED: ... No space left on device`)."""
+    import errno
+
+    return any((isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+               or "No space left on device" in str(e) or "Disk quota exceeded" in str(e) for e in _chain(error))
+
+
+def reported(error: BaseException | None) -> bool:
+    """Whether the entry points report `error` themselves, as one line: a UserError (or an error raised from one), a
+    full disk (the checkpointer turns a save that ran out of space into one), Ctrl-C. A library's log of it from its
+    own threads only repeats it, with a traceback."""
+    return any(isinstance(e, UserError | KeyboardInterrupt) for e in _chain(error)) or disk_full(error)

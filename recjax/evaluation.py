@@ -1,8 +1,9 @@
 """Budget, evaluation and selection: how long a run trains, how it is scored, which step it reports.
 
 `Budget` (from `train.steps` or `train.epochs`, and `train.eval_every`) says when to evaluate; `evaluate` scores a
-split exactly (every example once, the short last batch padded); `Selection` keeps the best validation step and the
-test metrics scored at it (and the best step of the other tracked metric, AUC or logloss, with its test metrics) --
+split exactly (every example once, the short last batch padded) with the task's objective's metrics; `Selection`
+keeps the best validation step and the test metrics scored at it (and the best step of the other tracked metric --
+AUC or logloss for clicks; ratings track mse only -- with its test metrics) --
 test is scored only at steps that improve a validation metric, so it never steers anything -- and stops a run after
 `train.early_stopping_patience` evaluations without improvement of `train.select_on`. `check_train` validates the
 `train` section.
@@ -20,13 +21,14 @@ import numpy as np
 
 from recjax import metrics
 from recjax.batch import pad_batch, validate_batch
-from recjax.embedding_backend import EmbeddingBackend, LocalEmbedding
+from recjax.embedding_backend import EmbeddingBackend
 from recjax.errors import ConfigError
+from recjax.placement.embedding import one_device
 from recjax.step import TrainState
 from recjax.task import Task
 from recjax.validation import boolean, check_integer, choice, find, get, integer, known_keys, number
 
-SELECT_ON = ("auc", "logloss")
+SELECT_ON = ("auc", "logloss", "mse")  # auc / logloss: binary labels; mse: regression (recjax/task.py OBJECTIVES)
 TRAIN_KEYS = {"batch_size", "steps", "epochs", "eval_every", "log_every", "early_stopping_patience", "select_on",
               "selection_logloss_tolerance", "selection_auc_tolerance", "progress_bar", "divergence_factor",
               "check_memory", "steps_per_call", "input_workers"}
@@ -129,11 +131,14 @@ class Budget:
         return f"{text}; validation {every} and at the end"
 
 
-def resolve_steps_per_call(train: ml_collections.ConfigDict, platform: str) -> int:
-    """train.steps_per_call as a number: "auto" -> the platform's (`AUTO_STEPS_PER_CALL`; 1 on an unknown one)."""
+def resolve_steps_per_call(train: ml_collections.ConfigDict, platform: str, one_step_only: str | None = None) -> int:
+    """train.steps_per_call as a number: "auto" -> the platform's (`AUTO_STEPS_PER_CALL`; 1 on an unknown one), or 1
+    where the placement runs one step per call (`one_step_only`: why; then a k > 1 asked for is a ConfigError)."""
     value = train.get("steps_per_call", "auto")
     if value == "auto":
-        return AUTO_STEPS_PER_CALL.get(platform, 1)
+        return 1 if one_step_only else AUTO_STEPS_PER_CALL.get(platform, 1)
+    if int(value) > 1 and one_step_only:
+        raise ConfigError("train.steps_per_call", one_step_only.removeprefix("train.steps_per_call "))
     return int(value)
 
 
@@ -159,7 +164,7 @@ def evaluate(task: Task, predict_step, state: TrainState, dataset, batch_size: i
     """Exact metrics over the whole `split` (short last batch padded, padding dropped); `backend` places each batch
     (a mesh run splits it over the devices). Multi-host, each process reads only its share of every batch
     (`backend.process_rows`), and every process computes the metrics over all processes' rows, each row once."""
-    backend = backend or LocalEmbedding(task.collection)
+    backend = backend or one_device(task.collection)
     put, rows = backend.put_batch, backend.process_rows(batch_size)
     labels, probs = [], []
     share = {} if rows is None else {"rows": rows}
@@ -179,16 +184,14 @@ def evaluate(task: Task, predict_step, state: TrainState, dataset, batch_size: i
     labels, probs = np.concatenate(labels), np.concatenate(probs)
     if not np.all(np.isfinite(probs)):
         raise FloatingPointError("model produced non-finite predictions; lower the learning rates")
-    return metrics.binary_metrics(labels, probs)
+    return task.objective.evaluate(labels, probs)
 
 
 # ------------------------------------------------------------------------------------------ selection
-# Validation metrics whose best step is tracked (and test scored at it), whichever one `train.select_on` names.
+# Validation metrics whose best step is tracked (and test scored at it), whichever one `train.select_on` names: the
+# binary objective's; a regression run tracks its objective's (`Selection.tracked`).
 TRACKED = ("auc", "logloss")
-
-
-def _better(metric: str, new: float, best: float) -> bool:
-    return new > best if metric == "auc" else new < best
+_better = metrics.better
 
 
 @dataclasses.dataclass
@@ -213,6 +216,7 @@ class Selection:
     evals_without_improvement: int = 0
     warnings: list[str] = dataclasses.field(default_factory=list)
     by_metric: dict = dataclasses.field(default_factory=dict)
+    tracked: tuple[str, ...] = TRACKED  # the objective's (recjax/task.py Objective.tracked)
 
     def improves(self, validation: dict) -> bool:
         if not self.best_validation:
@@ -222,7 +226,7 @@ class Selection:
     def record(self, step: int, validation: dict) -> bool:
         """Note an evaluation; True if it is the best step so far of `select_on` or of another tracked metric (then
         score test and pass it to `record_test`)."""
-        if self.select_on == "auc" and not np.isfinite(validation["auc"]):
+        if self.select_on == "auc" and not np.isfinite(validation["auc"]) and "logloss" in self.tracked:
             # One class only (e.g. a tiny validation split without clicks): AUC is undefined, logloss is not.
             self.select_on = "logloss"
             self.warnings.append(f"the validation split has one class only (click rate {validation['eval_ctr']:g} "
@@ -233,7 +237,7 @@ class Selection:
         if step < self.selectable_from:
             return False
         improved = False
-        for metric in TRACKED:  # a NaN (one-class) metric never becomes a best
+        for metric in self.tracked:  # a NaN (one-class) metric never becomes a best
             value, best = validation[metric], self.by_metric.get(metric)
             if np.isfinite(value) and (best is None or _better(metric, value, best["validation"][metric])):
                 self.by_metric[metric] = {"step": step, "validation": validation, "test": {}}
@@ -257,7 +261,7 @@ class Selection:
         validation logloss more than `logloss_tolerance` (relative) above the lowest, or its validation AUC more
         than `auc_tolerance` (absolute) below the highest; None when they agree within those."""
         other = "auc" if self.select_on == "logloss" else "logloss"
-        if other not in self.by_metric:
+        if other not in self.by_metric or self.select_on not in ("auc", "logloss"):
             return None
         chosen, best = self.best_validation[other], self.by_metric[other]["validation"][other]
         if other == "logloss" and chosen > best * (1.0 + logloss_tolerance):

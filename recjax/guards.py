@@ -17,6 +17,7 @@ import numpy as np
 from recjax.checkpoint import Checkpointer
 from recjax.embedding_backend import EmbeddingBackend
 from recjax.errors import ConfigError, Interrupted
+from recjax.sections import read_sections
 from recjax.task import Task
 from recjax.validation import MISSING, find
 
@@ -100,34 +101,42 @@ def check_memory(config: ml_collections.ConfigDict, task: Task, backend: Embeddi
     (`EmbeddingCollection.accounting`: "the state") cannot fit, naming the largest tables and the keys that shrink
     them -- instead of XLA's RESOURCE_EXHAUSTED traceback (or swapping) once the tables are made.
 
-    CPU: this process's state (`backend.process_state_bytes`; a mesh: its devices' blocks) x (1 + MEMORY_MARGIN),
-    plus what checkpoint saves hold (CHECKPOINT_MEMORY), plus MEMORY_MARGIN_BYTES, against the host's MemAvailable.
-    GPU / TPU, one device: the state x (1 + MEMORY_MARGIN) against the device's free memory (a mesh's devices are
-    checked by the sharding plan), and the checkpoint saves' host buffers against the host's.
-    `train.check_memory=False` skips it."""
-    if not config.train.get("check_memory", True):
+    The state is counted where it lives (`backend.memory_bytes`): in device memory (tables on the device, a disk
+    tier's caches) and in host memory (tables in host memory, a disk tier's host-tier rows in RAM); a disk tier's
+    files count in neither. CPU, where both are the host's RAM: this process's state (a mesh: its devices' blocks)
+    x (1 + MEMORY_MARGIN), plus what checkpoint saves hold (CHECKPOINT_MEMORY), plus MEMORY_MARGIN_BYTES, against
+    the host's MemAvailable. GPU / TPU: the device state x (1 + MEMORY_MARGIN) against the device's free memory (one
+    device; a mesh's devices are checked by the sharding plan), and the host state x (1 + MEMORY_MARGIN) with the
+    checkpoint saves' buffers against the host's. `train.check_memory=False` skips it."""
+    sections = read_sections(config)
+    if not sections.train.check_memory:
         return
     accounting = task.collection.accounting(task.sparse_optimizer)
-    state_bytes = backend.process_state_bytes(task.sparse_optimizer)
-    saves = "none" if not config.checkpoint.enabled else (
-        "async" if config.checkpoint.async_save and jax.process_count() == 1 else "sync")
+    memory = backend.memory_bytes(task.sparse_optimizer)
+    checkpoint = sections.checkpoint
+    saves = "none" if not checkpoint.enabled else (
+        "async" if checkpoint.async_save and jax.process_count() == 1 else "sync")
     saved_bytes = backend.checkpoint_bytes(task.sparse_optimizer)  # a disk tier's: blocks of its tables
     saving = saved_bytes * CHECKPOINT_MEMORY.get(saves, 0.0)
     device = jax.local_devices()[0]
-    needs = []  # (bytes needed, bytes available, where, what checkpoint saves count in it)
+    needs = []  # (bytes needed, bytes available, where, the state's bytes in it, checkpoint saves in it)
     host = host_available_bytes()
     if device.platform == "cpu":
+        state = memory.device + memory.host  # one RAM
         if host is not None:
-            needs.append((state_bytes * (1 + MEMORY_MARGIN) + saving + MEMORY_MARGIN_BYTES, host,
-                          "host memory (MemAvailable in /proc/meminfo)", saving))
+            needs.append((state * (1 + MEMORY_MARGIN) + saving + MEMORY_MARGIN_BYTES, host,
+                          "host memory (MemAvailable in /proc/meminfo)", None, saving))
     else:
         stats = device.memory_stats() or {}
         if backend.shards == 1 and "bytes_limit" in stats:
-            needs.append((state_bytes * (1 + MEMORY_MARGIN), stats["bytes_limit"] - stats.get("bytes_in_use", 0),
-                          f"free memory on {device.device_kind} {device.id}", 0))
-        if host is not None and saving:
-            needs.append((saving + MEMORY_MARGIN_BYTES, host, "host memory (MemAvailable in /proc/meminfo)", saving))
-    for need, available, where, saves_in_it in needs:
+            needs.append((memory.device * (1 + MEMORY_MARGIN), stats["bytes_limit"] - stats.get("bytes_in_use", 0),
+                          f"free memory on {device.device_kind} {device.id}", None if not memory.host else
+                          ("device memory", memory.device), 0))
+        if host is not None and (saving or memory.host):
+            needs.append((memory.host * (1 + MEMORY_MARGIN) + saving + MEMORY_MARGIN_BYTES, host,
+                          "host memory (MemAvailable in /proc/meminfo)",
+                          ("host memory", memory.host) if memory.host else None, saving))
+    for need, available, where, split, saves_in_it in needs:
         if need <= available:
             continue
         tables = sorted(accounting["tables"].items(), key=lambda t: -(t[1]["bytes"] + t[1]["optimizer_bytes"]))
@@ -137,20 +146,24 @@ def check_memory(config: ml_collections.ConfigDict, task: Task, backend: Embeddi
                                 "data.sparse.frequency_threshold", "data.sparse.hash_buckets")
                 if find(config, key, MISSING) is not MISSING]
         parts = []
-        if device.platform == "cpu" or not saves_in_it:  # on a GPU / TPU the host holds only the saves' buffers
+        if split is not None:  # the part of the tables and optimizer state in this memory
+            parts.append(f"{_gib(split[1])} of embedding tables and optimizer state in {split[0]}")
+        elif device.platform == "cpu" or not saves_in_it:  # on a GPU / TPU the host holds only the saves' buffers
             parts += [f"{_gib(accounting['bytes'])} of embedding tables",
-                      f"{_gib(accounting['optimizer_bytes'])} of optimizer state ({config.optimizer.sparse.name})"]
+                      f"{_gib(accounting['optimizer_bytes'])} of optimizer state "
+                      f"({sections.optimizer.sparse['name']})"]
         if saves_in_it:
             sync = _gib(saved_bytes * CHECKPOINT_MEMORY["sync"])
             parts.append(f"{_gib(saves_in_it)} for {saves} checkpoint saves"
                          + (f" (checkpoint.async_save=False: {sync})" if saves == "async" else ""))
         raise ConfigError("embedding", (
             f"the model does not fit: {' + '.join(parts)} + margin = {_gib(need)}, but {_gib(max(available, 0))} of "
-            f"{where} is available. Largest tables: {largest}. Shrink them: embedding.dim ({config.embedding.dim}), a "
-            "compression method (embedding.method: hashing, qr, md, tt, fiited, ...)"
+            f"{where} is available. Largest tables: {largest}. Shrink them: embedding.dim "
+            f"({sections.embedding.dim}), a compression method (embedding.method: hashing, qr, md, tt, fiited, ...)"
             + (f", fewer rows ({', '.join(caps)})" if caps else "")
             + ", or shard them over more devices (mesh.shape; the devices of one CPU host share its memory, so on "
-            "CPU that means more hosts); or train.check_memory=False to start anyway"))
+            "CPU that means more hosts), or put tables in host memory or on disk (tiering.tables); or "
+            "train.check_memory=False to start anyway"))
 
 
 def writable_directory(path: pathlib.Path, key: str) -> None:

@@ -17,21 +17,29 @@ from tensorboardX import SummaryWriter
 
 from recjax.metrics import METRICS
 
-FIELDS = ("step", "split", "examples", "epoch", "loss", *METRICS, "examples_per_sec", "elapsed_s")
+
+def fields(metrics: tuple[str, ...] = METRICS) -> tuple[str, ...]:
+    """metrics.csv's columns for a run whose evaluations report `metrics` (its objective's)."""
+    return ("step", "split", "examples", "epoch", "loss", *metrics, "examples_per_sec", "elapsed_s")
+
+
+FIELDS = fields()  # a binary run's columns
 _NOT_SCALARS = ("step", "split", "examples", "epoch")
 
 
 class MetricLog:
-    """metrics.csv + TensorBoard events in `workdir`, starting from `history` (a restored run's rows)."""
+    """metrics.csv + TensorBoard events in `workdir`, starting from `history` (a restored run's rows); `metrics` are
+    the evaluations' columns (the run's objective's)."""
 
     def __init__(self, workdir: pathlib.Path, batch_size: int, examples_per_epoch: int | None,
-                 history: list[dict] | None = None):
+                 history: list[dict] | None = None, metrics: tuple[str, ...] = METRICS):
         self.batch_size, self.examples_per_epoch = batch_size, examples_per_epoch
         self.history = list(history or [])
+        self.fields = fields(metrics)
         self.csv_path = workdir / "metrics.csv"
         with self.csv_path.open("w", newline="") as f:
-            csv.writer(f).writerow(FIELDS)
-            csv.DictWriter(f, FIELDS).writerows(self.history)
+            csv.writer(f).writerow(self.fields)
+            csv.DictWriter(f, self.fields).writerows(self.history)
         self.writer = SummaryWriter(str(workdir))  # a resumed run's events go to a new file
 
     def write(self, row: dict) -> None:
@@ -41,7 +49,7 @@ class MetricLog:
             row["epoch"] = row["examples"] / self.examples_per_epoch
         self.history.append(row)
         with self.csv_path.open("a", newline="") as f:
-            csv.DictWriter(f, FIELDS).writerow(row)
+            csv.DictWriter(f, self.fields).writerow(row)
         for k, v in row.items():
             if k not in _NOT_SCALARS and v is not None and np.isfinite(v):
                 self.writer.add_scalar(f"{row['split']}/{k}", v, row["step"])

@@ -1,8 +1,11 @@
-"""Binary-classification metrics on the host (numpy, float64), exact over the whole eval set."""
+"""Evaluation metrics on the host (numpy, float64), exact over the whole eval set: binary classification (clicks)
+and regression (ratings). Which set a run reports is its objective's (recjax/task.py OBJECTIVES)."""
 
 import numpy as np
 
-METRICS = ("auc", "logloss", "ne", "accuracy")  # what every evaluation reports, in this order
+METRICS = ("auc", "logloss", "ne", "accuracy")  # what every binary evaluation reports, in this order
+REGRESSION_METRICS = ("mse", "rmse", "mae")  # what every regression evaluation reports, in this order
+HIGHER_IS_BETTER = frozenset({"auc", "accuracy"})  # every other metric is a loss: lower is better
 _EPS = 1e-7  # probabilities are clipped to [eps, 1 - eps] for log loss, as scikit-learn does for float32
 
 
@@ -54,3 +57,17 @@ def binary_metrics(labels: np.ndarray, probs: np.ndarray) -> dict[str, float]:
         "eval_examples": int(np.size(labels)),
         "eval_ctr": float(np.mean(labels)),
     }
+
+
+def regression_metrics(labels: np.ndarray, predictions: np.ndarray) -> dict[str, float]:
+    """mse, rmse, mae, plus the eval set's size and mean label (predicting that mean scores mse = its variance)."""
+    y = np.asarray(labels, np.float64).ravel()
+    error = np.asarray(predictions, np.float64).ravel() - y
+    mse = float(np.mean(error * error))
+    return {"mse": mse, "rmse": float(np.sqrt(mse)), "mae": float(np.mean(np.abs(error))),
+            "eval_examples": int(y.size), "eval_mean": float(np.mean(y))}
+
+
+def better(metric: str, new: float, best: float) -> bool:
+    """Whether `new` improves on `best` for `metric` (higher for AUC and accuracy, lower for the losses)."""
+    return new > best if metric in HIGHER_IS_BETTER else new < best

@@ -49,22 +49,39 @@ def _codes(x: np.ndarray, lo: np.ndarray, scale: np.ndarray, levels: int) -> np.
     return np.clip(np.rint((x - lo[..., None]) / safe[..., None]), 0, levels)
 
 
-def _search(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row, the clipped range with the least L2 error; codes u8[n, D], offset f32[n], scale f32[n]."""
-    levels = 2**bits - 1
+def best_clipped_range(x: np.ndarray, quantize, ratios=CLIP_RATIOS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Check-N-Run's adaptive range search over rows x[n, D], in x's dtype: per row the candidate range
+    [min + a r, max - b r] (a, b in `ratios`) whose codes reconstruct the row with the least L2 error (ties: the
+    first candidate, plain min / max when 0 leads `ratios`). `quantize(x[n, 1, D], lo[n, C], hi[n, C])` gives each
+    candidate's (codes [n, C, D], scale [n, C], offset [n, C]) in the caller's parameter dtype and rounding (the
+    checkpoint deltas' f32 below, the serving tables' fp16 / f32 bounds in recjax/serving/tables.py); the error is
+    measured in x's dtype. Returns the chosen (codes [n, D], scale [n], offset [n])."""
+    ratios = np.asarray(ratios, x.dtype)
+    a, b = (r.reshape(-1) for r in np.meshgrid(ratios, ratios, indexing="ij"))
     xmin, xmax = x.min(axis=1), x.max(axis=1)
     span = xmax - xmin
-    ratios = np.asarray(CLIP_RATIOS, np.float32)
-    a, b = np.meshgrid(ratios, ratios, indexing="ij")
-    a, b = a.reshape(-1), b.reshape(-1)
-    lo = (xmin[:, None] + a[None, :] * span[:, None]).astype(np.float32)  # [n, C]
-    hi = (xmax[:, None] - b[None, :] * span[:, None]).astype(np.float32)
-    scale = ((hi - lo) / levels).astype(np.float32)
-    q = _codes(x[:, None, :], lo, scale, levels)  # [n, C, D]
-    err = np.sum((lo[..., None] + scale[..., None] * q - x[:, None, :]) ** 2, axis=-1)  # [n, C]
-    best = np.argmin(err, axis=1)  # ties -> the first candidate, plain min/max
+    lo = xmin[:, None] + a[None, :] * span[:, None]  # [n, C]
+    hi = xmax[:, None] - b[None, :] * span[:, None]
+    q, scale, offset = quantize(x[:, None, :], lo, hi)
+    err = np.sum((offset.astype(x.dtype)[..., None] + scale.astype(x.dtype)[..., None] * q - x[:, None, :]) ** 2,
+                 axis=-1)  # [n, C]
+    best = np.argmin(err, axis=1)
     rows = np.arange(x.shape[0])
-    return q[rows, best].astype(np.uint8), lo[rows, best], scale[rows, best]
+    return q[rows, best], scale[rows, best], offset[rows, best]
+
+
+def _search(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row, the clipped range with the least L2 error (f32 arithmetic); codes u8[n, D], offset f32[n],
+    scale f32[n]."""
+    levels = 2**bits - 1
+
+    def quantize(rows, lo, hi):
+        lo, hi = lo.astype(np.float32), hi.astype(np.float32)
+        scale = ((hi - lo) / levels).astype(np.float32)
+        return _codes(rows, lo, scale, levels), scale, lo
+
+    q, scale, offset = best_clipped_range(x, quantize)
+    return q.astype(np.uint8), offset, scale
 
 
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -83,11 +100,6 @@ def unpack_codes(packed: np.ndarray, bits: int, dim: int) -> np.ndarray:
     shifts = (np.arange(per_byte) * bits).astype(np.uint8)
     codes = (packed[:, :, None] >> shifts) & np.uint8(2**bits - 1)
     return codes.reshape(packed.shape[0], -1)[:, :dim]
-
-
-def quantized_row_bytes(dim: int, bits: int) -> int:
-    """Bytes per stored row: packed codes plus the f32 offset and scale."""
-    return -(-dim * bits // 8) + 8
 
 
 # ------------------------------------------------------------------------------------ optimizer state rows

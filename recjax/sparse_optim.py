@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from pallas_kernels import fused_row_update
+from pallas_kernels import SegmentGrads, fused_row_update
 
 State = dict[str, jax.Array]
 
@@ -200,8 +200,8 @@ def make_sparse_optimizer(config: ml_collections.ConfigDict) -> SparseOptimizer:
 
 
 def sparse_apply(optimizer: SparseOptimizer, table: jax.Array, state: State, unique_rows: jax.Array,
-                 current: jax.Array | None, grads: jax.Array, lr: jax.Array, step: jax.Array, *, kernel: str = "auto"
-                 ) -> tuple[jax.Array, State]:
+                 current: jax.Array | None, grads: jax.Array | SegmentGrads, lr: jax.Array, step: jax.Array, *,
+                 kernel: str = "auto", interpret: bool | None = None) -> tuple[jax.Array, State]:
     """Apply one optimizer step to distinct rows of `table` and their state, in place.
 
     Args:
@@ -210,10 +210,23 @@ def sparse_apply(optimizer: SparseOptimizer, table: jax.Array, state: State, uni
       unique_rows: i32[U] distinct row ids; ids >= R are padding and ignored.
       current: f32[U, D] the rows' current values (the forward pass gathered them already), or None when the
         forward pooled straight from the table: the update then reads the rows itself.
-      grads: f32[U, D] summed gradient of each distinct row (of the loss, without weight decay).
+      grads: f32[U, D] summed gradient of each distinct row (of the loss, without weight decay), or the
+        `SegmentGrads` that sum it from the occurrences' gradients (the fused backward + update).
       kernel: "auto" (the Pallas kernel on TPU / GPU, XLA on CPU), "xla", "pallas", "pallas_tpu" or "pallas_gpu"
         (on a CPU: the kernel in Pallas's interpreter, for tests) -- pallas_kernels/dispatch.py.
+      interpret: run the Pallas kernel interpreted; None: on a CPU (the caller's collection says, see
+        `EmbeddingCollection.interpret`).
     """
+    rule = row_rule(optimizer)
+    if interpret is None:  # kernels run interpreted on a CPU
+        interpret = kernel.startswith("pallas") and jax.default_backend() == "cpu"
+    return fused_row_update(table, state, unique_rows, current, grads, rule, lr, step, impl=kernel,
+                            interpret=interpret)
+
+
+def row_rule(optimizer: SparseOptimizer):
+    """`rule(rows, state_rows, grads, lr, step) -> (rows, state_rows)`: the optimizer's row rule with its weight decay
+    folded into the gradient, as the fused update applies it to a block of distinct rows."""
     decay = optimizer.weight_decay
 
     def rule(rows, state_rows, grads, lr, step):
@@ -221,9 +234,7 @@ def sparse_apply(optimizer: SparseOptimizer, table: jax.Array, state: State, uni
         # accumulators too).
         return optimizer.update_rows(rows, state_rows, grads + decay * rows if decay else grads, lr, step)
 
-    interpret = kernel.startswith("pallas") and jax.default_backend() == "cpu"  # kernels run interpreted on a CPU
-    return fused_row_update(table, state, unique_rows, current, grads, rule, lr, step, impl=kernel,
-                            interpret=interpret)
+    return rule
 
 
 def scatter_apply(optimizer: SparseOptimizer, table: jax.Array, ids: jax.Array, grads: jax.Array, lr: jax.Array,
@@ -238,8 +249,14 @@ def scatter_apply(optimizer: SparseOptimizer, table: jax.Array, ids: jax.Array, 
       ids: int [N] row ids, duplicates allowed; ids >= R (the padding sentinel) are dropped.
       grads: f32[N, D] the gradient of each occurrence.
     """
+    return table.at[ids].add(scatter_delta(optimizer, grads, lr, step).astype(table.dtype), mode="drop")
+
+
+def scatter_delta(optimizer: SparseOptimizer, grads: jax.Array, lr: jax.Array, step: jax.Array) -> jax.Array:
+    """Each occurrence's row update f32[N, D] from its gradient, for a rule that sums over duplicates (`scatter_apply`
+    adds them into the table; host memory adds them on the host): the optimizer's rule on a zero row."""
     if not optimizer.sums_duplicates:
         raise ValueError(f"sparse optimizer '{optimizer.name}' (weight_decay={optimizer.weight_decay}) needs "
                          "distinct rows; use sparse_apply")
     delta, _ = optimizer.update_rows(jnp.zeros((), grads.dtype), {}, grads, lr, step)
-    return table.at[ids].add(delta.astype(table.dtype), mode="drop")
+    return delta

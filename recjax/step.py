@@ -10,8 +10,9 @@ A train step is `(state, batch) -> (state, metrics)` with the state donated, so 
     tables, sparse_opt, touched = backend.update(...)         # only the touched rows
     dirty_rows = mark_dirty_rows(dirty_rows, touched)         # Check-N-Run's bitmap, when checkpoints track it
 
-The same function runs on one device (`LocalEmbedding`: jit) and on a mesh (`MeshEmbedding`: jit of shard_map, the
-body on each device's share of the batch); what differs is the backend, never this code.
+The same function runs on one device (jit) and on a mesh (jit of shard_map, the body on each device's share of the
+batch), whatever memory the rows are in; what differs is the backend's layout and storages (recjax/placement), never
+this code.
 """
 
 from collections.abc import Mapping
@@ -23,7 +24,8 @@ import jax.numpy as jnp
 import optax
 
 from recjax.batch import Batch
-from recjax.embedding_backend import EmbeddingBackend, LocalEmbedding
+from recjax.embedding_backend import EmbeddingBackend
+from recjax.placement.embedding import one_device
 from recjax.task import Task
 from recjax.validation import config_errors
 
@@ -47,7 +49,7 @@ def init_state(task: Task, rng: jax.Array, batch: Batch, backend: EmbeddingBacke
     states. Single-device tables, which a backend lays out with `place_state`, unless the backend makes its own
     (`backend.init_tables`: a disk tier writes the rows to its files and keeps only a cache in the state)."""
     table_rng, glue_rng, model_rng, dropout_rng = jax.random.split(rng, 4)
-    backend = backend or LocalEmbedding(task.collection)
+    backend = backend or one_device(task.collection)
     tables, sparse_opt_state = backend.init_tables(table_rng, task.sparse_optimizer)
     aux = task.collection.init_aux()
 
@@ -100,7 +102,7 @@ def make_train_step(task: Task, backend: EmbeddingBackend | None = None, state: 
     `steps_per_call` k > 1: `(state, batches) -> (state, metrics)` over k batches stacked on a leading axis
     (`batches.labels`: f32[k, B]), one `lax.scan` of the same step, each metric f32[k] (step by step, on the device
     until the trainer reads them); the state after it is the state after k calls of the one-step function."""
-    backend = backend or LocalEmbedding(task.collection)
+    backend = backend or one_device(task.collection)
     if steps_per_call < 1:
         raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
     collection = task.collection
@@ -114,7 +116,7 @@ def make_train_step(task: Task, backend: EmbeddingBackend | None = None, state: 
         def loss_fn(dense_params, rows, emb_probe):
             logits = forward(task, dense_params, rows, routes.features, batch.dense, dropout_rng, emb_probe)
             # Each device's mean over its share, / shards: the sum over devices is the global batch's mean.
-            return optax.sigmoid_binary_cross_entropy(logits, batch.labels).mean() / backend.shards
+            return task.objective.loss(logits, batch.labels).mean() / backend.shards
 
         emb_probe = None
         if probe:
@@ -148,12 +150,12 @@ def make_train_step(task: Task, backend: EmbeddingBackend | None = None, state: 
 
 
 def make_predict_step(task: Task, backend: EmbeddingBackend | None = None, state: TrainState | None = None):
-    """The compiled `(state, batch) -> probabilities f32[B]`."""
-    backend = backend or LocalEmbedding(task.collection)
+    """The compiled `(state, batch) -> predictions f32[B]` (the objective's: click probabilities, ratings)."""
+    backend = backend or one_device(task.collection)
 
     def predict_step(state: TrainState, batch: Batch):
         routes = backend.route(batch, state.aux, train=False)
         rows, _ = backend.fetch(state.tables, routes)
-        return jax.nn.sigmoid(forward(task, state.dense_params, rows, routes.features, batch.dense))
+        return task.objective.predict(forward(task, state.dense_params, rows, routes.features, batch.dense))
 
     return backend.compile_predict(predict_step, state)

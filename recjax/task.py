@@ -1,11 +1,13 @@
-"""What is trained: the `Task` (embedding collection, glue, model, both optimizers) built from a config.
+"""What is trained: the `Task` (embedding collection, glue, model, both optimizers, objective) built from a config.
 
 `build_task(config, spec)` plans the logical tables (`compression.plan.plan_tables`), compiles them to stacked physical
-tables (`EmbeddingCollection`), and makes the model and the dense / sparse optimizers with their schedules.
+tables (`EmbeddingCollection`), and makes the model and the dense / sparse optimizers with their schedules. The
+objective -- the loss the step minimises, what a prediction is, the metrics an evaluation reports -- is the dataset's
+(`spec.target`, `OBJECTIVES`): clicks train a logit with log loss, ratings a value with squared error.
 """
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import flax.linen as nn
 import jax
@@ -15,9 +17,12 @@ import optax
 
 from compression import TableSpec
 from compression.plan import load_id_counts, plan_tables
+from recjax import metrics
 from recjax.embedding import EmbeddingCollection, EmbeddingGlue, resolve_dedup
 from recjax.errors import ConfigError
+from recjax.kernel_choice import choose_kernel
 from recjax.models import embedding_dim, make_model
+from recjax.sections import EmbeddingSection, OptimizerSection, read_section, read_sections
 from recjax.sparse_optim import SPARSE_OPTIMIZERS, SparseOptimizer, make_sparse_optimizer
 from recjax.specs import DatasetSpec
 from recjax.validation import choice, config_errors, integer, known_keys, number
@@ -29,8 +34,44 @@ DENSE_OPTIMIZERS = {"sgd": optax.identity, "adam": optax.scale_by_adam,
 
 
 @dataclasses.dataclass(frozen=True)
+class Objective:
+    """What the model's output f32[B] means: how a step is trained on it and how an evaluation scores it."""
+
+    name: str
+    loss: Callable[[jax.Array, jax.Array], jax.Array]  # (outputs f32[B], labels f32[B]) -> per-example loss f32[B]
+    predict: Callable[[jax.Array], jax.Array]  # outputs f32[B] -> predictions f32[B] (probabilities, ratings)
+    evaluate: Callable[..., dict]  # (labels, predictions) -> {metric: value, plus `extras`}, on the host
+    metrics: tuple[str, ...]  # what `evaluate` reports, in order (metrics.csv columns, summary.json's headline)
+    tracked: tuple[str, ...]  # validation metrics whose best step is tracked; `train.select_on` is one of them
+    extras: tuple[str, ...]  # `evaluate`'s other keys: the eval set's size and its mean label
+
+
+def _squared_error(outputs: jax.Array, labels: jax.Array) -> jax.Array:
+    return jnp.square(outputs - labels)
+
+
+# One entry per DatasetSpec target (recjax/specs.py TARGETS).
+OBJECTIVES = {
+    "binary": Objective("binary", optax.sigmoid_binary_cross_entropy, jax.nn.sigmoid, metrics.binary_metrics,
+                        metrics.METRICS, ("auc", "logloss"), ("eval_examples", "eval_ctr")),
+    "regression": Objective("regression", _squared_error, lambda outputs: outputs, metrics.regression_metrics,
+                            metrics.REGRESSION_METRICS, ("mse",), ("eval_examples", "eval_mean")),
+}
+
+
+def objective_for(spec: DatasetSpec, select_on: str | None = None) -> Objective:
+    """The dataset's objective; a ConfigError when `select_on` (train.select_on) is not one of its tracked metrics."""
+    objective = OBJECTIVES[spec.target]
+    if select_on is not None and select_on not in objective.tracked:
+        raise ConfigError("train.select_on", f"{select_on!r} is not a metric of this dataset's {spec.target} labels "
+                                             f"(it reports {', '.join(objective.metrics)}); set "
+                                             f"--config.train.select_on={objective.tracked[0]}")
+    return objective
+
+
+@dataclasses.dataclass(frozen=True)
 class Task:
-    """Everything static a step needs: the embedding collection, the model and both optimizers."""
+    """Everything static a step needs: the embedding collection, the model, both optimizers and the objective."""
 
     spec: DatasetSpec
     collection: EmbeddingCollection
@@ -39,6 +80,7 @@ class Task:
     dense_tx: optax.GradientTransformation
     sparse_optimizer: SparseOptimizer
     sparse_lr: optax.Schedule
+    objective: Objective = OBJECTIVES["binary"]
 
 
 
@@ -51,18 +93,18 @@ def table_specs(spec: DatasetSpec, config: ml_collections.ConfigDict, dataset=No
     expected counts over the run's `train_examples`; any other non-empty value is the path of an .npz with one
     array per feature.
     """
-    embedding = config.embedding
-    source = embedding.get("id_counts", "")
+    embedding = read_section(config, "embedding", EmbeddingSection)
     counts = None
-    if source == "dataset":
+    if embedding.id_counts == "dataset":
         if dataset is None or not hasattr(dataset, "id_counts"):
             raise ConfigError("embedding.id_counts", f"'dataset', but dataset '{config.data.name}' has no expected id "
                                                      "counts; pass an .npz of per-feature counts instead")
         counts = dataset.id_counts(train_examples)
-    elif source:
-        counts = load_id_counts(source)
+    elif embedding.id_counts:
+        counts = load_id_counts(embedding.id_counts)
     return plan_tables([f.name for f in spec.features], [f.vocab_size for f in spec.features], embedding_dim(config),
-                       embedding, id_counts=counts)
+                       {"method": embedding.method, "options": embedding.options, "tables": embedding.tables},
+                       id_counts=counts)
 
 
 def check_optimizer(config: Mapping) -> None:
@@ -79,16 +121,16 @@ def check_optimizer(config: Mapping) -> None:
     choice(config, "optimizer.decay", DECAYS)
 
 
-def schedule(base_lr: float, config: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
+def schedule(base_lr: float, optimizer: OptimizerSection, total_steps: int) -> optax.Schedule:
     """Linear warmup from 0 over `warmup_steps`, then constant (or cosine to 0 at `total_steps`)."""
-    warmup = int(config.optimizer.warmup_steps)
-    if config.optimizer.decay == "none":
+    warmup = optimizer.warmup_steps
+    if optimizer.decay == "none":
         if warmup == 0:
             return optax.constant_schedule(base_lr)
         return optax.linear_schedule(0.0, base_lr, warmup)
-    if config.optimizer.decay == "cosine":
+    if optimizer.decay == "cosine":
         return optax.warmup_cosine_decay_schedule(0.0, base_lr, max(warmup, 1), total_steps)
-    raise ConfigError("optimizer.decay", f"unknown decay '{config.optimizer.decay}'; use one of {list(DECAYS)}")
+    raise ConfigError("optimizer.decay", f"unknown decay '{optimizer.decay}'; use one of {list(DECAYS)}")
 
 
 def _is_weight_matrix(params):
@@ -96,34 +138,41 @@ def _is_weight_matrix(params):
     return jax.tree_util.tree_map(lambda x: jnp.ndim(x) >= 2, params)
 
 
-def make_dense_optimizer(config: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
+def make_dense_optimizer(optimizer: OptimizerSection, total_steps: int) -> optax.GradientTransformation:
     """The dense optimizer, with decoupled weight decay (Loshchilov & Hutter 2019: AdamW; for SGD it equals L2)
     scaled by the learning rate schedule like optax.adamw."""
-    dense = config.optimizer.dense
+    dense = optimizer.dense
     if dense.name not in DENSE_OPTIMIZERS:
         raise ConfigError("optimizer.dense.name", f"unknown dense optimizer '{dense.name}'; use one of "
                                                   f"{sorted(DENSE_OPTIMIZERS)}")
     parts = [DENSE_OPTIMIZERS[dense.name]()]
-    if dense.get("weight_decay", 0.0):
-        parts.append(optax.add_decayed_weights(float(dense.weight_decay), mask=_is_weight_matrix))
-    parts.append(optax.scale_by_learning_rate(schedule(dense.learning_rate, config, total_steps)))
+    if dense.weight_decay:
+        parts.append(optax.add_decayed_weights(dense.weight_decay, mask=_is_weight_matrix))
+    parts.append(optax.scale_by_learning_rate(schedule(dense.learning_rate, optimizer, total_steps)))
     return optax.chain(*parts)
 
 
 def build_task(config: ml_collections.ConfigDict, spec: DatasetSpec, dataset=None, total_steps: int = 1) -> Task:
     """`dataset` is only consulted for per-id counts (config.embedding.id_counts = "dataset"); `total_steps` sets
     the cosine decay's end and the examples those counts cover."""
+    sections = read_sections(config)
+    optimizer, embedding = sections.optimizer, sections.embedding
+    objective = objective_for(spec, sections.train.select_on)
     with config_errors("optimizer.sparse"):
-        sparse_optimizer = make_sparse_optimizer(config.optimizer.sparse)
+        sparse_optimizer = make_sparse_optimizer(optimizer.sparse)
     with config_errors("embedding"):
-        examples = total_steps * int(config.train.batch_size)
-        embedding = config.embedding
-        kernel = embedding.get("kernel", "auto")
-        collection = EmbeddingCollection(spec, table_specs(spec, config, dataset, examples), embedding.pooling,
-                                         embedding.get("bounds_check", "zero"), kernel,
-                                         resolve_dedup(embedding.get("dedup", "auto"), kernel, sparse_optimizer,
+        examples = total_steps * sections.train.batch_size
+        tables = table_specs(spec, config, dataset, examples)
+        # embedding.kernel="auto" is chosen for this device kind and step shape (recjax/kernel_choice.py): from the
+        # XLA collection's structure, before the run's collection is built with the chosen kernel and pool_from.
+        probe = EmbeddingCollection(spec, tables, embedding.pooling, embedding.bounds_check, "xla")
+        chosen = choose_kernel(embedding, probe, sparse_optimizer, sections.train.batch_size)
+        kernel = chosen["kernel"]
+        collection = EmbeddingCollection(spec, tables, embedding.pooling, embedding.bounds_check, kernel,
+                                         resolve_dedup(embedding.dedup, kernel, sparse_optimizer,
                                                        multi_hot=any(f.bag_size > 1 for f in spec.features)),
-                                         embedding.get("pool_from", "auto"))
+                                         chosen["pool_from"], chosen)
+        collection.kernel_choice.update(pool_from=collection.pool_from, dedup=collection.dedup)
     with config_errors("model"):
         model = make_model(config.model, embedding_dim(config))
     return Task(
@@ -131,7 +180,8 @@ def build_task(config: ml_collections.ConfigDict, spec: DatasetSpec, dataset=Non
         collection=collection,
         glue=EmbeddingGlue(collection),
         model=model,
-        dense_tx=make_dense_optimizer(config, total_steps),
+        dense_tx=make_dense_optimizer(optimizer, total_steps),
         sparse_optimizer=sparse_optimizer,
-        sparse_lr=schedule(config.optimizer.sparse.learning_rate, config, total_steps),
+        sparse_lr=schedule(float(optimizer.sparse["learning_rate"]), optimizer, total_steps),
+        objective=objective,
     )

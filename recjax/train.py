@@ -2,10 +2,12 @@
 checkpoints and the outputs, then runs the loop.
 
 What is trained is a `Task` (recjax/task.py); the one train / predict step is recjax/step.py, written against the
-embedding backend (`LocalEmbedding` on one device, `MeshEmbedding` on a mesh); budget, evaluation and selection are
+embedding interface, which `recjax.placement.build` composes from a layout (one device, a mesh) and a storage per
+table group (device memory, host memory, disk behind a RAM cache); budget, evaluation and selection are
 recjax/evaluation.py; what the run writes as it goes is recjax/metric_log.py. The loop:
 
-    for each step: train step -> (dynamic tables: adjust) -> at log points: loss and the divergence check, at eval
+    for each call of k steps (`train.steps_per_call`; a call ends at every log / eval / checkpoint / adjustment step):
+    train steps -> (dynamic tables: adjust) -> at log points: loss and the divergence check, at eval
     points: validation, and test when validation improved -> early stop? -> checkpoint when due or newly selected (or
     on Ctrl-C, then stop)
 
@@ -33,14 +35,14 @@ import ml_collections
 import numpy as np
 import tqdm
 
-from recjax import sharding, tiering
+from recjax import placement, sharding
 from recjax.batch import pad_batch, validate_batch
 from recjax.checkpoint import Checkpointer, ResumePoint
 from recjax.config_check import validate_config
 from recjax.data import make_dataset
 from recjax.data.pipeline import BlockPrefetcher, MadeBlocks, stack, stream_blocks
 from recjax.dynamic import DynamicTables
-from recjax.embedding_backend import EmbeddingBackend, LocalEmbedding
+from recjax.embedding_backend import EmbeddingBackend
 from recjax.errors import ConfigError, Interrupted
 from recjax.evaluation import Budget, Selection, evaluate, resolve_budget, resolve_steps_per_call
 from recjax.guards import (
@@ -52,14 +54,15 @@ from recjax.guards import (
     writable_directory,
 )
 from recjax.metric_log import MetricLog
-from recjax.metrics import METRICS
+from recjax.rss import RssSampler
 from recjax.step import init_state, make_predict_step, make_train_step
 from recjax.task import Task, build_task
+from recjax.tiering.folders import WORKDIR_FOLDER, remove_stale
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
     """Train per `config`, select the best step on validation, write the workdir outputs, return the summary."""
-    validate_config(config)  # every config mistake is a ConfigError naming its key, before any work
+    sections = validate_config(config)  # every config mistake is a ConfigError naming its key, before any work
 
     # --- workdir and checkpoints ----------------------------------------------------------------------
     root = pathlib.Path(workdir)  # process 0's workdir: the summary and the checkpoints every process shares
@@ -67,6 +70,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     writable_directory(workdir, "--workdir")
     if config.checkpoint.enabled and config.checkpoint.dir:
         writable_directory(pathlib.Path(config.checkpoint.dir).expanduser(), "checkpoint.dir")
+    left = remove_stale(workdir / WORKDIR_FOLDER)  # the disk-tier table files a killed run left here
+    if left:
+        print(f"removed the disk-tier table files ({left / 2**20:,.1f} MiB) a killed run left in {workdir}", flush=True)
     checkpointer = Checkpointer(config, root) if config.checkpoint.enabled else None
     resume = checkpointer.resume_point() if checkpointer else None
     if resume and resume.own and resume.finished and (root / "summary.json").exists():
@@ -94,33 +100,36 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                 else dynamic.with_capacities(task, saved_dynamic["capacities"]))
 
     # --- where the embedding rows live ------------------------------------------------------------------
-    # Tables on disk / in host RAM: a row cache in front of them (recjax/tiering); a mesh: the plan's blocks and
-    # collectives (recjax/sharding); else one device: the collection's own engine.
-    steps_per_call = resolve_steps_per_call(config.train, jax.default_backend())
-    backend = (tiering.setup(config, task, dataset, steps_per_call) or sharding.setup(config, task)
-               or LocalEmbedding(task.collection))
-    check_memory(config, task, backend)  # before the tables are made (a disk tier: what stays in memory)
+    # A layout (one device, or the mesh's plan) x a storage per table group (device memory, host memory, disk
+    # behind a RAM cache): recjax/placement.
+    backend = placement.build(sections, task, dataset, workdir)
+    check_memory(config, task, backend)  # before the tables are made (device and host memory, apart)
     if checkpointer is not None:  # where the tables' rows are, and how to restore a checkpoint saved elsewhere
-        checkpointer.layout = sharding.layout(backend)
-        checkpointer.relayout = sharding.relayout(task.collection, backend)
+        checkpointer.layout = backend.checkpoint_layout()
+        checkpointer.relayout = backend.relayout()
         checkpointer.task = task  # what the tables hold: checked on restore
         checkpointer.backend = backend  # what a save writes of the tables (a disk tier reads them from its files)
 
     stop = StopRequest()
     try:
-        run = Run(config, workdir, dataset, task, budget, backend, checkpointer, dynamic, stop, steps_per_call)
-        # The input pipeline starts first: its first blocks are made while the steps compile.
-        with stop, run.input_pipeline(resume.step if resume else 0) as calls:
-            run.start(resume)
-            return run.train(calls)
+        # Steps one compiled call runs: by platform, or 1 where the placement plans each step's rows on the host.
+        steps_per_call = resolve_steps_per_call(config.train, jax.default_backend(), backend.one_step_only)
+        with stop, RssSampler() as rss:
+            run = Run(config, workdir, dataset, task, budget, backend, checkpointer, dynamic, stop, rss, steps_per_call)
+            # The input pipeline starts first: its first blocks are made while the steps compile.
+            with run.input_pipeline(resume.step if resume else 0) as calls:
+                run.start(resume)
+                return run.train(calls)
     except KeyboardInterrupt as error:  # Ctrl-C twice, or before the loop started
         if isinstance(error, Interrupted):
             raise
         raise interrupted(stop.step, checkpointer) from None
     finally:
-        if checkpointer:
-            checkpointer.close()  # waits for a save in flight
-        backend.close()  # a disk tier's writer thread and files
+        try:
+            if checkpointer:
+                checkpointer.close()  # waits for a save in flight
+        finally:
+            backend.close()  # a disk tier's writer thread and files
 
 
 @dataclasses.dataclass
@@ -138,8 +147,8 @@ class LoopState:
     divergence: Divergence = dataclasses.field(default_factory=lambda: Divergence(0.0))
 
     @classmethod
-    def fresh(cls, config: ml_collections.ConfigDict) -> "LoopState":
-        return cls(Selection(config.train.select_on, int(config.train.early_stopping_patience)), [],
+    def fresh(cls, config: ml_collections.ConfigDict, tracked: tuple[str, ...] = ("auc", "logloss")) -> "LoopState":
+        return cls(Selection(config.train.select_on, int(config.train.early_stopping_patience), tracked=tracked), [],
                    divergence=Divergence(float(config.train.divergence_factor)))
 
     @classmethod
@@ -162,12 +171,14 @@ class Run:
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: pathlib.Path, dataset, task: Task,
                  budget: Budget, backend: EmbeddingBackend, checkpointer: Checkpointer | None,
-                 dynamic: DynamicTables | None, stop: StopRequest | None = None, steps_per_call: int = 1):
+                 dynamic: DynamicTables | None, stop: StopRequest | None = None, rss: RssSampler | None = None,
+                 steps_per_call: int = 1):
         self.config, self.workdir, self.dataset, self.task, self.budget = config, workdir, dataset, task, budget
         self.backend, self.checkpointer, self.dynamic = backend, checkpointer, dynamic
         self.stop = stop or StopRequest()  # Ctrl-C: stop after the current call
         self.steps_per_call = steps_per_call
-        self.loop = LoopState.fresh(config)
+        self.rss = rss or RssSampler()  # the peaks of the process's own memory and of its mapped files
+        self.loop = LoopState.fresh(config, task.objective.tracked)
         # The calls' losses since the last divergence check, left on the device until a log point (or a save)
         # fetches them at once; step 1's loss (a fresh run's: the untrained model's).
         self.window_losses: list[jax.Array] = []
@@ -177,6 +188,7 @@ class Run:
         # CPU time over the same windows (every thread's: the device's on a CPU, the input pipeline's).
         self.clock = {"calls": 0, "input_wait_s": 0.0, "dispatch_s": 0.0, "sync_s": 0.0, "cpu_s": 0.0}
         self.train_calls: dict[int, object] = {}  # steps per call -> its executable (1: `train_step`)
+        self._initial_collection = task.collection  # a compaction keeps the adjustment steps
 
     # ------------------------------------------------------------------------------------------------ input
     def is_call_end(self, step: int) -> bool:
@@ -203,11 +215,13 @@ class Run:
         return sorted({1, self.steps_per_call})
 
     def input_pipeline(self, start: int) -> BlockPrefetcher | MadeBlocks:
-        """The calls' inputs from step `start` to the budget (recjax/data/pipeline.py): synthetic data is made on the
+        """The calls' inputs from step `start` to the budget (recjax/data/pipeline.py). Step i's batch is a pure
+        function of (seed, i), so a resumed run restarts the stream at its step. Synthetic data is made on the
         device, keyed by step, one call ahead; other data is read on the host and validated, stacked and put on the
-        device a block at a time by worker threads, ahead of the loop."""
+        device a block at a time by worker threads, ahead of the loop. Multi-host: each process reads only its
+        devices' rows of every batch (the batch is the same for any number of processes); the processes' shares
+        make the global arrays (`backend.put_batch`)."""
         backend, batch_size = self.backend, self.budget.batch_size
-        self._initial_collection = self.task.collection  # a compaction keeps the adjustment steps
         lengths = self.call_lengths(start, self.budget.steps)
         rows = backend.process_rows(batch_size)  # multi-host: this process's share of every batch
         if rows is None and hasattr(self.dataset, "device_batches"):
@@ -236,8 +250,7 @@ class Run:
                               batch_size if rows is None else rows.stop - rows.start)
         if backend.describe():
             print(backend.describe(), flush=True)
-        if isinstance(backend, sharding.MeshEmbedding):
-            sharding.save_plan(backend.plan, self.workdir)
+        backend.save_plan(self.workdir)  # a mesh's sharding_plan.txt / .json, whatever its storages
         init = lambda batch: init_state(task, jax.random.key(self.config.seed), batch, backend)  # noqa: E731
         if resume and backend.restores_single_device:  # restored into: no need to initialise the tables
             like = jax.eval_shape(lambda b: init_state(task, jax.random.key(self.config.seed), b), eval_host)
@@ -267,7 +280,8 @@ class Run:
               f"{self.steps_per_call} step{'s' if self.steps_per_call > 1 else ''} per call on "
               f"{jax.device_count()} x {jax.devices()[0].device_kind} ({jax.default_backend()})", flush=True)
 
-        self.log = MetricLog(self.workdir, batch_size, self.budget.examples_per_epoch, self.loop.history)
+        self.log = MetricLog(self.workdir, batch_size, self.budget.examples_per_epoch, self.loop.history,
+                             task.objective.metrics)
         if self.dynamic is not None:
             self.loop.selection.selectable_from = self.dynamic.ramp_end(task.collection)
             if not self.dynamic.history:  # a resumed run restored its history
@@ -393,6 +407,7 @@ class Run:
             print(f"ERROR: {diverged}", flush=True)
         elif self.checkpointer:
             self.state = self.checkpointer.save(step, self.state, self._loop_saved(), finished=True)
+        self.backend.finish(self.state)  # e.g. a disk tier's final write-back: before the summary reads the memory
         stopped_early = step < budget.steps and diverged is None
         if selection.best_validation:
             print(f"selected step {selection.best_step:,} (best validation {selection.select_on} "
@@ -404,10 +419,25 @@ class Run:
                                               float(self.config.train.selection_auc_tolerance))
         if disagreement:
             print(f"WARNING: {disagreement}", flush=True)
-        summary = self.summary(step, disagreement, diverged)
+        late = self._selected_at_budget_end(diverged)
+        if late:
+            print(f"WARNING: {late}", flush=True)
+        summary = self.summary(step, disagreement, diverged, late)
         if jax.process_index() == 0:  # multi-host: one summary
             (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+
+    def _selected_at_budget_end(self, diverged: str | None) -> str | None:
+        """A warning when the selected step is the budget's last (after more than one evaluation): validation was
+        still improving when the budget ended, so the run's figures understate what its config reaches."""
+        selection, steps = self.loop.selection, self.budget.steps
+        evaluations = sum(1 for row in self.log.history if row["split"] == "validation")
+        if diverged is not None or selection.best_step != steps or evaluations < 2:
+            return None
+        key = "train.steps" if self.config.train.steps is not None else "train.epochs"
+        return (f"the selected step {steps:,} is the last of the budget: validation {selection.select_on} was still "
+                f"improving when the budget ended, so these test figures understate what this config reaches; raise "
+                f"{key} (summary.json: selected_step = budget_steps)")
 
     def _call(self, step: int, n: int, block) -> int:
         """Dispatch the `n` steps after `step` as one compiled call; the step after them. Nothing is read from the
@@ -428,10 +458,10 @@ class Run:
             self.checkpointer.task = self.task  # a compaction re-sized the pools
         if recompile:  # a pool was compacted: new shapes (a mesh made a new plan for them)
             if self.checkpointer is not None:
-                self.checkpointer.layout = sharding.layout(self.backend)
-                self.checkpointer.relayout = sharding.relayout(self.task.collection, self.backend)
+                self.checkpointer.layout = self.backend.checkpoint_layout()
+                self.checkpointer.relayout = self.backend.relayout()
             t0 = time.perf_counter()
-            self._compile()  # and the k-step calls again at their next use
+            self._compile()  # and the k-step call again (`examples_k` keeps the batch's shapes)
             dynamic.timings["recompile_s"] += time.perf_counter() - t0
         # Compiling is not training time (as the first compile is not); nor its CPU time (a compile runs on one
         # thread: about its wall time).
@@ -454,7 +484,7 @@ class Run:
     def _score(self, split: str, step: int) -> dict:
         result = evaluate(self.task, self.predict_step, self.state, self.dataset, self.budget.batch_size, split,
                           self.backend)
-        self.log.write({"step": step, "split": split, **{k: result[k] for k in METRICS},
+        self.log.write({"step": step, "split": split, **{k: result[k] for k in self.task.objective.metrics},
                         "elapsed_s": time.perf_counter() - self.run_start})
         return result
 
@@ -488,7 +518,7 @@ class Run:
             return None
         test = self._score("test", step)
         selection.record_test(step, test)
-        if not np.isfinite(test["auc"]) and not self.loop.test_warned:
+        if not np.isfinite(test.get("auc", 0.0)) and not self.loop.test_warned:
             self.loop.test_warned = True
             selection.warnings.append(
                 f"the test split has one class only (click rate {test['eval_ctr']:g} over "
@@ -510,31 +540,35 @@ class Run:
         self.window_cpu += time.process_time() - cpu
 
     # ---------------------------------------------------------------------------------------------- summary
-    def summary(self, step: int, disagreement: str | None = None, diverged: str | None = None) -> dict:
+    def summary(self, step: int, disagreement: str | None = None, diverged: str | None = None,
+                late: str | None = None) -> dict:
         """What summary.json holds: the test split at the selected step (and at the other tracked metric's best
         step), the run's costs and sizes."""
         selection, budget, batch_size = self.loop.selection, self.budget, self.budget.batch_size
-        no_metrics = {k: math.nan for k in (*METRICS, "eval_examples", "eval_ctr")}  # diverged before an evaluation
+        objective = self.task.objective
+        metrics, reported = objective.metrics, (*objective.metrics, *objective.extras)
+        no_metrics = {k: math.nan for k in reported}  # diverged before an evaluation
         test = selection.test or no_metrics
         # The tables as they end (dynamic pools compacted to their budget).
         accounting = self.task.collection.accounting(self.task.sparse_optimizer)
+        memory = self.backend.memory_bytes(self.task.sparse_optimizer)  # where this process holds them
         restored = self.loop.restored_from["step"] if self.loop.restored_from else 0
         return {
             # Headline metrics: the test split at the step with the best validation metric.
-            **{k: test[k] for k in METRICS},
-            "test": {k: test[k] for k in (*METRICS, "eval_examples", "eval_ctr")},
+            **{k: test[k] for k in metrics},
+            "test": {k: test[k] for k in reported},
             "validation": {k: (selection.best_validation or no_metrics)[k]
-                           for k in (*METRICS, "eval_examples", "eval_ctr")},
-            "last_validation": {k: (selection.last_validation or no_metrics)[k] for k in METRICS},
+                           for k in reported},
+            "last_validation": {k: (selection.last_validation or no_metrics)[k] for k in metrics},
             "selected_step": selection.best_step,
             "select_on": selection.select_on,
             # The best validation step of each tracked metric and the test split there (the headline is select_on's).
-            "selection": {metric: {"step": best["step"], "validation": {k: best["validation"][k] for k in METRICS},
-                                   "test": {k: best["test"][k] for k in METRICS}}
+            "selection": {metric: {"step": best["step"], "validation": {k: best["validation"][k] for k in metrics},
+                                   "test": {k: best["test"][k] for k in metrics}}
                           for metric, best in selection.by_metric.items()},
             "stopped_early": step < budget.steps and diverged is None,
             "diverged": diverged,  # None, or why training stopped: the loss diverged (the launcher exits with 3)
-            "warnings": selection.warnings + ([disagreement] if disagreement else []),
+            "warnings": selection.warnings + [w for w in (disagreement, late) if w],
             "restored_from": self.loop.restored_from,
             **self.dataset.info(),
             "params": self.dense_params + accounting["params"],
@@ -542,6 +576,10 @@ class Run:
             "embedding_params": accounting["params"],
             "embedding_bytes": accounting["bytes"],
             "embedding_optimizer_bytes": accounting["optimizer_bytes"],
+            # Of those (and a disk tier's caches), what this process holds in device memory and in host memory (a
+            # disk tier's files count in neither): what the memory check compared with each memory.
+            "embedding_device_bytes": memory.device,
+            "embedding_host_bytes": memory.host,
             "compression_ratio": accounting["full_bytes"] / accounting["bytes"],
             "flops_per_example": self.forward_flops,
             "train_flops_per_example": self.train_flops,
@@ -554,6 +592,7 @@ class Run:
             "train_time_s": self.loop.train_time,
             "wall_time_s": time.perf_counter() - self.run_start,
             "peak_rss_bytes": peak_rss_bytes(),
+            **self.rss.summary(),  # its split: the process's own memory, file-backed pages (sampled peaks)
             "steps": step,
             "budget_steps": budget.steps,
             "batch_size": batch_size,
@@ -561,6 +600,8 @@ class Run:
             "epochs": step * batch_size / budget.examples_per_epoch if budget.examples_per_epoch else None,
             "final_train_loss": self.loop.loss,
             "tables": accounting["tables"],
+            # What embedding.kernel ran and why (recjax/kernel_choice.py: "auto" measured, cached or shipped).
+            "embedding_kernel": self.task.collection.kernel_choice,
             **({} if self.dynamic is None else {"dynamic_tables": self.dynamic.summary()}),
             **self.backend.summary(),
         }

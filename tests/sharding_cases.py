@@ -17,7 +17,7 @@ import ml_collections
 import numpy as np
 
 from experiments.configs import dlrm_synthetic
-from recjax import sharding
+from recjax import placement
 from recjax.config_check import validate_config
 from recjax.data import make_dataset
 from recjax.data.pipeline import stack
@@ -118,8 +118,8 @@ def run_case(name: str, out: pathlib.Path) -> None:
     task = build_task(config, dataset.spec, dataset, 10)
     batches = [b for _, b in zip(range(STEPS), dataset.train_batches(BATCH), strict=False)]
     state = init_state(task, jax.random.key(0), jax.device_put(batches[0]))
-    sharded = sharding.setup(config, task)
-    assert sharded is not None
+    sharded = placement.build(config, task)
+    assert sharded.layout.shards == 8
     sharded_state = sharded.place_state(state)
     sharded_train = make_train_step(task, sharded, sharded_state)
     sharded_predict = make_predict_step(task, sharded, sharded_state)
@@ -138,39 +138,40 @@ def run_case(name: str, out: pathlib.Path) -> None:
         k_train = make_train_step(task, sharded, k_state, steps_per_call=STEPS)
         k_state, k_metrics = k_train(k_state, block)
         result["k_loss"] = np.asarray(k_metrics["loss"])
-        k_back = sharded.host_state(k_state)
+        k_back = sharded.local_state(k_state)
         for group in k_back.tables:
-            result[f"k_table/{group}"] = k_back.tables[group]
+            result[f"k_table/{group}"] = np.asarray(k_back.tables[group])
             for field, value in k_back.sparse_opt_state[group].items():
-                result[f"k_opt/{group}/{field}"] = value
+                result[f"k_opt/{group}/{field}"] = np.asarray(value)
         for feature, arrays in k_back.aux.items():
             for key, value in arrays.items():
-                result[f"k_aux/{feature}/{key}"] = value
+                result[f"k_aux/{feature}/{key}"] = np.asarray(value)
         for path, value in jax.tree_util.tree_leaves_with_path(k_back.dense_params):
             result[f"k_dense/{jax.tree_util.keystr(path)}"] = np.asarray(value)
     result["ref_logits"] = np.asarray(ref_predict(state, jax.device_put(batches[0])))
     result["logits"] = np.asarray(sharded_predict(sharded_state, put(batches[0])))
-    back = sharded.host_state(sharded_state)
+    back = sharded.local_state(sharded_state)
     for group in state.tables:
         result[f"ref_table/{group}"] = np.asarray(state.tables[group])
-        result[f"table/{group}"] = back.tables[group]
+        result[f"table/{group}"] = np.asarray(back.tables[group])
         for field, value in state.sparse_opt_state[group].items():
             result[f"ref_opt/{group}/{field}"] = np.asarray(value)
-            result[f"opt/{group}/{field}"] = back.sparse_opt_state[group][field]
+            result[f"opt/{group}/{field}"] = np.asarray(back.sparse_opt_state[group][field])
     for feature, arrays in state.aux.items():  # FIITED's routing arrays
         for key, value in arrays.items():
             result[f"ref_aux/{feature}/{key}"] = np.asarray(value)
-            result[f"aux/{feature}/{key}"] = back.aux[feature][key]
+            result[f"aux/{feature}/{key}"] = np.asarray(back.aux[feature][key])
     ref_dense = jax.tree_util.tree_leaves_with_path(state.dense_params)
     dense = jax.tree_util.tree_leaves(back.dense_params)
     for (path, ref), value in zip(ref_dense, dense, strict=True):
         key = jax.tree_util.keystr(path)
         result[f"ref_dense/{key}"] = np.asarray(ref)
         result[f"dense/{key}"] = np.asarray(value)
-    result["shardings"] = np.array(sorted({p.sharding for p in sharded.plan.placements}))
-    # Storages whose all_to_all buckets are smaller than the worst case (a step takes the worst case on overflow).
+    result["shardings"] = np.array(sorted({p.sharding for p in sharded.layout.plan.placements}))
+    # Arrays whose all_to_all buckets are smaller than the worst case (a step takes the worst case on overflow).
+    exchange = sharded.layout.exchange
     result["expected_buckets"] = sum(small < capacity for capacity, small in
-                                     (sharded.exchange.capacities(s, BATCH // 8) for s in sharded.storages.values()
+                                     (exchange.capacities(s, BATCH // 8) for s in exchange.arrays.values()
                                       if s.kind in ("sharded", "model")))
     np.savez(out / f"{name}.npz", **result)
 
@@ -193,7 +194,7 @@ def hlo_facts(rows: int, exchange_dtype: str = "float32") -> dict:
     task = build_task(config, dataset.spec, dataset, 10)
     batch = next(dataset.train_batches(64))
     state = init_state(task, jax.random.key(0), jax.device_put(batch))
-    sharded = sharding.setup(config, task)
+    sharded = placement.build(config, task)
     sharded_state = sharded.place_state(state)
     lowered = make_train_step(task, sharded, sharded_state).lower(sharded_state, sharded.put_batch(batch))
     compiled = lowered.compile()
@@ -216,7 +217,7 @@ def hlo_facts(rows: int, exchange_dtype: str = "float32") -> dict:
         "all_to_all_dtypes_requested": requested,
         "temp_bytes": int(memory.temp_size_in_bytes),
         "alias_bytes": int(memory.alias_size_in_bytes),
-        "shardings": {p.table.name: p.sharding for p in sharded.plan.placements},
+        "shardings": {p.table.name: p.sharding for p in sharded.layout.plan.placements},
     }
 
 

@@ -21,7 +21,8 @@ from recjax.errors import CheckpointError, ConfigError, Interrupted
 from recjax.train import train_and_evaluate
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-TIMING = {"examples_per_sec", "compile_time_s", "train_time_s", "wall_time_s", "peak_rss_bytes", "loop"}
+TIMING = {"examples_per_sec", "compile_time_s", "train_time_s", "wall_time_s", "peak_rss_bytes",
+          "peak_rss_anon_bytes", "peak_rss_file_bytes", "loop"}
 VOCABS = (200, 50, 1000, 8, 3000, 20)
 
 

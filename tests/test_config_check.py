@@ -17,6 +17,7 @@ from experiments.configs import (
     dlrm_synthetic,
     fm_movielens,
     lr_movielens,
+    mf_movielens,
     scaling,
     wukong_synthetic,
 )
@@ -109,6 +110,40 @@ def test_each_bad_value_is_a_config_error_naming_its_key(tmp_path, factory, key,
     assert text in str(error.value), str(error.value)
 
 
+def test_typed_sections_take_their_defaults_and_name_bad_keys():
+    """recjax/sections.py: a config without its optional sections (mesh, sharding, tiering), or a section without one
+    of its keys, runs with the dataclasses' defaults -- the ones experiments/configs/common.py builds its sections
+    from, so nothing downstream repeats them; a value of the wrong type or a key the section lacks is a one-line
+    ConfigError naming the dotted key."""
+    import ml_collections
+
+    from recjax.sections import MeshSection, ShardingSection, TieringSection, read_sections
+
+    config = synthetic()
+    assert read_sections(config).tiering == TieringSection() and read_sections(config).sharding == ShardingSection()
+    with config.unlocked():
+        del config["tiering"]
+        del config["mesh"]
+        del config.sharding["capacity_sigmas"]
+    sections = validate_config(config)
+    assert sections.tiering == TieringSection() and sections.mesh == MeshSection()
+    assert sections.sharding.capacity_sigmas == ShardingSection().capacity_sigmas == 7.0
+    for section, fields, key, text in [
+        ("tiering", {"cache_rows": "many"}, "tiering.cache_rows", "must be a whole number, got 'many'"),
+        ("tiering", {"prefetch": 1}, "tiering.prefetch", "must be True or False, got 1"),
+        ("sharding", {"capacity_factor": "big"}, "sharding.capacity_factor", "must be a number, got 'big'"),
+        ("tiering", {"cache_size": 3}, "tiering.cache_size", "is not a known field; tiering has ["),
+        ("mesh", {"shape": 4}, "mesh.shape", "must be a string"),
+    ]:
+        config = synthetic()
+        with config.unlocked():
+            config[section] = ml_collections.ConfigDict(fields)
+        with pytest.raises(ConfigError) as error:
+            validate_config(config)
+        assert error.value.key == key and str(error.value).startswith(f"{key}: ") and text in str(error.value), \
+            str(error.value)
+
+
 def test_unknown_fields_and_missing_files_are_named(tmp_path):
     config = synthetic()
     config.train.stepz = 10
@@ -150,14 +185,14 @@ def test_fm_needs_room_for_a_factor():
 def test_every_shipped_config_and_every_model_swap_validates(tmp_path):
     configs = [dlrm_synthetic.get_config(p) for p in ("small", "kaggle", "terabyte", "mlperf")]
     configs += [wukong_synthetic.get_config(), dcnv2_synthetic.get_config(), scaling.get_config("dcnv2,5")]
-    for module in (dlrm_movielens, lr_movielens, fm_movielens):
+    for module in (dlrm_movielens, lr_movielens, fm_movielens, mf_movielens):
         config = module.get_config()
         config.data.dir = movielens(tmp_path).data.dir
         configs.append(config)
     checked = 0
     for config in configs:
         validate_config(config)
-        for name in ("dlrm", "dcnv2", "wukong", "lr", "fm"):
+        for name in ("dlrm", "dcnv2", "wukong", "lr", "fm", "mf"):
             swapped = copy.deepcopy(config)
             common.swap_model(swapped, name, {"model.name"})
             validate_config(swapped)
@@ -167,7 +202,7 @@ def test_every_shipped_config_and_every_model_swap_validates(tmp_path):
             assert name != "fm" or model.factor_dim == swapped.embedding.dim - 1
             checked += 1
     # Every swap, DLRM on fm_movielens too: the swap brings DLRM's 16-wide embeddings back for its dot interaction.
-    assert checked == 5 * len(configs)
+    assert checked == 6 * len(configs)
 
 
 def test_a_model_swap_brings_the_values_the_config_tuned_for_that_family():
@@ -255,7 +290,8 @@ def launch(*args, cwd=REPO):  # ~3 s idle (imports only; no training in these ca
                                           "experiments/configs/dlrm_criteo_terabyte.py, experiments/configs/"
                                           "dlrm_csv_clicks.py, experiments/configs/dlrm_libfm.py, experiments/configs/"
                                           "dlrm_movielens.py, experiments/configs/fm_movielens.py, experiments/configs/"
-                                          "lr_movielens.py (e.g. --config=experiments/configs/dlrm_criteo_kaggle.py)"),
+                                          "lr_movielens.py, experiments/configs/mf_movielens.py (e.g. "
+                                          "--config=experiments/configs/dlrm_criteo_kaggle.py)"),
     # A workdir that cannot be a directory (a virtual file system; below a file): one line, not an OSError traceback.
     (["--workdir=/proc/recjax_run"], "error: --workdir: cannot use /proc/recjax_run as a directory: "),
     # A list flag given twice: ml_collections joined the two lists (top_mlp (64, 1, 32, 1)); now an error.

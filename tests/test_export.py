@@ -1,12 +1,14 @@
 """Export: a trained run written with `jax.export` and loaded with jax + numpy only scores exactly as the trainer; raw
 rows (MovieLens ratings lines, Criteo lines) encode exactly as the dataset builders encode them."""
 
+import errno
 import json
 import os
 import pathlib
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -166,6 +168,179 @@ def test_tiered_tables_score_as_in_ram_and_count_cache_hits(synthetic_run, tmp_p
     assert whole.cache_stats() == (expected_hits, expected_lookups)
     with pytest.raises(ValueError, match="cache must be a fraction"):
         TieredServingModel(tmp_path / "int4", cache=0.0)
+
+
+def _scores(directory: pathlib.Path, rows: list[dict]) -> np.ndarray:
+    scores, errors = loader.load(directory).score_rows(rows)
+    assert errors == []
+    return np.asarray(scores, np.float32).view(np.uint32)
+
+
+def _dead_pid() -> int:
+    """The id of a process that has ended (an export killed before it tidied up)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_an_export_is_replaced_only_with_overwrite_and_whole(synthetic_run, tmp_path, monkeypatch):
+    """An export at --out is replaced only with overwrite; a write that fails (the disk full) leaves it as it was,
+    with nothing beside it; the replacement is swapped in whole, through RENAME_EXCHANGE or by renaming the old one
+    aside, and an export left aside by a swap cut between its renames is put back by the next export."""
+    import recjax.serving.export as export_module
+
+    run = load_run(synthetic_run)
+    rows = _rows_as_json(next(run.dataset.eval_batches(16, "test")))
+    out = tmp_path / "exports" / "model"
+    export_run(run, out, "int8", log=lambda _: None)
+    old = _scores(out, rows)
+    with pytest.raises(ConfigError, match=rf"^out: {out} holds an export already \(step 30 of .*, int8 tables\); "
+                                          "pass --overwrite to replace it"):
+        export_run(run, out, "f32")
+
+    def disk_full(tree, directory, prefix):
+        raise OSError(errno.ENOSPC, "No space left on device", str(directory / prefix))
+
+    monkeypatch.setattr(export_module, "_save_tree", disk_full)
+    with pytest.raises(ConfigError, match=rf"^out: writing the export to {out} failed: No space left on device "
+                                          r"\(.*\); the export needs [\d,]+ bytes, [\d,]+ are free there; "
+                                          f"{out} is as it was before$"):
+        export_run(run, out, "f32", overwrite=True)
+    monkeypatch.undo()
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model"]  # the half-written export is gone
+    np.testing.assert_array_equal(_scores(out, rows), old)
+
+    notes = []
+    manifest = export_run(run, out, "f32", overwrite=True, log=notes.append)
+    assert manifest["table_format"] == "f32" and sorted(p.name for p in out.parent.iterdir()) == ["model"]
+    assert oct(out.stat().st_mode & 0o777) == oct(0o777 & ~_umask())  # a plain mkdir's permissions
+    f32 = _scores(out, rows)
+    assert not np.array_equal(f32, old) and notes[-1].startswith("exported step 30")
+
+    # Without RENAME_EXCHANGE: the old export renamed aside, the new one renamed in; a swap cut between the two
+    # (the old export aside, nothing at `out`) is undone by the next export before it starts.
+    monkeypatch.setattr(export_module, "_exchange", lambda a, b: False)
+    export_run(run, out, "int8", overwrite=True, log=lambda _: None)
+    np.testing.assert_array_equal(_scores(out, rows), old)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model"]
+    out.rename(out.parent / f".model.replaced-{_dead_pid()}-x")
+    (out.parent / f".model.partial-{_dead_pid()}-y").mkdir()  # a killed export's half-written folder
+    notes = []
+    with pytest.raises(ConfigError, match="holds an export already"):
+        export_run(run, out, "f32", log=notes.append)
+    assert notes == [f"note: restored the export {out} that an interrupted export had moved aside",
+                     f"note: removed 1 folder(s) that interrupted exports left beside {out}"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model"]
+    np.testing.assert_array_equal(_scores(out, rows), old)
+
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="notes exists and is not an export; choose a new directory"):
+        export_run(run, tmp_path / "notes", "f32", overwrite=True)
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+    (tmp_path / "empty").mkdir()
+    export_run(run, tmp_path / "empty", "f32", log=lambda _: None)  # an empty folder is taken
+    np.testing.assert_array_equal(_scores(tmp_path / "empty", rows), f32)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_an_unwritable_out_is_one_error_line(synthetic_run, tmp_path):
+    """--out under a file, on a file system that makes no folders, or in a read-only folder: one `error:` line
+    naming the path (from the command line: exit status 2, no traceback, before the run is restored); an export at
+    --out without --overwrite: one line too."""
+    run = load_run(synthetic_run)
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match=rf"^out: cannot write an export to {tmp_path}/a_file/export: "
+                                          rf"{tmp_path}/a_file is a file, not a directory; choose a folder you can "
+                                          "write$"):
+        export_run(run, tmp_path / "a_file" / "export", "f32")
+    if os.geteuid() != 0:  # a read-only folder (root writes anyway)
+        read_only = tmp_path / "read_only"
+        read_only.mkdir()
+        read_only.chmod(0o555)
+        with pytest.raises(ConfigError, match=rf"^out: cannot write an export to {read_only}/export: Permission "
+                                              rf"denied \(making a folder in {read_only}\)"):
+            export_run(run, read_only / "export", "f32")
+    unwritable = pathlib.Path("/sys/recjax_export")  # sysfs makes no folders, whoever asks
+    if not pathlib.Path("/sys/kernel").is_dir():
+        unwritable = tmp_path / "a_file" / "export"
+    command = [sys.executable, "-m", "experiments.export", f"--workdir={synthetic_run}"]
+    result = subprocess.run([*command, f"--out={unwritable}"], cwd=REPO, capture_output=True, text=True, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"error: out: cannot write an export to {unwritable}: ") and line.endswith(
+        "; choose a folder you can write")
+    export_run(run, tmp_path / "export", "int4", log=lambda _: None)
+    result = subprocess.run([*command, f"--out={tmp_path / 'export'}"], cwd=REPO, capture_output=True, text=True,
+                            check=False)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"error: out: {tmp_path / 'export'} holds an export already (step 30 of {synthetic_run.absolute()}, int4 "
+        "tables); pass --overwrite to replace it (the new export is swapped in whole), or choose another --out"]
+
+
+@pytest.mark.slow  # eight export processes
+def test_an_export_killed_at_any_moment_leaves_the_old_or_the_new_export(synthetic_run, tmp_path):
+    """`experiments.export --overwrite` over an int8 export, killed with SIGKILL at random moments and as its
+    staging folder appears, as its export.json is written and right after the swap: `out` always loads as the old
+    export or the new one, complete (its scores are one of the two, bit for bit); the next export removes what the
+    killed ones left beside it."""
+    run = load_run(synthetic_run)
+    rows = _rows_as_json(next(run.dataset.eval_batches(16, "test")))
+    references = tmp_path / "references"
+    export_run(run, references / "old", "int8", log=lambda _: None)
+    export_run(run, references / "new", "f32", log=lambda _: None)
+    expected = {"old": _scores(references / "old", rows), "new": _scores(references / "new", rows)}
+    assert not np.array_equal(expected["old"], expected["new"])
+    work = tmp_path / "work"
+    out = work / "export"
+    command = [sys.executable, "-m", "experiments.export", f"--workdir={synthetic_run}", f"--out={out}",
+               "--quantize=f32", "--overwrite"]
+
+    def trial(kill) -> str:
+        """Run the export over the old one; `kill(process)` returns once it has killed it (or let it finish)."""
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(references / "old", out)
+        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        kill(process)
+        process.wait()
+        found = _scores(out, rows)
+        outcome = next((name for name, scores in expected.items() if np.array_equal(found, scores)), None)
+        assert outcome is not None, f"{out} is neither export (exit {process.returncode})"
+        assert json.loads((out / "export.json").read_text())["table_format"] == {"old": "int8", "new": "f32"}[outcome]
+        return outcome
+
+    def at(condition):
+        def kill(process):
+            while process.poll() is None and not condition():
+                time.sleep(0.001)
+            process.kill()
+        return kill
+
+    start = time.monotonic()
+    assert trial(lambda process: process.wait()) == "new"
+    whole = time.monotonic() - start
+    outcomes = []
+    rng = np.random.default_rng(0)
+    for delay in rng.uniform(0.3, 1.0, 3) * whole:  # mostly while it restores the run and builds the export
+        outcomes.append(trial(lambda process, delay=delay: (time.sleep(delay), process.kill())))
+    staging = lambda: list(work.glob(".export.partial-*"))  # noqa: E731
+    outcomes.append(trial(at(lambda: bool(staging()))))  # writing the new export's files
+    assert outcomes[-1] == "old"
+    outcomes.append(trial(at(lambda: any((s / "export.json").is_file() for s in staging()))))  # about to swap
+    swapped = lambda: json.loads((out / "export.json").read_text())["table_format"] == "f32"  # noqa: E731
+    outcomes.append(trial(at(swapped)))  # removing the old export
+    assert outcomes[-1] == "new"
+    assert set(outcomes) <= {"old", "new"}
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in work.iterdir()) == ["export"]  # the killed exports' folders, removed
+    np.testing.assert_array_equal(_scores(out, rows), expected["new"])
 
 
 @pytest.fixture(scope="module")

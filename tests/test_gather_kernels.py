@@ -260,15 +260,23 @@ def test_blocks_and_limits_come_from_the_chip():
 
 
 def test_triton_blocks_follow_the_device(monkeypatch):
-    """Bags per program shrink (to 16) until the grid has 4 programs per SM; pipeline stages fit shared memory."""
+    """Bags per program shrink until the grid has 4 programs per SM (keeping >= 16 rows in flight per loop step); a
+    step gathers up to 16 positions of each bag; pipeline stages fit shared memory."""
     from pallas_kernels.hardware import GpuBudget
 
+    blocks = gr.TritonBlocks
     monkeypatch.setattr(gr, "gpu_budget", lambda: GpuBudget("test", sm_count=4, shared_memory_per_block=48 * 1024))
-    assert gr.triton_blocks(4096, 16, 4) == (256, 16, 3)  # 16 programs = 4 per SM; 3 stages of 16 KiB
-    assert gr.triton_blocks(4096, 64, 2) == (64, 64, 3)  # the register tile caps bags at 4096 / 64
-    assert gr.triton_blocks(100, 128, 4) == (16, 128, 3)  # 7 programs at 16 bags: the floor
+    assert gr.triton_blocks(4096, 1, 16, 4) == blocks(256, 1, 16, 3)  # 16 programs = 4 per SM; 3 stages of 16 KiB
+    assert gr.triton_blocks(4096, 1, 64, 2) == blocks(128, 1, 64, 3)  # the register tile caps bags at 8192 / 64
+    assert gr.triton_blocks(100, 1, 128, 4) == blocks(16, 1, 128, 3)  # 7 programs at 16 bags: the floor
+    # Bags of 100: 16 positions a step (7 steps), 4 bags of 16 rows each = the 8192-element tile; 1 stage of 32 KiB.
+    assert gr.triton_blocks(100, 100, 128, 4) == blocks(4, 16, 128, 1)
+    # D 200: two 128-column blocks; L 3 -> 4 positions a step; 16 bags would give 14 programs, 8 give 26.
+    assert gr.triton_blocks(100, 3, 200, 4) == blocks(8, 4, 128, 3)
     monkeypatch.setattr(gr, "gpu_budget", lambda: GpuBudget("test", sm_count=132, shared_memory_per_block=16 * 1024))
-    assert gr.triton_blocks(131072, 16, 4) == (128, 16, 2)  # 1024 programs >= 4 x 132; 2 stages of 8 KiB
+    assert gr.triton_blocks(131072, 1, 16, 4) == blocks(128, 1, 16, 2)  # 1024 programs >= 4 x 132; 2 stages of 8 KiB
+    # reference_random's lookups: 8 x 2048 bags of 100 at D 64 -> 8 bags x 16 positions, 2048 programs.
+    assert gr.triton_blocks(16384, 100, 64, 4) == blocks(8, 16, 64, 1)
 
 
 @pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu", "pallas"])

@@ -43,9 +43,10 @@ def run_steps(kernel: str, sparse: str, pooling: str, pool_from: str = "auto", s
     ("pallas_gpu", "lazy_adam", "mean", "table"),
     ("pallas_gpu", "rowwise_adagrad", "sum", "distinct_rows")])
 def test_pallas_step_equals_xla_step(kernel, sparse, pooling, pool_from):
-    """The Pallas step (pooling from the tables: d loss / d lookups summed into the distinct rows, the update kernel
-    reading the rows itself; or from the gathered distinct rows) = the XLA step on the distinct rows, whose
-    gradient autodiff sums. Asserts which kernels the step traced, so a mislabelled path fails."""
+    """The Pallas step (pooling from the tables: d loss / d lookups summed into each distinct row's gradient by its
+    segment of the sorted ids -- in the GPU update kernel itself --, the update kernel reading the rows itself; or
+    from the gathered distinct rows) = the XLA step on the distinct rows, whose gradient autodiff sums. Asserts
+    which kernels the step traced, so a mislabelled path fails."""
     _, xla_state, xla_losses = run_steps("xla", sparse, pooling)
     task, pallas_state, pallas_losses = run_steps(kernel, sparse, pooling, pool_from)
     assert task.collection.pool_from == pool_from
@@ -61,7 +62,9 @@ def test_pallas_step_equals_xla_step(kernel, sparse, pooling, pool_from):
     traced = pallas_calls(make_train_step(task), init_state(task, jax.random.key(0), batch), batch)
     assert {f for _, f in traced} == {family}, traced
     names = [name for name, _ in traced]
-    assert names.count(f"fused_row_update_{suffix}") == 1  # one stacked group
+    # One update per stacked group; on the GPU the table path's update sums each row's gradient in the same kernel.
+    update = "fused_backward_update_gpu" if (suffix, pool_from) == ("gpu", "table") else f"fused_row_update_{suffix}"
+    assert names.count(update) == 1 and sum("update" in name for name in names) == 1, names
     assert sum(name.startswith("gather_reduce_") for name in names) == 3  # one pool batch per bag size
     # Only the distinct-rows path gathers the batch's distinct rows (one per group) before pooling them.
     assert sum(name in ("gather_mosaic", "gather_triton") for name in names) == (pool_from == "distinct_rows")
@@ -125,20 +128,26 @@ def table_gathers(text: str, shapes: set[str]) -> list[str]:
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_exported_train_step_reads_tables_only_inside_kernels(platform):
-    """The train step as `jax.export` lowers it for TPU / CUDA from this CPU host (kernel="auto", pool_from="table",
-    lazy Adam with weight decay): the bags are pooled from the tables by the kernel and the fused update kernel
-    reads and writes the touched rows and their state, so no XLA gather has a table or its [R, D] state as its
-    operand. The same traced step lowered for CPU gathers from the table with XLA (the detector works)."""
-    task = build_task(step_config("auto", "lazy_adam", pool_from="table"), SPEC)
-    assert task.collection.pool_from == "table"
-    batch = jax.device_put(random_batch(SPEC, 8))
-    state = init_state(task, jax.random.key(0), batch)
-    step = make_train_step(task)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state, batch))
-    shapes = {f"{rows}x{task.collection.group_dims[g]}xf32" for g, rows in task.collection.group_rows.items()}
+    """The train step as `jax.export` lowers it for TPU / CUDA from this CPU host (kernel="pallas": the platform's
+    kernels, decided when lowered; pool_from="table", lazy Adam with weight decay): the bags are pooled from the
+    tables by the kernel and the fused update kernel reads and writes the touched rows and their state, so no XLA
+    gather has a table or its [R, D] state as its operand. The XLA step lowered for CPU gathers from the table (the
+    detector works)."""
+    def traced(kernel: str):
+        task = build_task(step_config(kernel, "lazy_adam", pool_from="table"), SPEC)
+        assert task.collection.pool_from == "table"
+        task.collection.interpret = False  # exported for an accelerator: the kernels lowered, not interpreted
+        batch = jax.device_put(random_batch(SPEC, 8))
+        state = init_state(task, jax.random.key(0), batch)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (state, batch))
+        shapes = {f"{rows}x{task.collection.group_dims[g]}xf32" for g, rows in task.collection.group_rows.items()}
+        return make_train_step(task), abstract, shapes
+
+    step, abstract, shapes = traced("pallas")
     text = jax.export.export(step, platforms=[platform], disabled_checks=[
         jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*abstract).mlir_module()
     assert table_gathers(text, shapes) == []
     assert text.count(f"@{KERNEL_CALL[platform]}(") == 3 + 1  # a gather-reduce per bag size, one update
+    step, abstract, shapes = traced("xla")
     cpu = step.lower(*abstract).as_text()
     assert "custom_call" not in cpu and table_gathers(cpu, shapes)

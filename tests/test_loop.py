@@ -1,6 +1,8 @@
 """The training loop's calls (issue 38): k steps per call give the run of one step per call, calls end wherever the
 loop must look at the state, and nothing is read back from the device between log points."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,7 +81,8 @@ def test_calls_end_at_every_log_eval_and_checkpoint_step(k):
     config = split_calls(k)
     config.train.log_every = 7
     budget = Budget(steps=100, batch_size=8, examples_per_epoch=None, every_steps=25)
-    run = Run(config, None, None, None, budget, None, _Checkpoints(11), None, steps_per_call=k)
+    task = types.SimpleNamespace(objective=types.SimpleNamespace(tracked=("auc", "logloss")), collection=None)
+    run = Run(config, None, None, task, budget, None, _Checkpoints(11), None, steps_per_call=k)
     lengths = list(run.call_lengths(3, 100))  # a run resumed at step 3
     ends = np.cumsum([3, *lengths])[1:]
     assert ends[-1] == 100

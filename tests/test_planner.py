@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import run_notebook
 
-from recjax.sharding import cost_net, meta_tables
+from experiments.planning import cost_net, meta_tables
 from recjax.sharding import planner as P
 from recjax.sharding.cost_model import (
     SHARDED,
@@ -283,7 +283,7 @@ def test_exchange_buckets_are_the_ones_exchange_py_allocates():
     from experiments.configs import dlrm_synthetic
     from recjax import sharding, train
     from recjax.data import make_dataset
-    from recjax.sharding.exchange import build_storages
+    from recjax.sharding.exchange import mesh_arrays
 
     config = dlrm_synthetic.get_config()
     config.data.vocab_sizes = (7, 300, 1000, 50, 120)
@@ -296,7 +296,7 @@ def test_exchange_buckets_are_the_ones_exchange_py_allocates():
     batch, n = 64, 8
     plan = make_plan(infos, {"data": 8, "model": 1}, batch, plan="row", overrides="C2=table:3,C4/q=table:3,C5/r=row",
                      device_memory_bytes=1 << 30)
-    storages = build_storages(task.collection, plan)
+    storages = mesh_arrays(task.collection, plan)
     problem = Problem(tuple(PlannerTable(i) for i in infos), Topology.cpu_host(n, 1 << 30), batch)
     parts = PartTable(problem)
     device_parts = [[] for _ in range(n)]

@@ -29,8 +29,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 MAX_BATCH = 8
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[pathlib.Path, list[dict]]:
+def tiny_export(tmp_path_factory) -> tuple[pathlib.Path, list[dict]]:
     """An int8 export of a tiny synthetic run, and 24 of its test rows as encoded JSON rows."""
     workdir = tmp_path_factory.mktemp("run")
     config = tiny_config(20)
@@ -44,13 +43,18 @@ def tiny(tmp_path_factory) -> tuple[pathlib.Path, list[dict]]:
     return out, _rows_as_json(next(run.dataset.eval_batches(24, "test")))
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[pathlib.Path, list[dict]]:
+    return tiny_export(tmp_path_factory)
+
+
 class Server:
     """`python -m experiments.serve` on port 0; `url` once it printed its address."""
 
-    def __init__(self, model: pathlib.Path, *flags: str):
+    def __init__(self, model: pathlib.Path, *flags: str, program: tuple[str, ...] = ("-m", "experiments.serve")):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "experiments.serve", f"--model={model}", "--port=0", f"--max_batch={MAX_BATCH}",
-             *flags], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [sys.executable, *program, f"--model={model}", "--port=0", f"--max_batch={MAX_BATCH}", *flags], cwd=REPO,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.output: list[str] = []
         self.terminated = False
         for line in self.process.stdout:  # blocks until the server is ready (or has died)
@@ -89,6 +93,7 @@ class Server:
     def stop(self) -> str:
         self.terminate()
         rest = self.process.stdout.read()
+        self.process.stdout.close()
         self.process.wait()
         return "".join(self.output) + rest
 
@@ -174,7 +179,8 @@ def test_server_scores_batches_clients_apart_and_answers_bad_requests(tiny):
     finally:
         log = server.stop()
     assert server.process.returncode == 0, log[-3000:]
-    assert "drained; bye" in log and "Traceback" not in log
+    assert "0 of the 0 requests in flight answered; 0 requests arriving during the drain refused" in log
+    assert log.rstrip().endswith("; bye") and "Traceback" not in log
 
 
 def test_server_with_tables_on_disk_reports_the_cache_hit_rate(tiny):
@@ -227,7 +233,8 @@ def test_sigterm_drains_the_queued_request(tiny):
     encoded, _ = model.encode(rows[:2])
     np.testing.assert_array_equal(_bits(body["scores"]), model.score_arrays(
         encoded.dense, encoded.ids, encoded.lengths, pad_to=MAX_BATCH).view(np.uint32))
-    assert log.index("draining") < log.index("drained; bye")
+    assert log.index("draining: no new connections; answering the 1 requests in flight") < log.index(
+        "drained in ") < log.index("1 of the 1 requests in flight answered")
 
 
 def test_adaptive_batching_decisions():

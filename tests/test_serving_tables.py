@@ -1,4 +1,4 @@
-"""Serving tables: each format's stored layout and error bound against plain-numpy oracles, and `ServingEmbedding`'s
+"""Serving tables: each format's stored layout and error bound against plain-numpy oracles, and `ServingStorage`'s
 lookup (decoded inside the step) against the trainer's lookup of the decoded tables, for every compression method."""
 
 import jax
@@ -9,10 +9,10 @@ import pytest
 from conftest import random_batch
 from test_train import tiny_config
 
+from recjax import placement
 from recjax.data import make_dataset
 from recjax.serving.tables import (
     FORMATS,
-    ServingEmbedding,
     decode_rows,
     decode_table,
     encode_table,
@@ -201,7 +201,7 @@ def _task(tables: dict | None = None):
 
 
 def test_serving_lookup_equals_the_trainer_on_decoded_tables():
-    """For each format, scores through ServingEmbedding (stored rows decoded inside the step) equal the trainer's
+    """For each format, scores through serving tables (stored rows decoded inside the step) equal the trainer's
     predict step on the tables decoded on the host, with hashing, QR, path-based QR, TT, MD blocks and FIITED tables
     in one model; f32 equals the trainer's own scores bit for bit."""
     task = _task()
@@ -216,7 +216,7 @@ def test_serving_lookup_equals_the_trainer_on_decoded_tables():
     trainer = np.asarray(predict(state, batch))
     for fmt in FORMATS:
         stored = encode_tables(tables, fmt)
-        served = np.asarray(make_predict_step(task, ServingEmbedding(task.collection, fmt))(
+        served = np.asarray(make_predict_step(task, placement.serving(task.collection, fmt))(
             state.replace(tables={g: jnp.asarray(s) for g, s in stored.items()}), batch))
         formats = group_formats(fmt, task.collection.group_dims)
         oracle = np.asarray(predict(state.replace(tables={
@@ -230,10 +230,10 @@ def test_serving_lookup_equals_the_trainer_on_decoded_tables():
 
 def test_serving_backend_is_read_only():
     task = _task({})
-    backend = ServingEmbedding(task.collection, "int8")
+    backend = placement.serving(task.collection, "int8")
     with pytest.raises(TypeError, match="read-only"):
         backend.compile_train(lambda s, b: (s, {}), None)
     with pytest.raises(TypeError, match="read-only"):
         backend.route(random_batch(task.spec, 2), {}, train=True)
     with pytest.raises(ValueError, match="unknown serving table format"):
-        ServingEmbedding(task.collection, "int2")
+        placement.serving(task.collection, "int2")

@@ -70,14 +70,19 @@ def qr_rows_brute_force(n: int) -> int:
     return min(-(-n // m) + m for m in range(1, n + 1))
 
 
-def test_qr_beyond_its_reach_runs_at_maximum_compression():
+def test_qr_beyond_its_reach_is_an_error_holding_its_maximum_compression():
     spec = spec_of((5_000, 900))
-    section = sc.embedding_section("qr", spec, DIM, 1000.0, threshold=0)
+    with pytest.raises(sc.UnreachableRatio, match=r"^qr cannot reach 1000x on these tables: the most it compresses "
+                                                  r"them is \d+\.\d\dx") as caught:
+        sc.embedding_section("qr", spec, DIM, 1000.0, threshold=0)
+    section = caught.value.section  # the plan at maximum compression, which the sweep never runs in its place
     for name, n in (("C1", 5_000), ("C2", 900)):
         m = section.tables[name].options.collisions
         assert -(-n // m) + m == qr_rows_brute_force(n), (name, m)
-    assert planned_ratio(spec, "qr", 1000.0, threshold=0) == pytest.approx(
-        5_900 / (qr_rows_brute_force(5_000) + qr_rows_brute_force(900)))
+    largest = 5_900 / (qr_rows_brute_force(5_000) + qr_rows_brute_force(900))
+    assert caught.value.largest == pytest.approx(largest)
+    # Within REACH_TOLERANCE of the largest the target counts as reached.
+    assert planned_ratio(spec, "qr", largest / (1 - sc.REACH_TOLERANCE) * 0.999, threshold=0) == pytest.approx(largest)
 
 
 @pytest.mark.parametrize("n, target", [(10_000, 4), (10_000, 33.3), (777, 3), (50_000, 1.5)])
@@ -109,12 +114,27 @@ def test_tt_rank_is_solved_per_table_and_bottoms_out_at_rank_one():
     assert sc._tt_rank("C1", 50_000, DIM, 37 * (40 + 200 + 20)) == 10
 
 
-def test_md_uses_the_plan_budget_and_never_goes_below_dim_one():
+def test_md_says_the_largest_ratio_it_reaches_and_never_goes_below_dim_one():
     spec = spec_of((50_000, 20_000, 150))
-    section = sc.embedding_section("md", spec, DIM, 1000.0)
+    full = (50_000 + 20_000 + 150) * DIM
     # Floor by hand: both big tables at dim 1 with a 1 x 16 projection each, C3 full.
-    assert section.options.budget == 50_000 + 16 + 20_000 + 16 + 150 * DIM
-    assert section.tables.to_dict() == {}
+    floor = 50_000 + 16 + 20_000 + 16 + 150 * DIM
+    for target in (17.0, 1000.0):  # 15.5x at most; 16x is within REACH_TOLERANCE of it
+        with pytest.raises(sc.UnreachableRatio) as caught:
+            sc.embedding_section("md", spec, DIM, target)
+        assert caught.value.largest == pytest.approx(full / floor)
+        assert caught.value.section.options.budget == floor and caught.value.section.tables.to_dict() == {}
+        assert str(caught.value) == (f"md cannot reach {target:g}x on these tables: the most it compresses them is "
+                                     f"{full / floor:.2f}x (every table over the threshold at dim 1 plus its "
+                                     "projection; the rest full)")
+    assert planned_ratio(spec, "md", 15.0) == pytest.approx(15.0, rel=sc.REACH_TOLERANCE)  # 15x is within reach
+    # The plan itself (a run configured by hand) says the same in its error.
+    config = tiny_base()
+    config.embedding.method, config.embedding.options.budget = "md", floor - 1
+    config.embedding.options.threshold = 200
+    from compression.plan import plan_tables
+    with pytest.raises(ValueError, match=rf"the most md compresses these tables is {full / floor:.2f}x"):
+        plan_tables(["C1", "C2", "C3"], [50_000, 20_000, 150], DIM, config.embedding)
 
 
 def test_the_sweep_budget_on_movielens_is_its_own_and_overridable(tmp_path):
@@ -224,41 +244,64 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     assert not any(o.get("output_type") == "error" for o in outputs)
 
 
-def test_identical_configs_train_once(tmp_path, monkeypatch):
-    """md at 100x and 1000x both saturate (every big table at dim 1): one training run serves both rows."""
+def test_targets_out_of_reach_are_skipped_in_one_line_and_no_run_stands_in(tmp_path, monkeypatch):
+    """md tops out below 100x here: the sweep says so once, runs nothing for 100x or 1000x and lists no row for
+    them (it used to train the maximum once and list it under both targets)."""
     trained = []
 
     def fake_train(config, workdir):
         trained.append(pathlib.Path(workdir).name)
         workdir.mkdir(parents=True)
         (workdir / "config.json").write_text(config.to_json_best_effort(indent=2, sort_keys=True) + "\n")
-        summary = {"compression_ratio": 12.5, "params": 9000, "embedding_params": 5000, "embedding_bytes": 20000,
+        summary = {"compression_ratio": 3.9, "params": 9000, "embedding_params": 5000, "embedding_bytes": 20000,
                    "auc": 0.7, "logloss": 0.5, "ne": 0.9, "examples_per_sec": 1e4, "selected_step": 80,
                    "budget_steps": 100}
         (workdir / "summary.json").write_text(json.dumps(summary))
         return summary
 
     monkeypatch.setattr(runs, "train_and_evaluate", fake_train)
-    rows = sc.run_sweep(tiny_base(), tmp_path, ["md"], [100, 1000], [0], log=lambda _: None)
-    assert trained == ["md_x100_seed0"]
-    assert [(r["target_ratio"], r["run"]) for r in rows] == [(100.0, "md_x100_seed0"), (1000.0, "md_x100_seed0")]
-    assert not (tmp_path / "md_x1000_seed0").exists()
-    sc.run_sweep(tiny_base(), tmp_path, ["md"], [100, 1000], [0], log=lambda _: None)  # resumes: nothing new
-    assert trained == ["md_x100_seed0"]
+    logged, unreachable = [], []
+    rows = sc.run_sweep(tiny_base(), tmp_path, ["md"], [4, 100, 1000], [0, 1], log=logged.append,
+                        unreachable=unreachable)
+    assert trained == ["md_x4_seed0", "md_x4_seed1"]
+    assert [(r["target_ratio"], r["run"]) for r in rows] == [(4.0, "md_x4_seed0"), (4.0, "md_x4_seed1")]
+    skipped = [line for line in logged if "skipped" in line]
+    assert len(skipped) == 1 and skipped[0].startswith("[2/6] md_x100_seed0: skipped: md cannot reach 100x")
+    assert skipped[0].endswith("; not running md at 100x, 1000x")
+    assert [(e.method, e.target) for e in unreachable] == [("md", 100.0)]
+    assert not (tmp_path / "md_x100_seed0").exists() and not (tmp_path / "md_x1000_seed0").exists()
 
     # A base config with an epoch budget (the real datasets' configs) titles its plot in epochs.
     titles = []
     monkeypatch.setattr(sc, "write_outputs", lambda rows, workdir, title: titles.append(title))
     epochs = tiny_base()
     epochs.train.steps, epochs.train.epochs = None, 2
-    sc.run_sweep(epochs, tmp_path / "epochs", ["md"], [100], [0], log=lambda _: None)
+    sc.run_sweep(epochs, tmp_path / "epochs", ["md"], [4], [0], log=lambda _: None)
     assert titles == ["synthetic, 2 epochs, seeds [0]"]
+
+
+def test_fiited_planned_line_states_the_ratio_after_the_ramp_and_the_peak_during_it():
+    spec = spec_of((50_000, 20_000, 150))
+    config = tiny_base()
+    config.embedding.dim = DIM
+    section = sc.embedding_section("fiited", spec, DIM, 8.0)
+    config.embedding.method, config.embedding.options, config.embedding.tables = (
+        section.method, section.options, section.tables)
+    start, end = sc.planned_accounting(spec, config), sc.planned_accounting(spec, config, after_ramp=True)
+    full = 4 * DIM * (50_000 + 20_000 + 150)
+    assert end["full_bytes"] / end["bytes"] == pytest.approx(8.0, rel=0.01)
+    assert start["bytes"] > full  # every chunk live at the start, plus the packed offsets: the full model's memory
+    line = sc.planned_line(spec, config, 8.0)
+    assert line.startswith(f"target 8x, planned {full / end['bytes']:.2f}x, {end['bytes']:,} embedding bytes after "
+                           f"the ramp; during it the pools start full: {full / start['bytes']:.2f}x, peak "
+                           f"{start['bytes']:,} bytes")
+    assert "after the ramp" not in sc.planned_line(spec, tiny_base(), 1.0)  # a static table: one figure
 
 
 @pytest.mark.parametrize("method", ["fiited", "row_prune", "uniform_dim"])
 def test_keep_methods_keep_the_share_of_values_that_meets_the_budget(method):
     spec = spec_of((50_000, 20_000, 3_000, 150, 40))
-    section = sc.embedding_section(method, spec, DIM, 10.0)
+    section = sc._embedding_section(method, spec, DIM, 10.0)
     values = (50_000 + 20_000 + 3_000) * DIM
     fixed = (150 + 40) * DIM  # under the threshold: full
     # FIITED's packed row offsets (bit_length(K) bits of count per row in u32 words, an i32 base per block of whole
@@ -272,3 +315,14 @@ def test_keep_methods_keep_the_share_of_values_that_meets_the_budget(method):
     # At ratio 1 the offsets still need their bytes: FIITED keeps a little under every value.
     want = min(1.0, (values - aux) / values)
     assert sc.embedding_section(method, spec, DIM, 1.0).options.keep == pytest.approx(want)
+    if method == "uniform_dim":  # rows round(keep D) = 2 columns wide: 10x is between its steps (8x, 16x)
+        with pytest.raises(sc.UnreachableRatio, match=r"^uniform_dim cannot reach 10x on these tables: its closest "
+                                                      r"plan compresses them 7\.86x \(every row"):
+            sc.embedding_section(method, spec, DIM, 10.0)
+    else:  # a pool keeps any share of its values: the ratio after the ramp is the target
+        config = tiny_base()
+        config.embedding.dim = DIM
+        config.embedding.method, config.embedding.options, config.embedding.tables = (
+            section.method, section.options, section.tables)
+        end = sc.planned_accounting(spec, config, after_ramp=True)
+        assert end["full_bytes"] / end["bytes"] == pytest.approx(10.0, rel=0.01)

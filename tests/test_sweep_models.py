@@ -31,6 +31,9 @@ def test_sweep_keeps_the_best_validation_run_and_summarizes_test(tmp_path):
         assert line["auc_std"] == pytest.approx(np.std(kept_auc, ddof=1))
     assert (tmp_path / "results_summary.csv").exists()
     assert sm.format_table(summary)[1].startswith("lr")
+    # A synthetic stream has no epochs: neither the epochs trained nor the selected epoch is a number.
+    assert all(r["epochs"] is None and r["selected_epoch"] is None for r in rows)
+    assert summary[0]["epochs_mean"] == summary[0]["selected_epoch_mean"] == 0.0
     # Resumed: every run is read back, nothing trains.
     messages = []
     again, _ = sm.run_sweep(base, tmp_path, ["lr"], [0, 1], grid, log=messages.append)

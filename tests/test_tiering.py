@@ -1,4 +1,4 @@
-"""The disk / host tier (recjax/tiering): the cache directory against a brute-force LRU, the table files' errors,
+"""The disk storage (recjax/tiering): the cache directory against a brute-force LRU, the table files' errors,
 bit-exact equality with the in-memory run for every sparse optimizer and QR, the prefetch race, and the config."""
 
 import errno
@@ -10,13 +10,15 @@ import pytest
 from conftest import random_batch
 
 from experiments.configs.dlrm_synthetic import get_config
-from recjax import tiering
+from recjax import placement, tiering
 from recjax.errors import ConfigError, StorageError
+from recjax.placement.tiers import TableBytes, resolve_tiers
+from recjax.rss import resident
+from recjax.sections import TieringSection
 from recjax.specs import DatasetSpec, FeatureSpec
 from recjax.step import init_state, make_predict_step, make_train_step
 from recjax.task import build_task
 from recjax.tiering import RowCache, RowStore
-from recjax.tiering.tiers import TableBytes, resolve_tiers
 from recjax.train import train_and_evaluate
 
 BATCH = 32
@@ -122,7 +124,7 @@ def test_cache_too_small_for_a_step_is_an_error():
 
 
 def test_static_hot_set_is_the_most_read_rows():
-    layout = tiering.GroupLayout("dim4", rows=20, dim=4, resident=(), cached=(("C1", 0, 20, "disk"),), slots=5,
+    layout = tiering.GroupLayout("dim4", rows=20, dim=4, resident=(), cached=(("C1", 0, 20, True),), slots=5,
                                  step_rows=2)
     batches = [np.array([1, 2, 20]), np.array([2, 3, 20]), np.array([2, 3, 9]), np.array([9, 17, 20])]  # 20: sentinel
     hot = tiering.profile_hot_rows(lambda b: {"dim4": b}, batches, [layout], count=4)
@@ -163,6 +165,110 @@ def test_truncated_or_missing_table_file_is_an_error_naming_it(tmp_path):
     (tmp_path / "C2.q.f32").unlink()
     with pytest.raises(StorageError, match=r"C2\.q\.f32 \(table C2/q\) is missing"):
         store.write(np.array([1]), np.zeros((1, 4), np.float32))
+    store.close()
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_a_file_truncated_during_an_access_is_an_error_never_a_sigbus(tmp_path, monkeypatch, op):
+    """The file is truncated after the check that precedes every access, before the rows are read or written (the
+    window in which main's numpy access through a mapping died of SIGBUS): a read comes back short, a write extends
+    the file again (the blocks the truncation freed stay missing); either way the store names the file."""
+    from recjax.tiering import store as store_module
+
+    store = RowStore([("C1", 0, 4000, tmp_path)], width=65, threads=1)
+    store.write_initial(0, np.ones((4000, 65), np.float32))
+    store.open()
+    for name in ("read_rows", "write_rows"):
+        original = getattr(store_module.TableFile, name)
+
+        def truncated_first(self, *args, original=original):
+            os.truncate(tmp_path / "C1.f32", 65 * 4 * 100)  # rows 0..99 survive
+            return original(self, *args)
+
+        monkeypatch.setattr(store_module.TableFile, name, truncated_first)
+    rows = np.array([5, 3999, 7])
+    with pytest.raises(StorageError, match=r"C1\.f32 \(table C1\) (is truncated: 26,000 bytes|was truncated: it "
+                                           r"holds [0-9,]+ bytes of its 1,040,000).*resume"):
+        if op == "read":
+            store.read(rows)
+        else:
+            store.write(rows, np.zeros((3, 65), np.float32))
+    store.close()
+
+
+def test_initial_rows_are_written_a_page_at_a_time(tmp_path, monkeypatch):
+    """No write of the initial rows crosses a page boundary: a larger one fills the page cache with large folios, each
+    of which a row written back later dirties whole (benchmarks/RESULTS.md, "Disk tier: the storage engine"). The
+    file holds the rows all the same."""
+    writes = []
+    pwrite = os.pwrite
+
+    def recorded(fd, data, offset):
+        writes.append((offset, len(data)))
+        return pwrite(fd, data, offset)
+
+    reference = np.random.default_rng(0).normal(size=(1000, 65)).astype(np.float32)
+    store = RowStore([("C1", 0, 1000, tmp_path)], width=65, threads=1)
+    monkeypatch.setattr(os, "pwrite", recorded)
+    store.write_initial(0, reference)
+    monkeypatch.undo()
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert all(offset // page == (offset + n - 1) // page for offset, n in writes)
+    assert sum(n for _, n in writes) == reference.nbytes == 260_000
+    np.testing.assert_array_equal(store.read_range(0, 1000), reference)
+    store.close()
+
+
+def test_an_unreadable_table_file_is_an_error_naming_it_and_the_row(tmp_path, monkeypatch):
+    """A read the disk fails (EIO) names the file, the table and the row, and says how to go on."""
+    store = RowStore([("C1", 0, 100, tmp_path)], width=4, threads=1)
+    store.write_initial(0, np.ones((100, 4), np.float32))
+    store.open()
+
+    def failing(fd, buffers, offset):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "preadv", failing)
+    with pytest.raises(StorageError, match=r"C1\.f32 \(table C1\): cannot read row 42 \(Input/output error\); "
+                                           "rerun the same command to resume"):
+        store.read(np.array([42]))
+    monkeypatch.undo()
+    store.close()
+
+
+def test_numpy_through_a_truncated_mapping_is_a_sigbus(tmp_path):
+    """Why the store does not read through a mapping of the file: the read above, by numpy from a mapped array, kills
+    the process."""
+    import signal
+    import subprocess
+    import sys
+
+    code = (f"import mmap, os, numpy as np\n"
+            f"fd = os.open({str(tmp_path / 't.f32')!r}, os.O_RDWR | os.O_CREAT)\n"
+            "os.ftruncate(fd, 1 << 20)\n"
+            "m = mmap.mmap(fd, 1 << 20)\n"
+            "a = np.frombuffer(m, np.float32)\n"
+            "os.ftruncate(fd, 4096)\n"
+            "print(a[[5, 200_000]])\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True)
+    assert result.returncode == -signal.SIGBUS, result
+
+
+def test_reads_and_write_backs_map_nothing_into_the_process(tmp_path):
+    """RssFile (the file-backed pages this process maps, /proc/self/status) stays put while the store reads and writes
+    back 12,000 random rows of a 10.4 MB file: its pages stay in the page cache, out of the process's RSS (a mapped
+    store grew it by up to a large folio a row: most of the file here)."""
+    rows, width = 40_000, 65
+    reference = np.random.default_rng(0).normal(size=(rows, width)).astype(np.float32)
+    picks = np.random.default_rng(1).choice(rows, 12_000, replace=False)
+    store = RowStore([("C1", 0, rows, tmp_path)], width=width, threads=4)
+    store.write_initial(0, reference)
+    store.open()
+    before = resident()["file"]
+    np.testing.assert_array_equal(store.read(picks), reference[picks])
+    store.write(picks[::-1], -reference[picks][::-1])
+    np.testing.assert_array_equal(store.read_range(0, rows)[picks], -reference[picks])
+    assert resident()["file"] - before < (1 << 20)
     store.close()
 
 
@@ -217,9 +323,26 @@ def memory_run(task, batches):
     return state, losses, np.asarray(predict(state, batches[1]))
 
 
-def tiered_run(task, batches, tiers, cache_rows, directory, **kwargs):
-    layouts = tiering.plan_layouts(task.collection, tiers, BATCH, cache_rows=cache_rows)
-    backend = tiering.TieredEmbedding(task.collection, task.sparse_optimizer, layouts, directory, **kwargs)
+def disk_placement(config, task, tiers, cache_rows, directory, **fields):
+    """The placement of `task`'s tables with `tiers` ({physical table: tier}), a cache of `cache_rows` rows per group
+    and the disk tables' files in `directory`, built as a run builds it (`placement.build`)."""
+    config = config.copy_and_resolve_references()
+    config.train.batch_size = BATCH
+    config.tiering.tables = ",".join(f"{name}={tier}" for name, tier in tiers.items())
+    config.tiering.cache_rows = cache_rows
+    config.tiering.dir = str(directory)
+    for key, value in fields.items():
+        config.tiering[key] = value
+    return placement.build(config, task)
+
+
+def disk_of(backend):
+    """The disk storage of a placement."""
+    return next(s for s in backend.storages if s.name == "disk")
+
+
+def tiered_run(config, task, batches, tiers, cache_rows, directory, **fields):
+    backend = disk_placement(config, task, tiers, cache_rows, directory, **fields)
     first = backend.put_batch(batches[0])
     state = backend.place_state(init_state(task, jax.random.key(0), batches[0], backend))
     step = make_train_step(task, backend).lower(state, first).compile()
@@ -243,7 +366,7 @@ def assert_same_state(expected, got):
     ("sgd", "full", "disk", "auto"),  # multi-hot C2 with plain SGD: no dedup, every bag slot remapped to its slot
     # Per-element [R, D] state moving with its rows through the cache: lazy_adam's two moments below prove it too.
     pytest.param("adagrad", "full", "disk", "auto", marks=pytest.mark.slow),
-    ("rowwise_adagrad", "full", "mixed", "auto"),  # C2 in the host tier's RAM store (on an accelerator; forced here)
+    ("rowwise_adagrad", "full", "mixed", "auto"),  # C2 (host tier) grouped with disk tables: in a RAM store, cached
     # The accelerators' layout: bags pooled straight from the tables, so the bag slots are rows to remap too.
     ("lazy_adam", "full", "disk", "table"),
     ("rowwise_adagrad", "qr", "disk", "auto"),  # QR's quotient tables on disk, remainders in memory, one group
@@ -262,9 +385,10 @@ def test_tiered_run_equals_the_memory_run_bit_for_bit(optimizer, method, tier, p
         tiers = {n: "memory" if n == "C3" else "host" if tier == "mixed" and n == "C2" else "disk" for n in names}
     # The smallest cache that holds a step, so every step evicts most of what the previous one used. By hand: a step
     # reads at most 32 rows of C1 (or C1/q), 32 x 3 of C2 and 32 of C4.
-    layout, = tiering.plan_layouts(task.collection, tiers, BATCH, cache_rows=160)
+    cached = {name: tier == "disk" for name, tier in tiers.items() if tier != "memory"}
+    layout, = tiering.plan_group_layouts(task.collection, cached, BATCH, cache_rows=160)
     assert layout.step_rows == 160
-    backend, state, losses, probs = tiered_run(task, batches, tiers, 160, tmp_path)
+    backend, state, losses, probs = tiered_run(config, task, batches, tiers, 160, tmp_path)
     assert losses == expected_losses
     np.testing.assert_array_equal(probs, expected_probs)
     assert_same_state(expected, backend.local_state(state))
@@ -286,45 +410,6 @@ def test_tiered_run_equals_the_memory_run_bit_for_bit(optimizer, method, tier, p
         [np.zeros((p.table.rows, 0), np.float32)], axis=1))
 
 
-@pytest.mark.parametrize("optimizer,pool_from", [
-    ("rowwise_adagrad", "auto"),
-    # The union plan is the same whatever the route: these two prove the bag slots remapped (pooling from the
-    # tables) and the no-dedup route's per-step key lookups under it.
-    pytest.param("lazy_adam", "table", marks=pytest.mark.slow), pytest.param("sgd", "auto", marks=pytest.mark.slow)])
-def test_k_steps_per_call_on_disk_equal_the_memory_run(optimizer, pool_from, tmp_path):
-    """Two steps per call (recjax/step.py's scan): the cache takes the union of a call's two batches' rows in one plan
-    and one swap, and holds them for the call; the losses and every table, optimizer and dense value equal the
-    in-memory run's (one step per call) bit for bit. Plain SGD on the multi-hot C2: no dedup, each step looks its
-    stacked rows up in its own `cache_keys`."""
-    from recjax.data.pipeline import stack
-
-    config = tiny_config(optimizer)
-    config.embedding.pool_from = pool_from
-    task = build_task(config, SPEC)
-    batches = batches_with_returning_rows()  # 14: seven calls of two
-    expected, expected_losses, _ = memory_run(task, batches)
-    tiers = {p.table.name: "memory" if p.table.name == "C3" else "disk" for p in task.collection.physical_tables()}
-    # By hand: a call of 2 x 32 examples reads at most 64 rows of C1, 64 x 3 of C2 and 64 of C4: 320 (one step: 160).
-    layout, = tiering.plan_layouts(task.collection, tiers, BATCH, cache_rows=320, steps_per_call=2)
-    assert layout.step_rows == 320
-    with pytest.raises(ConfigError, match=r"one call of 2 steps of 32 examples \(train.steps_per_call\)"):
-        tiering.plan_layouts(task.collection, tiers, BATCH, cache_rows=319, steps_per_call=2)
-    backend = tiering.TieredEmbedding(task.collection, task.sparse_optimizer, [layout], tmp_path)
-    state = backend.place_state(init_state(task, jax.random.key(0), batches[0], backend))
-    blocks = [stack(batches[i: i + 2]) for i in range(0, len(batches), 2)]
-    step = make_train_step(task, backend, state, steps_per_call=2).lower(
-        state, backend.put_batch(blocks[0], stacked=True)).compile()
-    losses = []
-    for block in blocks:
-        state, metrics = step(state, backend.put_batch(block, stacked=True))
-        losses += np.asarray(metrics["loss"]).tolist()
-    assert losses == expected_losses
-    assert_same_state(expected, backend.local_state(state))
-    stats = backend.summary()["tiering"]
-    assert stats["steps"] == 14 and all(g["writebacks"] > 0 and g["hits"] > 0 for g in stats["groups"].values())
-    backend.close()
-
-
 def test_swap_updates_the_cache_in_place(tmp_path):
     """The swap's compiled computations never copy the cache array: a copy per step is O(cache) (2.1 s a step at 8M
     slots), which one computation gathering the victims and scattering the misses into the same donated array got."""
@@ -332,15 +417,15 @@ def test_swap_updates_the_cache_in_place(tmp_path):
 
     task = build_task(tiny_config(), SPEC)
     tiers = {p.table.name: "memory" if p.table.name == "C3" else "disk" for p in task.collection.physical_tables()}
-    layouts = tiering.plan_layouts(task.collection, tiers, BATCH, cache_rows=160)
-    backend = tiering.TieredEmbedding(task.collection, task.sparse_optimizer, layouts, tmp_path)
+    backend = disk_placement(tiny_config(), task, tiers, 160, tmp_path)
+    disk = disk_of(backend)
     state = backend.place_state(init_state(task, jax.random.key(0), random_batch(SPEC, BATCH, seed=0), backend))
-    (g, layout), = backend.layouts.items()
+    (g, layout), = disk.layouts.items()
     table, group_state = state.tables[g], state.sparse_opt_state[g]
     slots = np.arange(16, dtype=np.int32)
-    records = np.zeros((16, backend.widths[g]), np.float32)
-    texts = [backend._records_fn.lower(table, group_state, slots).compile().as_text(),
-             backend._fill_fn.lower({g: table}, {g: group_state}, {g: slots}, {g: records}).compile().as_text()]
+    records = np.zeros((16, disk.widths[g]), np.float32)
+    texts = [disk._records_fn.lower(table, group_state, slots).compile().as_text(),
+             disk._fill_fn.lower({g: table}, {g: group_state}, {g: slots}, {g: records}).compile().as_text()]
     cache_shapes = {f"f32[{layout.device_rows},{layout.dim}]", f"f32[{layout.device_rows}]"}
     for text in texts:
         copies = re.findall(r"= (f32\[[0-9,]*\])[^ ]* copy\(", text)
@@ -373,7 +458,7 @@ def test_prefetch_race_rows_are_never_stale_nor_evicted_before_use(tmp_path, mon
     got them from the pending eviction, never from the (stale) file."""
     import threading
 
-    from recjax.tiering import backend as backend_module
+    from recjax.tiering import storage as storage_module
 
     spec = DatasetSpec(num_dense=13, features=(FeatureSpec("C1", 1000),))
     config = tiny_config("lazy_adam")
@@ -388,23 +473,22 @@ def test_prefetch_race_rows_are_never_stale_nor_evicted_before_use(tmp_path, mon
 
     gate = threading.Event()
     GatedStore.gate, GatedStore.pending = gate, set()
-    original_queue = backend_module.TieredEmbedding._queue_write
+    original_queue = storage_module.DiskStorage._queue_write
 
     def queue_write(self, eviction):
         GatedStore.pending |= set(eviction.rows.tolist())
         original_queue(self, eviction)
 
-    monkeypatch.setattr(backend_module, "RowStore", GatedStore)
-    monkeypatch.setattr(backend_module.TieredEmbedding, "_queue_write", queue_write)
-    layouts = tiering.plan_layouts(task.collection, {"C1": "disk"}, BATCH, cache_rows=BATCH)
-    backend = tiering.TieredEmbedding(task.collection, task.sparse_optimizer, layouts, tmp_path)
+    monkeypatch.setattr(storage_module, "RowStore", GatedStore)
+    monkeypatch.setattr(storage_module.DiskStorage, "_queue_write", queue_write)
+    backend = disk_placement(config, task, {"C1": "disk"}, BATCH, tmp_path)
     state = backend.place_state(init_state(task, jax.random.key(0), batches[0], backend))
     step = make_train_step(task, backend)
     losses = []
     for batch in batches:
         state, metrics = step(state, backend.put_batch(batch))
         losses.append(float(metrics["loss"]))
-    assert backend.stats["rows_from_evictions"] == 6 * BATCH  # steps 3..8 read every row from a pending eviction
+    assert disk_of(backend).stats["rows_from_evictions"] == 6 * BATCH  # steps 3..8: every row from an eviction
     gate.set()
     assert losses == expected_losses
     assert_same_state(expected, backend.local_state(state))
@@ -427,6 +511,23 @@ def tiny_run_config(tmp_path, **tiering_fields):
     return config
 
 
+def test_disk_tier_runs_one_step_per_call(tmp_path):
+    """The disk tier plans each step's rows on the host before the step, so a call runs one step: "auto" resolves to
+    1 whatever the platform, and an explicit k > 1 is one line naming the key and the tier."""
+    from recjax.evaluation import resolve_steps_per_call
+
+    config = tiny_run_config(tmp_path, disk_over_bytes=20_000, cache_fraction=0.3)
+    config.train.steps_per_call = 4
+    with pytest.raises(ConfigError, match=r"train.steps_per_call: must be 1 with tables in the disk tier") as error:
+        train_and_evaluate(config, tmp_path / "k4")
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "k4" / tiering.WORKDIR_FOLDER).exists()  # the placement was closed: its files are gone
+    reason = "train.steps_per_call must be 1 with tables in the disk tier: ..."
+    assert resolve_steps_per_call({"steps_per_call": "auto"}, "gpu", reason) == 1
+    assert resolve_steps_per_call({"steps_per_call": "auto"}, "gpu") == 32
+    assert resolve_steps_per_call({"steps_per_call": 1}, "gpu", reason) == 1
+
+
 def test_train_and_evaluate_on_disk_equals_memory(tmp_path, monkeypatch):
     import tempfile
 
@@ -441,14 +542,11 @@ def test_train_and_evaluate_on_disk_equals_memory(tmp_path, monkeypatch):
     # bytes and C2 (500 rows, 18,000 bytes) is not.
     assert groups["dim8"]["tables"] == {"C1": "disk", "C4": "disk"} and groups["dim8"]["cache_slots"] == 1500
     assert groups["dim8"]["hits"] > 0
-    assert list(tmp_path.glob("recjax-tiering-*")) == []  # the temporary table directory is gone
-    # Four steps per call (4, 1, 1 to each log / eval point at 6 and 12), the cache sized for a call: the same run.
-    config = tiny_run_config(tmp_path, disk_over_bytes=20_000, cache_fraction=0.3)
-    config.train.steps_per_call = 4
-    called = train_and_evaluate(config, tmp_path / "disk4")
-    for key in ("auc", "logloss", "final_train_loss", "selected_step"):
-        assert called[key] == memory[key], key
-    assert called["loop"]["calls"] == 6 and called["tiering"]["steps"] == 12
+    # The temporary table folder, in the workdir, is gone (and none went to the system's temporary directory).
+    assert not (tmp_path / "disk" / tiering.WORKDIR_FOLDER).exists() and list(tmp_path.glob("recjax-tiering-*")) == []
+    # The peak RSS and its split, read after the final write-back: each part's peak is at most the whole's.
+    assert 0 < tiered["peak_rss_anon_bytes"] <= tiered["peak_rss_bytes"]
+    assert 0 < tiered["peak_rss_file_bytes"] <= tiered["peak_rss_bytes"]
 
 
 @pytest.mark.parametrize("fields,key,message", [
@@ -481,10 +579,12 @@ def test_tables_the_tier_cannot_serve_are_clear_errors(tmp_path):
 def test_tier_rules():
     tables = [TableBytes("C1", "C1", 10_000), TableBytes("C2/q", "C2", 5_000), TableBytes("C2/r", "C2", 100),
               TableBytes("C3", "C3", 700)]
-    rules = {"default": "memory", "tables": "C2=host,C2/r=memory", "disk_over_bytes": 6_000, "host_over_bytes": 500}
-    assert resolve_tiers(tables, rules, "gpu") == {"C1": "disk", "C2/q": "host", "C2/r": "memory", "C3": "host"}
-    # On a CPU host RAM is the device's memory.
-    assert resolve_tiers(tables, rules, "cpu") == {"C1": "disk", "C2/q": "memory", "C2/r": "memory", "C3": "memory"}
+    rules = TieringSection(default="memory", tables="C2=host,C2/r=memory", disk_over_bytes=6_000,
+                           host_over_bytes=500)
+    assert resolve_tiers(tables, rules, tuple(placement.STORAGES)) == {
+        "C1": "disk", "C2/q": "host", "C2/r": "memory", "C3": "host"}
+    with pytest.raises(ConfigError, match="with a tier in"):
+        resolve_tiers(tables, TieringSection(tables="C1=tape"), tuple(placement.STORAGES))
 
 
 # ------------------------------------------------------------------------------------------------ notebook
@@ -509,4 +609,4 @@ def test_compress_or_offload_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     # The offload arm is the full model (bit-exact), in at most the budget of fast memory; the full model is 4x it.
     assert arms["full, disk tier"]["auc"] == arms["full"]["auc"]
     assert arms["full, disk tier"]["fast_bytes"] <= results["budget_bytes"] < arms["full"]["fast_bytes"]
-    assert list(tmp_path.glob("recjax-tiering-*")) == []  # the run's table files are gone
+    assert list(tmp_path.rglob(tiering.WORKDIR_FOLDER)) == list(tmp_path.glob("recjax-tiering-*")) == []  # files gone

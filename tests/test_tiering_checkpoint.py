@@ -12,7 +12,8 @@ import pytest
 from recjax import checkpoint
 from recjax.train import train_and_evaluate
 
-TIMING = {"examples_per_sec", "compile_time_s", "train_time_s", "wall_time_s", "peak_rss_bytes", "loop"}
+TIMING = {"examples_per_sec", "compile_time_s", "train_time_s", "wall_time_s", "peak_rss_bytes",
+          "peak_rss_anon_bytes", "peak_rss_file_bytes", "loop"}
 SAVES = (3, 6, 9, 12)
 
 
@@ -89,8 +90,9 @@ def assert_same_checkpoints(a: pathlib.Path, b: pathlib.Path, steps=SAVES, same_
 
 def assert_same_summary(a: pathlib.Path, b: pathlib.Path) -> None:
     sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
-    # The tier's own: its summary section, and XLA's FLOPs of its step (which maps rows to cache slots).
-    drop = TIMING | {"tiering", "flops_per_example", "train_flops_per_example"}
+    # The tier's own: its summary section, XLA's FLOPs of its step (which maps rows to cache slots), and what it holds
+    # in device memory (a cache instead of the disk tables).
+    drop = TIMING | {"tiering", "flops_per_example", "train_flops_per_example", "embedding_device_bytes"}
     assert {k: v for k, v in sa.items() if k not in drop} == {k: v for k, v in sb.items() if k not in drop}
 
 
@@ -125,7 +127,7 @@ def disk_resumed(tmp_path_factory) -> pathlib.Path:
     rows of every block a save read from where the rows live (`CheckpointRows.block`) and of every chunk the restore
     read from the checkpoint (`StoredRows`)."""
     from recjax.checkpoint import streamed
-    from recjax.tiering.backend import CheckpointRows
+    from recjax.tiering.storage import CheckpointRows
 
     root = tmp_path_factory.mktemp("tiering_ckpt_disk")
     saved, chunks = [], []
@@ -254,7 +256,7 @@ def test_memory_check_counts_blocks_of_the_disk_tables(monkeypatch, tmp_path):
     (3 + 1) x 24,576 + (2 x 3 + 1) x 8,192 = 155,648 bytes."""
     import math
 
-    from recjax import guards, tiering
+    from recjax import guards, placement
     from recjax.checkpoint import streamed
     from recjax.errors import ConfigError
     from recjax.specs import DatasetSpec, FeatureSpec
@@ -264,9 +266,10 @@ def test_memory_check_counts_blocks_of_the_disk_tables(monkeypatch, tmp_path):
     config = tiny(disk=tmp_path)
     spec = DatasetSpec(13, tuple(FeatureSpec(f"C{i + 1}", v) for i, v in enumerate(config.data.vocab_sizes)))
     task = build_task(config, spec)
-    backend = tiering.setup(config, task)
+    backend = placement.build(config, task)
     state, saved = 61_440, 155_648
-    assert backend.process_state_bytes(task.sparse_optimizer) == state
+    memory = backend.memory_bytes(task.sparse_optimizer)
+    assert memory.device + memory.host == state and memory.host == 0  # the cache and C2, C3 on the (CPU) device
     assert backend.checkpoint_bytes(task.sparse_optimizer) == saved
     need = math.ceil(state * (1 + guards.MEMORY_MARGIN) + 2.5 * saved + guards.MEMORY_MARGIN_BYTES)  # async saves
     monkeypatch.setattr(guards, "host_available_bytes", lambda: need - 1)

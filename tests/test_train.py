@@ -14,8 +14,8 @@ from conftest import random_batch, train_steps
 
 from experiments.configs.dlrm_synthetic import get_config
 from recjax.data import make_dataset
-from recjax.embedding_backend import LocalEmbedding
 from recjax.guards import Divergence
+from recjax.placement import one_device
 from recjax.specs import DatasetSpec, FeatureSpec
 from recjax.step import init_state, make_train_step
 from recjax.task import build_task
@@ -46,6 +46,7 @@ def test_short_run_learns_and_writes_outputs(tmp_path):
                 "examples_per_sec", "bayes_auc", "train_flops_per_example"):
         assert np.isfinite(saved[key]), key
     assert saved["diverged"] is None  # a normal run (its first windows noisy) is not taken for a diverging one
+    assert saved["embedding_kernel"]["kernel"] == "xla" and saved["embedding_kernel"]["source"] == "platform"  # CPU
     assert saved["embedding_bytes"] == 4 * 8 * (200 + 50 + 1000 + 8 + 3000 + 20)
     assert saved["flops_per_example"] > 2 * (13 * 32 + 32 * 8)  # at least the bottom MLP's multiply-adds
     csv_lines = (tmp_path / "metrics.csv").read_text().splitlines()
@@ -264,9 +265,10 @@ def test_a_model_too_big_for_memory_is_refused_naming_its_largest_tables(monkeyp
                 f"host memory (MemAvailable in /proc/meminfo) is available. Largest tables: {largest}. Shrink them: "
                 f"embedding.dim (512), a compression method (embedding.method: hashing, qr, md, tt, fiited, ...), "
                 f"fewer rows (data.vocab_sizes), or shard them over more devices (mesh.shape; the devices of one CPU "
-                f"host share its memory, so on CPU that means more hosts); or train.check_memory=False to start anyway")
+                f"host share its memory, so on CPU that means more hosts), or put tables in host memory or on disk "
+                f"(tiering.tables); or train.check_memory=False to start anyway")
     with pytest.raises(ConfigError) as error:
-        check_memory(config, task, LocalEmbedding(task.collection))
+        check_memory(config, task, one_device(task.collection))
     assert str(error.value) == expected
     assert gib(tables) == "64.4 GiB"  # the "69 GB" (decimal)
 
@@ -287,9 +289,9 @@ def test_the_memory_check_at_its_boundary_and_its_opt_outs(monkeypatch, tmp_path
         need = math.ceil(state * (1 + MEMORY_MARGIN) + saves * state + MEMORY_MARGIN_BYTES)
         fixed_memory(monkeypatch, need - 1)
         with pytest.raises(ConfigError, match="^embedding: the model does not fit"):
-            check_memory(config, task, LocalEmbedding(task.collection))
+            check_memory(config, task, one_device(task.collection))
         fixed_memory(monkeypatch, need)
-        check_memory(config, task, LocalEmbedding(task.collection))
+        check_memory(config, task, one_device(task.collection))
     config.train.check_memory = False
     fixed_memory(monkeypatch, 0)
-    check_memory(config, task, LocalEmbedding(task.collection))
+    check_memory(config, task, one_device(task.collection))

@@ -14,7 +14,7 @@ from conftest import pallas_calls
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_kernels.scatter_update as scatter_update
-from pallas_kernels import fused_row_update, kernel_fallback_reason
+from pallas_kernels import SegmentGrads, fused_row_update, kernel_fallback_reason, sorted_segments
 from pallas_kernels.hardware import TpuBudget
 from recjax.sparse_optim import SGD, Adagrad, LazyAdam, RowwiseAdagrad
 
@@ -217,6 +217,87 @@ def test_tpu_kernel_two_cores_merged_runs_without_races(monkeypatch, read_rows):
     assert {core for core, *_ in visits} == {0, 1} and len(visits) == 6, visits
 
 
+def segmented_case(rng, num_rows, dim, occurrences, sources):
+    """The occurrences of one step as the table path's backward sees them: row ids (duplicates, one row 12 times,
+    padding ids >= R), for each the gradient row it reads and its weight (some 0); sorted into segments."""
+    ids = rng.integers(0, num_rows + 3, occurrences).astype(np.int32)
+    ids[rng.choice(occurrences, 12, replace=False)] = num_rows // 2  # a long segment
+    source = rng.integers(0, sources, occurrences).astype(np.int32)
+    weight = rng.normal(size=occurrences).astype(np.float32)
+    weight[rng.random(occurrences) < 0.1] = 0.0
+    source_rows = rng.normal(size=(sources, dim)).astype(np.float32)
+    unique, inverse, starts, order = map(np.asarray, sorted_segments(jnp.asarray(ids), num_rows))
+    segments = SegmentGrads(jnp.asarray(starts), jnp.asarray(source[order]), jnp.asarray(weight[order]),
+                            jnp.asarray(source_rows))
+    # The oracle's summed gradient of each distinct row, in float64.
+    summed = np.zeros((unique.size, dim))
+    np.add.at(summed, inverse, weight[:, None].astype(np.float64) * source_rows[source])
+    return unique, segments, summed
+
+
+@pytest.mark.parametrize("impl,name", [*[("pallas_gpu", n) for n in OPTIMIZERS], ("pallas_tpu", "rowwise_adagrad"),
+                                       ("xla", "lazy_adam"),
+                                       *[pytest.param("pallas_tpu", n, marks=pytest.mark.slow)
+                                         for n in ("sgd", "adagrad", "lazy_adam")]])
+def test_fused_backward_update_matches_numpy(impl, name):
+    """The fused backward + update (`SegmentGrads`): each distinct row's gradient summed over its occurrences'
+    weighted source rows, then the optimizer's rule -- against a numpy loop, two steps (the second on the first's
+    output). The GPU kernel sums the segments in the program that updates the row (kernel fused_backward_update_gpu);
+    the TPU path sums them with XLA, then runs the Mosaic update kernel; padding ids are never written."""
+    rng = np.random.default_rng(list(OPTIMIZERS).index(name))
+    num_rows, dim = 30, 16
+    optimizer = OPTIMIZERS[name](0.02)
+    rule = folded_rule(optimizer)
+    table0 = rng.normal(size=(num_rows, dim)).astype(np.float32)
+    state0 = {k: np.asarray(v) + rng.uniform(0, 0.1, v.shape).astype(np.float32)
+              for k, v in optimizer.init(num_rows, dim).items()}
+    interpret = impl != "xla"
+    update = jax.jit(lambda t, s, u, g, st: fused_row_update(t, s, u, None, g, rule, optimizer.learning_rate, st,
+                                                             impl=impl, interpret=interpret), donate_argnums=(0, 1))
+    table, state = jnp.asarray(table0), {k: jnp.asarray(v) for k, v in state0.items()}
+    np_table, np_state = table0, state0
+    touched = np.zeros(num_rows, bool)
+    for step in (1, 2):
+        unique, segments, summed = segmented_case(rng, num_rows, dim, occurrences=70, sources=24)
+        if step == 1 and impl != "xla":
+            kernel = "fused_backward_update_gpu" if impl == "pallas_gpu" else "fused_row_update_tpu"
+            assert [n for n, _ in pallas_calls(update, table, state, jnp.asarray(unique), segments, 1)] == [kernel]
+        touched[unique[unique < num_rows]] = True
+        np_table, np_state = numpy_update(name, np_table, np_state, unique, summed, optimizer.learning_rate, step,
+                                          optimizer.weight_decay)
+        table, state = update(table, state, jnp.asarray(unique), segments, jnp.int32(step))
+    np.testing.assert_allclose(np.asarray(table), np_table, rtol=1e-5, atol=1e-6)
+    for k in state:
+        np.testing.assert_allclose(np.asarray(state[k]), np_state[k], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(table)[~touched], table0[~touched])
+    assert touched.sum() > 5
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_fused_backward_update_lowers(platform):
+    """Every rule's fused backward + update exports: on CUDA one Triton call (the segment sum inside) updating the
+    donated table and state in place and no XLA scatter; on TPU the XLA segment sum, then the Mosaic update."""
+    target = "tpu_custom_call" if platform == "tpu" else TRITON
+    for name in OPTIMIZERS:
+        optimizer = OPTIMIZERS[name](0.01)
+        rule = folded_rule(optimizer)
+        table = jax.ShapeDtypeStruct((1000, 64), jnp.float32)
+        state = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in optimizer.state_shapes(1000, 64).items()}
+        shape = lambda *s, dtype=jnp.int32: jax.ShapeDtypeStruct(s, dtype)  # noqa: E731
+        update = jax.jit(lambda t, s, u, a, b, c, d, rule=rule: fused_row_update(
+            t, s, u, None, SegmentGrads(a, b, c, d), rule, 0.01, 3, impl="pallas"), donate_argnums=(0, 1))
+        checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON)] if platform == "cuda" else []
+        text = jax.export.export(update, platforms=[platform], disabled_checks=checks)(
+            table, state, shape(300), shape(301), shape(500), shape(500, dtype=jnp.float32),
+            shape(80, 64, dtype=jnp.float32)).mlir_module()
+        aliases = kernel_aliases(text, target)
+        assert set(aliases) <= donated_args(text) and len(donated_args(text)) == 1 + len(state)
+        if platform == "cuda":
+            assert len(aliases) == 1 + len(state) and "\"stablehlo.scatter\"(" not in text
+        else:
+            assert "\"stablehlo.scatter\"(" in text  # the segment sum
+
+
 @pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
 def test_kernel_single_id(impl):
     """U = 1: the last row alone is updated as numpy says; a lone padding id changes nothing."""
@@ -383,3 +464,17 @@ def test_unknown_impl_is_an_error():
         fused_row_update(*args, impl="triton")
     with pytest.raises(ValueError, match="impl='auto' names none"):  # a CPU lowering would silently run XLA
         fused_row_update(*args, interpret=True)
+
+
+def test_traffic_of_the_fused_backward_by_hand():
+    """3 ids (2 distinct rows) in 1 bag at D 4, f32, SGD. Unfused table path: rows read 48, pooled out + cotangent 32,
+    per-occurrence gradients written + read 96, summed gradients zeroed + read-modify-written 96 and read 32, rows
+    written 32, the update's row reads 32: 368 bytes. Fused: the occurrences read their bag's gradient row (48) and
+    their source index and weight (24) instead of the 224 bytes of gradient buffers: 216."""
+    from pallas_kernels.traffic import training_pass_bytes
+
+    sizes = dict(ids=3, distinct=2, bags=1, dim=4)
+    assert training_pass_bytes("table", **sizes) == 368
+    assert training_pass_bytes("table", fused_backward=True, **sizes) == 216
+    with pytest.raises(ValueError, match="fused_backward is the table path"):
+        training_pass_bytes("distinct_rows", fused_backward=True, **sizes)

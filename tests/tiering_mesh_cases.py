@@ -2,9 +2,10 @@
 
     python tests/tiering_mesh_cases.py OUT_DIR CASE [CASE ...]      (JAX_NUM_CPU_DEVICES=8 is set by the caller)
 
-For each case: the in-memory mesh run (the oracle: `sharding.setup`) and the mesh run with the cached tables on disk
-(`tiering.setup`: `MeshTieredEmbedding`) train the same initial state on the same batches; OUT_DIR/<case>.npz holds
-both runs' losses, probabilities, tables, optimizer state and dense params, and the caches' counters.
+For each case: the in-memory mesh run (the oracle: `placement.build` of the config without tiers) and the mesh run
+with the cached tables on disk (the mesh layout composed with the disk storage) train the same initial state on the
+same batches; OUT_DIR/<case>.npz holds both runs' losses, probabilities, tables, optimizer state and dense params, and
+the caches' counters.
 """
 
 import json
@@ -20,10 +21,9 @@ from sharding_cases import set_keys
 from test_tiering_checkpoint import interrupted, overwrite_records, tiny
 
 from experiments.configs.dlrm_synthetic import get_config
-from recjax import checkpoint, sharding, tiering
+from recjax import checkpoint, placement, sharding
 from recjax.config_check import validate_config
 from recjax.data import make_dataset
-from recjax.data.pipeline import stack
 from recjax.specs import DatasetSpec, FeatureSpec
 from recjax.step import init_state, make_predict_step, make_train_step
 from recjax.task import build_task
@@ -48,10 +48,6 @@ CASES = {
         "embedding.method": "md", "embedding.options.alpha": 0.5, "tiering.tables": "C1=disk"}, 32),
 }
 STEPS = 16
-# The case that also runs its batches four steps per call, each call's rows in the caches at once: by hand, a call's
-# 4 x 32 examples can bring a device (row-wise over 8) min(375, 128) of C1 + min(63, 128 x 3) of C2 + min(250, 128) of
-# C4 = 319 rows.
-K_CASE, K, K_SLOTS = "rowwise_adagrad-row-4x2", 4, 319
 
 
 def case_config(optimizer: str, mesh: str, plan: str, overrides: str, extra: dict, slots: int, directory: str):
@@ -100,14 +96,18 @@ def run_case(name: str, out: pathlib.Path) -> None:
     validate_config(config)
     task = build_task(config, SPEC)
     batches = batches_with_returning_rows()
-    memory = sharding.setup(config, task)
+    in_memory = config.copy_and_resolve_references()
+    in_memory.tiering.tables = ""
+    memory = placement.build(in_memory, task)
+    assert [s.name for s in memory.storages] == ["memory"] and memory.layout.shards == 8
     state = memory.place_state(init_state(task, jax.random.key(0), batches[0]))
     state, losses, probs = run(task, memory, state, batches, memory.put_batch)
-    expected = memory.host_state(state)
+    expected = memory.local_state(state)
 
-    tiered = tiering.setup(config, task)
-    assert isinstance(tiered, tiering.MeshTieredEmbedding), type(tiered)
-    assert [layout.slots for layout in tiered.layouts.values()] == [CASES[name][5]]
+    tiered = placement.build(config, task)
+    disk = next(s for s in tiered.storages if s.name == "disk")
+    assert tiered.layout.shards == 8
+    assert [layout.slots for layout in disk.layouts.values()] == [CASES[name][5]]
     state = tiered.place_state(init_state(task, jax.random.key(0), batches[0], tiered))
     state, tiered_losses, tiered_probs = run(task, tiered, state, batches, tiered.put_batch)
     got = tiered.local_state(state)
@@ -127,27 +127,6 @@ def run_case(name: str, out: pathlib.Path) -> None:
         result[f"ref_dense_opt/{jax.tree_util.keystr(key)}"] = np.asarray(value)
     for key, value in jax.tree_util.tree_leaves_with_path(got.dense_opt_state):
         result[f"dense_opt/{jax.tree_util.keystr(key)}"] = np.asarray(value)
-    if name == K_CASE:
-        k_config = case_config(*CASES[name][:5], K_SLOTS, tempfile.mkdtemp(prefix="tiering-mesh-k-"))
-        k_tiered = tiering.setup(k_config, task, steps_per_call=K)
-        assert [layout.slots for layout in k_tiered.layouts.values()] == [K_SLOTS]
-        k_state = k_tiered.place_state(init_state(task, jax.random.key(0), batches[0], k_tiered))
-        blocks = [stack(batches[i: i + K]) for i in range(0, len(batches), K)]  # 20 batches: 5 calls
-        k_train = make_train_step(task, k_tiered, k_state, steps_per_call=K).lower(
-            k_state, k_tiered.put_batch(blocks[0], stacked=True)).compile()
-        k_losses = []
-        for block in blocks:
-            k_state, metrics = k_train(k_state, k_tiered.put_batch(block, stacked=True))
-            k_losses += np.asarray(metrics["loss"]).tolist()
-        k_got = k_tiered.local_state(k_state)
-        result["k_loss"] = np.array(k_losses)
-        for group in expected.tables:
-            result[f"k_table/{group}"] = np.asarray(k_got.tables[group])
-            for field in expected.sparse_opt_state[group]:
-                result[f"k_opt/{group}/{field}"] = np.asarray(k_got.sparse_opt_state[group][field])
-        for path, value in jax.tree_util.tree_leaves_with_path(k_got.dense_params):
-            result[f"k_dense/{jax.tree_util.keystr(path)}"] = np.asarray(value)
-        k_tiered.close()
     stats = tiered.summary()["tiering"]
     group, = stats["groups"].values()
     for key in ("hits", "misses", "evictions", "writebacks", "lookups"):
@@ -156,7 +135,7 @@ def run_case(name: str, out: pathlib.Path) -> None:
     # The cache storage keeps its sharding through the swaps (each device's block in place).
     cache = next(k for k in state.tables if k.endswith("/cache"))
     result["cache_sharding_kept"] = state.tables[cache].sharding.is_equivalent_to(
-        tiered.mesh_embedding.exchange.sharding(cache), 2)
+        tiered.layout.exchange.sharding(cache), 2)
     tiered.close()
     np.savez(out / f"{name}.npz", **result)
 

@@ -22,6 +22,8 @@ def data_config() -> ml_collections.ConfigDict:
     data.name = "movielens"
     data.dir = ""  # the unzipped GroupLens folder (ml-100k, ml-1m or ml-latest-small); required
     data.variant = "auto"  # "auto" (from the files present), "100k", "1m" or "latest-small"
+    data.target = "binary"  # "binary": label = rating >= rating_threshold; "rating": the stars (regression, MSE)
+    data.features = "all"  # "all" (ids, demographics, genres, dense year and age) or "user_item" (the two ids only)
     data.rating_threshold = 4.0  # label = rating >= threshold
     data.zip_prefix_length = 3  # zip_prefix feature: this many leading characters of the zip code
     data.split = ml_collections.ConfigDict()

@@ -20,6 +20,7 @@ baseline.
 """
 
 import concurrent.futures
+import dataclasses
 import os
 import pathlib
 import time
@@ -42,11 +43,13 @@ from recjax.checkpoint.store import (
     by_blocks,
     decode,
     encode,
+    join_background,
     meta_handler_types,
     open_checkpoint,
 )
 from recjax.checkpoint.streamed import RowBlocks
-from recjax.errors import CheckpointError
+from recjax.errors import CheckpointError, UserError, disk_full, free_bytes
+from recjax.sections import CheckpointSection, read_section
 
 # Multi-process runs decide time-based saves together (process 0's clock) every this many steps.
 AGREE_EVERY_STEPS = 20
@@ -56,7 +59,7 @@ class Checkpointer:
     """Saves and restores the trainer's state per `config.checkpoint` in `<workdir>/checkpoints` (or `dir`)."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: pathlib.Path):
-        ck = config.checkpoint
+        ck = read_section(config, "checkpoint", CheckpointSection)
         self.config_dict = config_dict(config)
         self.directory = pathlib.Path(ck.dir or pathlib.Path(workdir) / "checkpoints").expanduser().absolute()
         self.every_steps = int(ck.every_steps)
@@ -81,6 +84,8 @@ class Checkpointer:
         self._copy_workers = os.cpu_count() or 1
         self._copier = concurrent.futures.ThreadPoolExecutor(self._copy_workers, thread_name_prefix="checkpoint-copy")
         self._saving: concurrent.futures.Future | None = None  # the async save call in flight
+        self._in_flight: _Save | None = None  # the save not known to be complete (sync or async)
+        self.failed = False  # a save failed (and its error was raised): closing waits for nothing more of it
         self._pending_retain = False
         self.layout: dict | None = None  # the tables' layout on a mesh (the trainer sets it; None on one device)
         self.task = None  # the run's Task: what its tables hold (`table_record`); the trainer sets it
@@ -241,12 +246,18 @@ class Checkpointer:
 
         # Arrays read by row blocks hold their rows only until the next step (`checkpoint_state`): a save writing
         # them (and hashing them) is complete before the loop goes on.
-        by_rows = any(isinstance(a, RowBlocks) for a in flat(item_state).values())
-        if self.async_save and not by_rows:  # Orbax's save call (threads, an event loop) is a measurable stall: off
-            self._saving = self._saver.submit(issue)  # the loop too
+        streamed_arrays = [a for a in flat(item_state).values() if isinstance(a, RowBlocks)]
+        self._in_flight = _Save(step, meta["bytes"], streamed_arrays, arrays)
+        if self.async_save and not streamed_arrays:  # Orbax's save call (threads, an event loop) is a measurable
+            self._saving = self._saver.submit(issue)  # stall: off the loop too
         else:  # and always with several processes (above)
-            issue()
-            self.store.manager.wait_until_finished()
+            try:
+                issue()
+                self.store.manager.wait_until_finished()
+            except BaseException as error:
+                self._failed(error)
+                raise
+            self._in_flight = None
         self.store.remember(step, meta)
         self._pending_retain = True
         self.last_saved_step, self.last_save_time = step, time.monotonic()
@@ -286,10 +297,15 @@ class Checkpointer:
     def _settle(self) -> None:
         """Wait for the save in flight, then delete what no kept restore point needs -- only once the newer
         checkpoint is complete, so a crash always leaves a restorable chain."""
-        if self._saving is not None:
-            saving, self._saving = self._saving, None
-            saving.result()  # re-raises an error of the save call
-        self.store.manager.wait_until_finished()
+        try:
+            if self._saving is not None:
+                saving, self._saving = self._saving, None
+                saving.result()  # re-raises an error of the save call
+            self.store.manager.wait_until_finished()
+        except BaseException as error:
+            self._failed(error)
+            raise
+        self._in_flight = None
         if not self._pending_retain:
             return
         self._pending_retain = False
@@ -305,10 +321,51 @@ class Checkpointer:
             if s not in needed:
                 self.store.delete(s)
 
+    def _failed(self, error: BaseException) -> None:
+        """The save in flight failed with `error`: stop what it still runs -- its arrays read by row blocks stop at
+        their next block (with `error`), their digests too, and Orbax's threads of it are waited for, so nothing of it
+        is left running (or printing) when the error is reported --, remove its partial directory, and turn a full
+        disk into a CheckpointError naming the directory, the bytes the checkpoint needs and the bytes free (raised
+        from here; any other error is the caller's to re-raise: a table file's StorageError says what to do)."""
+        save, self._in_flight = self._in_flight, None
+        self.failed = True
+        if save is None:
+            return
+        for array in save.streamed:
+            array.failure = array.failure or error
+        save.checksums.stop()
+        join_background()
+        self.store.remove_partial(save.step)
+        if disk_full(error) and not isinstance(error, UserError):
+            steps = [s for s in self.store.steps() if s != save.step]
+            kept = (f"the checkpoint of step {steps[-1]:,} ({self.directory / str(steps[-1])}) is intact: free space, "
+                    "then rerun the same command to resume from it") if steps else (
+                "the run has no complete checkpoint yet: free space, then rerun the same command to start again")
+            raise CheckpointError(f"checkpoint step {save.step:,} in {self.directory}: the disk is full; the "
+                                  f"checkpoint needs about {save.nbytes:,} bytes and {free_bytes(self.directory):,} "
+                                  f"are free; {kept} (or point checkpoint.dir at a larger disk)") from None
+
     def close(self) -> None:
+        """Wait for the save in flight (raising its error), then shut the checkpointer's threads and Orbax's manager
+        down; after a failed save, whose error was raised already, nothing of it is raised again."""
         try:
-            self._settle()
+            if not self.failed:
+                self._settle()
         finally:
             self._saver.shutdown(wait=True)
             self._copier.shutdown(wait=True)
-            self.store.manager.close()
+            try:
+                self.store.manager.close()
+            except BaseException:
+                if not self.failed:  # an echo of the failed save's error otherwise
+                    raise
+
+
+@dataclasses.dataclass
+class _Save:
+    """A save in flight: its step, bytes (uncompressed), arrays read by row blocks and digests."""
+
+    step: int
+    nbytes: int
+    streamed: list
+    checksums: Checksums

@@ -94,3 +94,9 @@ class Checksums:
 
     def result(self) -> dict:
         return self._future.result()
+
+    def stop(self) -> None:
+        """The save failed: wait until the hashing is over (an array read by row blocks stops at its next block once
+        it has a `failure`), whatever its outcome."""
+        if not self._future.cancel():
+            concurrent.futures.wait([self._future])

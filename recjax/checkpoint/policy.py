@@ -31,9 +31,10 @@ def row_sharding(table: jax.Array):
     if not isinstance(table, jax.Array):  # an array read by row blocks (a disk tier's restore): the default device
         return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     sharding = table.sharding
+    # In device memory, whatever memory the table is in (host memory: the step marks the bitmap on the device).
     if isinstance(sharding, jax.sharding.NamedSharding):
         return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[:1]))
-    return sharding
+    return jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

@@ -3,6 +3,9 @@ item's handler (which awaits the checksums), checked reads of items, and the res
 
 import dataclasses
 import pathlib
+import shutil
+import threading
+import time
 from collections.abc import Collection, Mapping
 
 import jax
@@ -33,6 +36,17 @@ def encode(key: str) -> str:
 
 def decode(tree: Mapping) -> dict:
     return {k.replace("~", "/"): v for k, v in tree.items()}
+
+
+def join_background(timeout_s: float = 3600.0) -> None:
+    """Wait for Orbax's threads of a save: its commit threads and its finalize thread (classes of its own, each ending
+    with its save). After a failed save some still run; a process that exits under them gets their errors printed at
+    shutdown ("cannot schedule new futures after interpreter shutdown")."""
+    deadline = time.monotonic() + timeout_s
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and type(thread).__module__.startswith("orbax."):
+            # threading.Thread's own join: Orbax's raises the thread's error, which the caller has already.
+            threading.Thread.join(thread, max(0.0, deadline - time.monotonic()))
 
 
 def manager(directory: pathlib.Path, *, read_only: bool = False, async_save: bool = True):
@@ -91,6 +105,12 @@ class Store:
 
     def remember(self, step: int, meta: dict) -> None:
         self._metas[step] = meta
+
+    def remove_partial(self, step: int) -> None:
+        """Remove what a failed save of `step` left (Orbax's temporary directory), so its bytes are free again."""
+        if jax.process_index() == 0:
+            for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
 
     def delete(self, step: int) -> None:
         self.manager.delete(step)

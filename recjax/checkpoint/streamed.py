@@ -31,10 +31,21 @@ class RowBlocks:
 
     shape: tuple[int, ...]
     dtype: np.dtype
+    # The error of the save writing this array, once it failed elsewhere: its writer and its digest stop at their next
+    # block with it (`next_block`) instead of reading the rest of a table larger than memory for a lost save. The
+    # error itself, not a cancellation: Orbax takes a CancelledError for a save stopped on purpose, and a commit
+    # that ends so first would hide the failure.
+    failure: BaseException | None = None
 
     def block(self, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) as a numpy array."""
         raise NotImplementedError
+
+    def next_block(self, start: int, stop: int) -> np.ndarray:
+        """`block`, for a save: raises the save's `failure` once there is one."""
+        if self.failure is not None:
+            raise self.failure
+        return self.block(start, stop)
 
     @property
     def ndim(self) -> int:
@@ -73,7 +84,7 @@ class RowBlocks:
         """The sha256 of the array's C-ordered bytes, read block by block."""
         digest = hashlib.sha256()
         for start, stop in self.spans():
-            digest.update(np.ascontiguousarray(self.block(start, stop), self.dtype).view(np.uint8).reshape(-1))
+            digest.update(np.ascontiguousarray(self.next_block(start, stop), self.dtype).view(np.uint8).reshape(-1))
         return digest.hexdigest()
 
     def patched(self, ids: np.ndarray, values: np.ndarray) -> "Patched":
@@ -154,7 +165,8 @@ _HANDLER = None
 
 
 def register_handler() -> None:
-    """Register `RowBlocksHandler` with Orbax for RowBlocks values (once; orbax is imported lazily)."""
+    """Register `RowBlocksHandler` with Orbax for RowBlocks values and numpy arrays (once; orbax is imported
+    lazily)."""
     global _HANDLER
     if _HANDLER is not None:
         return
@@ -168,52 +180,84 @@ def register_handler() -> None:
         """Writes a RowBlocks value as NumpyHandler writes a numpy array, but chunked and written by row blocks;
         reads numpy arrays as NumpyHandler does, or StoredRows when the restore asks for them. Its typestr is
         NumpyHandler's ("np.ndarray"): a checkpoint records a RowBlocks value as a numpy array, so any reader
-        restores it as one."""
+        restores it as one. It writes numpy arrays too (in place of NumpyHandler, as it would), so that a failed
+        save leaves no write of either kind in flight (`_open_and_write`)."""
 
-        def __init__(self):
-            # No defensive deep copy: a RowBlocks value is a view of where its rows live, read as it is written.
-            # (orbax-checkpoint < 0.12.5 has no such option; there RowBlocks.__deepcopy__ returns the view itself.)
+        def __init__(self, deepcopy_host_arrays: bool):
+            # orbax-checkpoint < 0.12.5 has no such option and always deep-copies; there RowBlocks.__deepcopy__
+            # returns the view itself.
             if "deepcopy_host_arrays" in inspect.signature(ocp.type_handlers.NumpyHandler.__init__).parameters:
-                super().__init__(deepcopy_host_arrays=False)
+                super().__init__(deepcopy_host_arrays=deepcopy_host_arrays)
             else:
                 super().__init__()
+            self._writing: dict = {}  # event loop -> [(value, done)]: the values it writes together
 
         async def _open_and_write(self, value, tspec: dict, ts_context) -> None:
-            if not isinstance(value, RowBlocks):
-                return await super()._open_and_write(value, tspec, ts_context)
-            store = await ts.open(ts.Spec(_chunked_by_rows(tspec, value.block_rows)), create=True, open=True,
-                                  context=ts_context)
-            for start, stop in value.spans():
-                # One block at a time: read (from the table files), written (one zarr chunk), then dropped.
-                await store[start:stop].write(value.block(start, stop))
+            # Orbax writes a save's values together in one event loop (gathered) and closes the loop once one fails;
+            # a tensorstore write of another still in flight then completes into a closed loop, which tensorstore
+            # prints ("RuntimeError: Event loop is closed"), and its files land in the removed partial checkpoint.
+            # So when one fails, it waits for the others -- those read by row blocks stop at their next block with
+            # its error -- before it raises.
+            loop = asyncio.get_running_loop()
+            group = self._writing.setdefault(loop, [])
+            done = loop.create_future()
+            group.append((value, done))
+            try:
+                if not isinstance(value, RowBlocks):
+                    return await super()._open_and_write(value, tspec, ts_context)
+                store = await ts.open(ts.Spec(_chunked_by_rows(tspec, value.block_rows)), create=True, open=True,
+                                      context=ts_context)
+                for start, stop in value.spans():
+                    # One block at a time: read (from the table files), written (one zarr chunk), then dropped.
+                    await store[start:stop].write(value.next_block(start, stop))
+            except BaseException as error:
+                for other, _ in group:
+                    if isinstance(other, RowBlocks) and other.failure is None:
+                        other.failure = error
+                done.set_result(None)
+                await asyncio.gather(*(d for _, d in group))
+                raise
+            finally:
+                if not done.done():
+                    done.set_result(None)
+                if all(d.done() for _, d in group):
+                    self._writing.pop(loop, None)
 
         async def deserialize(self, infos, args=None):
             args = list(args or [ocp.type_handlers.RestoreArgs()] * len(infos))
             lazy = [i for i, a in enumerate(args) if isinstance(a.restore_type, type)
                     and issubclass(a.restore_type, StoredRows)]
             whole = [i for i in range(len(infos)) if i not in lazy]
-            out = [None] * len(infos)
-            if whole:
-                for i, value in zip(whole, await super().deserialize([infos[i] for i in whole],
-                                                                     [args[i] for i in whole]), strict=True):
-                    out[i] = value
-            opened = []
+            # Each read on its own and all of them awaited before an error is raised: a read still in flight when
+            # a corrupt array's fails would complete into a closed event loop (`_open_and_write`).
+            reads = [ocp.type_handlers.NumpyHandler.deserialize(self, [infos[i]], [args[i]]) for i in whole]
             for i in lazy:
                 await infos[i].await_path_creation()
                 spec = tensorstore_utils.build_array_read_spec(
                     infos[i], use_ocdbt=infos[i].is_ocdbt_checkpoint, metadata_key=self._metadata_key,
                     raise_array_data_missing_error=infos[i].raise_array_data_missing_error)
-                opened.append(ts.open(ts.Spec(spec.json), open=True, context=infos[i].ts_context))
-            for i, store in zip(lazy, await asyncio.gather(*opened), strict=True):
+                reads.append(ts.open(ts.Spec(spec.json), open=True, context=infos[i].ts_context))
+            done = await asyncio.gather(*reads, return_exceptions=True)
+            failed = next((d for d in done if isinstance(d, BaseException)), None)
+            if failed is not None:
+                raise failed
+            out = [None] * len(infos)
+            for i, value in zip(whole, done[: len(whole)], strict=True):
+                out[i] = value[0]
+            for i, store in zip(lazy, done[len(whole):], strict=True):
                 out[i] = StoredRows(store)
             return out
 
-    _HANDLER = RowBlocksHandler()
+    # No defensive deep copy of a RowBlocks value: a view of where its rows live, read as it is written. Numpy arrays
+    # are copied as NumpyHandler copies them.
+    _HANDLER = RowBlocksHandler(deepcopy_host_arrays=False)
     # The handler takes NumpyHandler's typestr, which Orbax reports as a collision: expected, not worth a warning.
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.ERROR)
     try:
         ocp.type_handlers.register_type_handler(RowBlocks, _HANDLER, override=True)
+        ocp.type_handlers.register_type_handler(np.ndarray, RowBlocksHandler(deepcopy_host_arrays=True),
+                                                override=True)
     finally:
         absl.setLevel(level)

@@ -52,6 +52,11 @@ def check_data_config(config: ml_collections.ConfigDict) -> None:
 
         TabularOptions.from_config(config)  # every field, each error naming its key
     elif name == "movielens":
+        from recjax.data.movielens import FEATURE_SETS, TARGETS, VARIANTS
+
+        choice(data, "data.variant", ("auto", *VARIANTS))
+        choice(data, "data.target", TARGETS)
+        choice(data, "data.features", FEATURE_SETS)
         number(data, "data.rating_threshold")
         integer(data, "data.zip_prefix_length", 1)
         choice(data, "data.split.method", ("random", "time"))

@@ -99,6 +99,19 @@ class ArrayDataset:
     def num_examples(self, split: str) -> int:
         return self.splits[split].size
 
+    def id_counts(self, examples: int | None = None) -> dict[str, np.ndarray]:
+        """{feature: f64[vocab_size]}: how often each id occurs in the train split (every valid slot of a bag),
+        scaled to `examples` train examples (a run's steps x batch size; None: one epoch) -- the popularity that
+        mixed-dimension blocks (`md_blocks`, config.embedding.id_counts = "dataset") rank ids by."""
+        data = self.splits["train"]
+        scale = 1.0 if examples is None or data.size == 0 else examples / data.size
+        counts = {}
+        for feature in self.spec.features:
+            ids, lengths = data.ids[feature.name], data.lengths[feature.name]
+            valid = np.arange(ids.shape[1])[None, :] < lengths[:, None]
+            counts[feature.name] = scale * np.bincount(ids[valid], minlength=feature.vocab_size).astype(np.float64)
+        return counts
+
     def train_batches(self, batch_size: int, start_step: int = 0, rows: slice | None = None) -> Iterator[Batch]:
         """Endless shuffled stream of full batches (only `rows` of each: multi-host, this process's share)."""
         rows = check_rows(rows, batch_size)

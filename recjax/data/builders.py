@@ -83,7 +83,8 @@ class OptionsBuilder(BlockBuilder, skip_registration=True):
 
 
 class MovielensBlocks(OptionsBuilder, skip_registration=True):
-    """MovieLens (100K, 1M or latest-small) ratings as binary click-style examples (recjax/data/movielens.py)."""
+    """MovieLens (100K, 1M or latest-small) ratings as binary click-style examples, or the stars to regress
+    (recjax/data/movielens.py)."""
 
     CONFIG_PREFIX = "movielens"
     FORMAT_VERSION = 3  # 2: train / validation / test; 3: train rows stored in a seeded random order
@@ -280,13 +281,19 @@ def criteo_options(config: ml_collections.ConfigDict) -> tuple[type[OptionsBuild
 
 def movielens_options(config: ml_collections.ConfigDict) -> tuple[type[OptionsBuilder], dict]:
     split = config.split
-    return MovielensBlocks, {
+    options = {
         "variant": config.variant,
         "rating_threshold": float(config.rating_threshold),
         "zip_prefix_length": int(config.zip_prefix_length),
         "split": {"method": split.method, "validation_fraction": float(split.validation_fraction),
                   "test_fraction": float(split.test_fraction), "seed": int(split.seed)},
     }
+    # The rating target and the ids-only feature set enter the options (and so the cache key) only when chosen, so
+    # data prepared before they existed (binary labels, every feature) keeps its key.
+    for key, default in (("target", "binary"), ("features", "all")):
+        if config.get(key, default) != default:
+            options[key] = config[key]
+    return MovielensBlocks, options
 
 
 def tabular_options(config: ml_collections.ConfigDict) -> tuple[type[OptionsBuilder], dict]:

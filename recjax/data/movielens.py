@@ -1,4 +1,5 @@
-r"""MovieLens ratings as a binary ranking task: "does the user rate this movie >= threshold?".
+r"""MovieLens ratings as a binary ranking task ("does the user rate this movie >= threshold?") or as rating
+regression (predict the stars: `config.target = "rating"`, the matrix-factorisation setting).
 
 Reads the unzipped GroupLens files (https://grouplens.org/datasets/movielens/); nothing is downloaded:
 
@@ -33,7 +34,12 @@ Dense features, standardised over the entities (items or users) in the data, so 
     age            100k: the user's age; 1m: the midpoint of the user's age group (the data has no exact
                    ages); absent for latest-small
 
-Label: rating >= `config.rating_threshold` (default 4.0: 4 and 5 stars are positive; 55.4% of ML-100K).
+Label (`config.target`): "binary" (the default), rating >= `config.rating_threshold` (default 4.0: 4 and 5 stars are
+positive; 55.4% of ML-100K); or "rating", the stars themselves (the spec's target "regression": squared error,
+recjax/task.py OBJECTIVES).
+
+Features (`config.features`): "all" (the default: every feature above) or "user_item" (only the user and item ids,
+no dense features: collaborative filtering as matrix factorisation sees it, `model.name = "mf"`).
 
 Splits "train", "validation", "test" (`config.split`: method, validation_fraction and test_fraction, default
 0.1 each, and seed):
@@ -59,6 +65,8 @@ from recjax.errors import ConfigError, DataError
 from recjax.specs import SPLITS, DatasetSpec, FeatureSpec
 
 VARIANTS = ("100k", "1m", "latest-small")
+TARGETS = ("binary", "rating")  # config.target: the >= threshold label, or the stars
+FEATURE_SETS = ("all", "user_item")  # config.features
 # Files each variant needs, the first being the ratings file that identifies the variant.
 VARIANT_FILES = {
     "100k": ("u.data", "u.user", "u.item"),
@@ -345,15 +353,22 @@ def _index(values: list, vocab: list) -> np.ndarray:
     return np.asarray([position[v] for v in values], np.int32)
 
 
-def prepare_examples(tables: MovieLensTables, *, rating_threshold: float = 4.0,
-                     zip_prefix_length: int = 3) -> tuple[DatasetSpec, Batch, dict]:
+def prepare_examples(tables: MovieLensTables, *, rating_threshold: float = 4.0, zip_prefix_length: int = 3,
+                     target: str = "binary", feature_set: str = "all") -> tuple[DatasetSpec, Batch, dict]:
     """All ratings as one Batch (file order) with its spec, and per-feature vocabularies for inspection.
 
     Returns (spec, batch, vocabularies) where batch holds dense f32[N, num_dense], ids {feature: i32[N, L]},
-    lengths {feature: i32[N]}, labels f32[N] and vocabularies maps each sparse feature to its id -> value list.
+    lengths {feature: i32[N]}, labels f32[N] (`target` "binary": rating >= rating_threshold; "rating": the stars)
+    and vocabularies maps each sparse feature to its id -> value list. `features` "user_item" keeps the user and
+    item ids only (no dense features): `feature_set` is config.features.
     """
     if zip_prefix_length < 1:
         raise ValueError(f"zip_prefix_length must be >= 1, got {zip_prefix_length}")
+    if target not in TARGETS:
+        raise ConfigError("data.target", f"unknown MovieLens target {target!r}; use one of {list(TARGETS)}")
+    if feature_set not in FEATURE_SETS:
+        raise ConfigError("data.features", f"unknown MovieLens feature set {feature_set!r}; use one of "
+                                           f"{list(FEATURE_SETS)}")
     raw_users = np.unique(tables.user_ids)  # sorted: the dense index follows the raw-id order
     raw_items = np.unique(tables.item_ids)
     user_index = np.searchsorted(raw_users, tables.user_ids).astype(np.int32)
@@ -409,10 +424,16 @@ def prepare_examples(tables: MovieLensTables, *, rating_threshold: float = 4.0,
 
     dense_columns = [(name, z[item_index]) for name, z in dense_item] + [(name, z[user_index])
                                                                          for name, z in dense_user]
+    if feature_set == "user_item":  # collaborative filtering: the two ids, nothing else
+        features, dense_columns = features[:2], []
+        ids, lengths = {k: ids[k] for k in ("user", "item")}, {k: lengths[k] for k in ("user", "item")}
+        vocabularies = {k: vocabularies[k] for k in ("user", "item")}
     dense = (np.stack([c for _, c in dense_columns], axis=1) if dense_columns else np.zeros((n, 0))).astype(
         np.float32)
-    spec = DatasetSpec(num_dense=dense.shape[1], features=tuple(features))
-    labels = (tables.ratings >= rating_threshold).astype(np.float32)
+    spec = DatasetSpec(num_dense=dense.shape[1], features=tuple(features),
+                       target="regression" if target == "rating" else "binary")
+    labels = (tables.ratings.astype(np.float32) if target == "rating"
+              else (tables.ratings >= rating_threshold).astype(np.float32))
     batch = Batch(dense=dense, ids={k: np.ascontiguousarray(v, np.int32) for k, v in ids.items()}, lengths=lengths,
                   labels=labels)
     vocabularies["dense"] = [name for name, _ in dense_columns]
@@ -452,10 +473,14 @@ def split_indices(timestamps: np.ndarray, method: str, validation_fraction: floa
 def movielens_dataset(config: ml_collections.ConfigDict, seed: int = 0) -> ArrayDataset:
     """The dataset described by `config.data` (dir, variant, rating_threshold, zip_prefix_length, and split:
     method, validation_fraction, test_fraction, seed); `seed` orders the training examples."""
-    tables = read_movielens(config.dir, config.get("variant", "auto"))
-    threshold = float(config.get("rating_threshold", 4.0))
-    spec, examples, vocabularies = prepare_examples(tables, rating_threshold=threshold,
-                                                    zip_prefix_length=int(config.get("zip_prefix_length", 3)))
+    tables = read_movielens(config.dir, config.variant)
+    # The prepared data's options leave out the default target and feature set (builders.movielens_options keeps the
+    # cache key of data prepared before either existed), so a missing one is the default.
+    target, features = config.get("target", TARGETS[0]), config.get("features", FEATURE_SETS[0])
+    spec, examples, vocabularies = prepare_examples(tables, rating_threshold=float(config.rating_threshold),
+                                                    zip_prefix_length=int(config.zip_prefix_length),
+                                                    target=target, feature_set=features)
+    label_mean = "mean_rating" if target == "rating" else "positive_rate"
     split = dict(config.split)
     try:
         indices = split_indices(tables.timestamps, split["method"], float(split["validation_fraction"]),
@@ -468,13 +493,15 @@ def movielens_dataset(config: ml_collections.ConfigDict, seed: int = 0) -> Array
         "dataset": f"movielens-{tables.variant}",
         "variant": tables.variant,
         "split": split,
-        "rating_threshold": threshold,
+        "target": target,
+        "rating_threshold": float(config.rating_threshold),
         "num_ratings": int(examples.size),
         "num_users": len(vocabularies["user"]),
         "num_items": len(vocabularies["item"]),
-        "positive_rate": float(examples.labels.mean(dtype=np.float64)),
-        **{f"{name}_positive_rate": float(splits[name].labels.mean(dtype=np.float64)) for name in SPLITS},
-        "dense_features": vocabularies["dense"],
+        # binary: the share of positives; rating: the mean rating
+        label_mean: float(examples.labels.mean(dtype=np.float64)),
+        **{f"{name}_{label_mean}": float(splits[name].labels.mean(dtype=np.float64)) for name in SPLITS},
+        "dense_features": vocabularies.get("dense", []),
         "vocab_sizes": {f.name: f.vocab_size for f in spec.features},
         # MovieLens files are parsed strictly (a bad line is an error naming file and line), so nothing is skipped
         # but blank lines.

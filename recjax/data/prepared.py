@@ -33,14 +33,15 @@ MAX_REPORTED_LINES = 3  # skipped lines named on the console (summary.json has t
 
 
 def spec_to_json(spec: DatasetSpec) -> dict:
-    return {"num_dense": spec.num_dense,
+    return {"num_dense": spec.num_dense, "target": spec.target,
             "features": [{"name": f.name, "vocab_size": f.vocab_size, "bag_size": f.bag_size} for f in spec.features]}
 
 
 def spec_from_json(data: Mapping) -> DatasetSpec:
     return DatasetSpec(num_dense=int(data["num_dense"]),
                        features=tuple(FeatureSpec(f["name"], int(f["vocab_size"]), int(f["bag_size"]))
-                                      for f in data["features"]))
+                                      for f in data["features"]),
+                       target=data.get("target", "binary"))  # data prepared before targets existed: clicks
 
 
 def pack_block(batch: Batch, spec: DatasetSpec) -> dict[str, np.ndarray]:
@@ -208,6 +209,20 @@ class PreparedDataset:
 
             lines += summary_lines(self._extra["tabular_stats"])
         return lines
+
+    def id_counts(self, examples: int | None = None) -> dict[str, np.ndarray]:
+        """{feature: f64[vocab_size]}: each id's occurrences in the train split (every valid slot of a bag), scaled
+        to `examples` train examples (None: one epoch) -- the popularity mixed-dimension blocks (`md_blocks`) rank
+        ids by. Reads the whole train split once."""
+        counts = {f.name: np.zeros(f.vocab_size, np.float64) for f in self.spec.features}
+        for batch in self.eval_batches(1 << 16, "train"):
+            for f in self.spec.features:
+                ids, lengths = batch.ids[f.name], batch.lengths[f.name]
+                valid = np.arange(ids.shape[1])[None, :] < lengths[:, None]
+                counts[f.name] += np.bincount(ids[valid], minlength=f.vocab_size)
+        n = self.num_examples("train")
+        scale = 1.0 if examples is None or n == 0 else examples / n
+        return {name: scale * c for name, c in counts.items()}
 
     def num_examples(self, split: str) -> int:
         source = self.sources[split]

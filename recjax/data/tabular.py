@@ -110,6 +110,7 @@ from recjax.data.vocabulary import (
     hash_index_counts,
     lookup,
     mix64,
+    splitmix64,
 )
 from recjax.errors import ConfigError, DataError
 from recjax.specs import DatasetSpec, FeatureSpec
@@ -122,7 +123,6 @@ LIBSVM_FIELDS = ("positional", "ffm", "bag")
 VOCABS = ("frequency", "hash")
 SPLIT_METHODS = ("random", "time", "files")
 OVERRIDE_KEYS = ("vocab", "frequency_threshold", "hash_buckets")
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -589,7 +589,7 @@ def split_uniform(seed: int, rows: np.ndarray) -> np.ndarray:
     alike too, but it sends every copy of a frequent duplicate row to one split, and changes with the columns
     chosen, so a feature ablation would be scored on other test rows.)
     """
-    salt = mix64(np.array([seed], np.uint64) + _GOLDEN)
+    salt = splitmix64(np.array([seed], np.uint64))
     x = mix64(salt ^ rows.astype(np.uint64))
     return (x >> np.uint64(11)).astype(np.float64) * 2.0**-53
 

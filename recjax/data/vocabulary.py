@@ -49,6 +49,13 @@ def mix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's output for state u64[...]: the golden-ratio increment, then `mix64`; wraps modulo 2**64. The
+    synthetic teacher's per-id weights and the tabular random split draw from it (one definition: the same seed gives
+    the same numbers wherever it is used)."""
+    return mix64(x + _GOLDEN)
+
+
 def string_keys(offsets: np.ndarray, data: np.ndarray) -> np.ndarray:
     """The raw keys of n byte strings, value i = data[offsets[i]:offsets[i+1]] -> i64[n] in [0, 2**63).
 
@@ -72,7 +79,7 @@ def string_keys(offsets: np.ndarray, data: np.ndarray) -> np.ndarray:
     padded[:end - base] = data[base:end]
     words = np.ndarray((padded.size - 7,), np.uint64, buffer=padded, strides=(1,))
     start, length = offsets[:-1] - base, np.diff(offsets)
-    h = mix64(length.astype(np.uint64) + _GOLDEN)
+    h = splitmix64(length.astype(np.uint64))
     last = words.size - 1
     k = 0
     while True:
@@ -254,6 +261,7 @@ def count_column_keys(columns: Sequence[np.ndarray]) -> list[tuple[np.ndarray, n
 
 __all__ = [
     "KEY_BITS", "KEY_MASK", "KeyCounter", "VocabularyStats", "count_column_keys", "distinct_inverse",
-    "frequency_histogram", "frequency_vocabulary", "hash_index_counts", "lookup", "mix64", "string_key", "string_keys",
+    "frequency_histogram", "frequency_vocabulary", "hash_index_counts", "lookup", "mix64", "splitmix64", "string_key",
+    "string_keys",
     "sum_by_key",
 ]

@@ -1,4 +1,5 @@
-"""Ranking models. Each takes (dense f32[B, num_dense], embeddings f32[B, F, D], train) and returns logits f32[B].
+"""Ranking models. Each takes (dense f32[B, num_dense], embeddings f32[B, F, D], train) and returns logits f32[B]
+(or, on a rating dataset, the predicted ratings: the objective decides, recjax/task.py).
 
 `config.model.name` picks the family and `config.model.<name>` holds its knobs (experiments/configs/common.py),
 so every dataset config can swap models from the command line (`--config.model.name=lr`).
@@ -15,6 +16,7 @@ from recjax.errors import ConfigError
 from recjax.models.dcnv2 import DCNv2
 from recjax.models.dlrm import DLRM
 from recjax.models.linear import FactorizationMachine, LogisticRegression
+from recjax.models.mf import MatrixFactorization
 from recjax.models.wukong import Wukong
 from recjax.validation import boolean, choice, get, integer, known_keys, number, widths
 
@@ -24,6 +26,7 @@ MODELS: dict[str, type[nn.Module]] = {
     "wukong": Wukong,
     "lr": LogisticRegression,
     "fm": FactorizationMachine,
+    "mf": MatrixFactorization,
 }
 # Fields set from the embedding dim rather than the config: an FM's factors are the embedding minus its weight.
 DERIVED_FIELDS = {"fm": {"factor_dim"}}
@@ -118,5 +121,6 @@ def make_model(config: ml_collections.ConfigDict, embedding_dim: int) -> nn.Modu
     return MODELS[name](**kwargs)
 
 
-__all__ = ["DCNv2", "DLRM", "FactorizationMachine", "LogisticRegression", "MODELS", "Wukong", "check_model",
+__all__ = ["DCNv2", "DLRM", "FactorizationMachine", "LogisticRegression", "MODELS", "MatrixFactorization", "Wukong",
+           "check_model",
            "check_model_defaults", "embedding_dim", "make_model", "model_fields"]

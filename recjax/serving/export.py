@@ -9,7 +9,7 @@ task is rebuilt from that config exactly as the trainer built it (dataset spec, 
 checkpoint's capacities), and the state restored into it (a mesh run's tables through the single-device layout).
 
 What it writes (the layout is in loader.py's docstring): the scoring function -- the trainer's own predict step
-(recjax/step.py) over `ServingEmbedding` tables of the chosen format -- serialized with `jax.export` for CPU (and
+(recjax/step.py) over `ServingStorage` tables of the chosen format -- serialized with `jax.export` for CPU (and
 cuda / tpu on request) with a symbolic batch dimension; the tables in their stored format and the dense params, one
 .npy each; and the input spec the dataset builders used to turn raw rows into ids, fitted again from the run's data
 files and checked against the spec the run trained on:
@@ -21,12 +21,26 @@ files and checked against the spec the run trained on:
     tabular              CSV and libSVM: each feature's frequency vocabulary (or hash buckets) and each dense
                          column's clip / log1p chain and train standardisation, as the builder fitted them
                          (recjax/data/tabular.py), and a CSV file's columns; Parquet data: encoded rows only
+
+Where it writes, atomically: the export is built in a folder beside `out` (`.NAME.partial-PID-*`, same file system)
+and swapped in with one rename -- on Linux `renameat2(RENAME_EXCHANGE)` trades it with an export already there, so
+a server loading `out`, or a kill -9 at any moment, finds the old export or the new one complete, never neither and
+never a mix; the old one is then removed. Elsewhere (no exchange call, or a file system without it) the old export
+is first renamed aside (`.NAME.replaced-PID-*`): a kill between the two renames leaves both complete, and the next
+export to `out` puts the old one back before it starts. An export in `out` is replaced only with `overwrite`
+(`--overwrite`); a folder there that is not an export, never. Folders left by killed exports are removed by the next
+export to the same `out`.
 """
 
+import ctypes
 import dataclasses
+import errno
 import json
+import os
 import pathlib
 import shutil
+import sys
+import tempfile
 from collections.abc import Sequence
 
 import jax
@@ -34,24 +48,18 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from recjax import sharding
+from recjax import placement, sharding
 from recjax.batch import Batch
 from recjax.checkpoint import ResumePoint, open_checkpoint, restore_state, table_record
 from recjax.data import make_dataset
 from recjax.dynamic import DynamicTables
 from recjax.embedding import EmbeddingCollection, EmbeddingGlue
-from recjax.embedding_backend import LocalEmbedding
+from recjax.embedding_backend import EmbeddingBackend
 from recjax.errors import CheckpointError, ConfigError, DataError
 from recjax.evaluation import resolve_budget
+from recjax.sections import CheckpointSection, read_section
 from recjax.serving import loader
-from recjax.serving.tables import (
-    FORMATS,
-    GatheredEmbedding,
-    ServingEmbedding,
-    encode_tables,
-    group_formats,
-    stored_bytes,
-)
+from recjax.serving.tables import FORMATS, encode_tables, group_formats, slot_rows, stored_bytes
 from recjax.specs import DatasetSpec
 from recjax.step import TrainState, init_state, make_predict_step
 from recjax.task import Task, build_task
@@ -87,7 +95,7 @@ def _checkpoints_of(workdir: pathlib.Path) -> pathlib.Path:
     if not config_path.is_file():
         raise CheckpointError(f"{workdir} is not a run's workdir: it has no config.json (give the --workdir a "
                               "python -m experiments.train run wrote)")
-    directory = json.loads(config_path.read_text()).get("checkpoint", {}).get("dir", "")
+    directory = read_section(json.loads(config_path.read_text()), "checkpoint", CheckpointSection).dir
     return pathlib.Path(directory).expanduser() if directory else workdir / "checkpoints"
 
 
@@ -138,7 +146,7 @@ def load_run(workdir: str | pathlib.Path, step: int | None = None, log=print) ->
         task = dynamic.resume(task, point.meta["loop"]["dynamic"])
     like = jax.eval_shape(lambda b: init_state(task, jax.random.key(int(config.seed)), b),
                           _example_batch(dataset.spec))
-    state = restore_state(point, like, sharding.relayout(task.collection, LocalEmbedding(task.collection)),
+    state = restore_state(point, like, sharding.relayout(task.collection, None),
                           record=table_record(task.collection, task.sparse_optimizer, like))
     return TrainedRun(workdir, config, dataset, task, state, point)
 
@@ -159,7 +167,7 @@ def _movielens_input(config: ml_collections.ConfigDict, spec: DatasetSpec) -> tu
     from recjax.data.movielens import prepare_examples, read_movielens
 
     data = config.data
-    tables = read_movielens(data.dir, data.get("variant", "auto"))
+    tables = read_movielens(data.dir, data.variant)
     rebuilt, batch, vocabularies = prepare_examples(tables, rating_threshold=float(data.rating_threshold),
                                                     zip_prefix_length=int(data.zip_prefix_length))
     _check_spec(rebuilt, spec, str(data.dir))
@@ -274,7 +282,7 @@ def scoring_function(task: Task, table_format: str):
     step over serving tables of `table_format`. Its lookups are XLA's (`embedding.kernel="xla"`): the Pallas kernels
     size their grids from the batch, which the export leaves symbolic."""
     task = _xla_task(task)
-    return _score_with(task, ServingEmbedding(task.collection, table_format))
+    return _score_with(task, placement.serving(task.collection, table_format))
 
 
 def _xla_task(task: Task) -> Task:
@@ -284,7 +292,7 @@ def _xla_task(task: Task) -> Task:
     return dataclasses.replace(task, collection=xla, glue=EmbeddingGlue(xla))
 
 
-def _score_with(task: Task, backend: ServingEmbedding):
+def _score_with(task: Task, backend: EmbeddingBackend):
     predict = make_predict_step(task, backend)
 
     def score(tables, params, aux, dense, ids, lengths):
@@ -302,12 +310,11 @@ def gathered_functions(task: Task, table_format: str, rows: dict[str, int]):
     reads; and (those rows {group: [M_g, width]} in the stored format, dense params, routing arrays, dense, ids,
     lengths) -> probabilities f32[B], the lookup decoding and pooling them as `scoring_function`'s does."""
     task = _xla_task(task)
-    gathered = GatheredEmbedding(task.collection, table_format, rows)
 
-    def slot_rows(aux, ids, lengths):
-        return gathered.slot_rows(task.collection.route(ids, lengths, aux=aux, dedup=False))
+    def slot_rows_of(aux, ids, lengths):
+        return slot_rows(task.collection, task.collection.route(ids, lengths, aux=aux, dedup=False))
 
-    return slot_rows, _score_with(task, gathered)
+    return slot_rows_of, _score_with(task, placement.serving(task.collection, table_format, gathered=rows))
 
 
 def _save_tree(tree, directory: pathlib.Path, prefix: str) -> dict:
@@ -327,19 +334,176 @@ def _plain(tree):
     return np.asarray(tree)
 
 
+# ---------------------------------------------------------------------------------------------- where it goes
+PARTIAL, REPLACED = "partial", "replaced"  # `.NAME.partial-PID-*`: an export being built; `.NAME.replaced-PID-*`: an
+# old export renamed aside (where no exchange call exists)
+AT_FDCWD, RENAME_EXCHANGE = -100, 2  # linux/fcntl.h, linux/fs.h
+
+
+def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
+    """Swap the two paths in one step (Linux `renameat2(..., RENAME_EXCHANGE)`, glibc >= 2.28); False where the
+    system or the file system has no such call."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _leftovers(out: pathlib.Path, kind: str) -> list[pathlib.Path]:
+    """`out`'s sibling folders of `kind` left by exports that are no longer running (killed, or failed hard)."""
+    found = []
+    for path in out.parent.glob(f".{out.name}.{kind}-*"):
+        pid = path.name.removeprefix(f".{out.name}.{kind}-").split("-", 1)[0]
+        if path.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            found.append(path)
+    return sorted(found)
+
+
+def _describe_export(out: pathlib.Path) -> str:
+    try:
+        manifest = json.loads((out / "export.json").read_text())
+        return (f"step {manifest['source']['checkpoint_step']:,} of {manifest['source']['workdir']}, "
+                f"{manifest['table_format']} tables")
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unreadable export.json"
+
+
+def check_out(out: str | pathlib.Path, overwrite: bool = False, log=print) -> pathlib.Path:
+    """Check that an export can be written to `out` before anything is built (`experiments.export` calls it before
+    restoring the run): a ConfigError when `out` is something other than an export or an empty folder, when it holds
+    an export and `overwrite` is off, or when no folder can be made beside it. Also tidies what killed exports left
+    beside it (the module doc). Returns `out` as a path."""
+    out = pathlib.Path(out).expanduser()
+    try:
+        for old in _leftovers(out, REPLACED):  # a rename-aside swap cut between its renames: the old export is back
+            if not out.exists() and (old / "export.json").is_file():
+                old.rename(out)
+                log(f"note: restored the export {out} that an interrupted export had moved aside")
+        leftovers = _leftovers(out, PARTIAL) + _leftovers(out, REPLACED)
+        for path in leftovers:
+            shutil.rmtree(path)
+        if leftovers:
+            log(f"note: removed {len(leftovers)} folder(s) that interrupted exports left beside {out}")
+    except OSError:  # the folder cannot be read or written: said below
+        pass
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise ConfigError("out", f"{out} exists and is not an export (a file); choose a new directory")
+        if (out / "export.json").is_file():
+            if not overwrite:
+                raise ConfigError("out", f"{out} holds an export already ({_describe_export(out)}); pass --overwrite "
+                                         "to replace it (the new export is swapped in whole), or choose another --out")
+        elif any(out.iterdir()):
+            raise ConfigError("out", f"{out} exists and is not an export; choose a new directory")
+    probe = _staging(out)
+    probe.rmdir()
+    return out
+
+
+def _staging(out: pathlib.Path) -> pathlib.Path:
+    """A new empty folder beside `out` (same file system, so the swap is a rename) named after this process, with
+    the permissions a plain mkdir gives (mkdtemp's are owner-only)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.{PARTIAL}-{os.getpid()}-", dir=out.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)
+        return staging
+    except OSError as error:
+        blocking = next((p for p in (out.parent, *out.parent.parents) if p.exists()), None)
+        why = (f"{blocking} is a file, not a directory" if blocking is not None and not blocking.is_dir()
+               else f"{error.strerror or error} (making a folder in {out.parent})")
+        raise ConfigError("out", f"cannot write an export to {out}: {why}; choose a folder you can write") from None
+
+
+def _swap_in(staging: pathlib.Path, out: pathlib.Path) -> None:
+    """Put the complete export in `staging` at `out` (the module doc), and remove what `out` held."""
+    if not out.exists():
+        staging.rename(out)
+    elif not any(out.iterdir()):  # an empty folder: rename replaces it
+        os.rename(staging, out)
+    elif _exchange(staging, out):
+        shutil.rmtree(staging, ignore_errors=True)  # the old export, now under the staging name (if it stays, the
+        # next export to `out` removes it)
+    else:
+        aside = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.{REPLACED}-{os.getpid()}-", dir=out.parent))
+        aside.rmdir()
+        out.rename(aside)
+        staging.rename(out)
+        shutil.rmtree(aside, ignore_errors=True)
+
+
 def export_run(run: TrainedRun, out: str | pathlib.Path, table_format: str = "f32",
-               platforms: Sequence[str] = ("cpu",), log=print) -> dict:
-    """Write `run` as an export in `out` (replaced if it is an export already); returns export.json's content."""
+               platforms: Sequence[str] = ("cpu",), log=print, overwrite: bool = False) -> dict:
+    """Write `run` as an export in `out`, atomically (the module doc); an export already there is replaced only with
+    `overwrite`. Returns export.json's content."""
     if table_format not in FORMATS:
         raise ConfigError("quantize", f"unknown table format {table_format!r}; use one of {list(FORMATS)}")
     unknown = [p for p in platforms if p not in PLATFORMS]
     if unknown or not platforms:
         raise ConfigError("platforms", f"{list(platforms)}: use some of {list(PLATFORMS)}")
-    out = pathlib.Path(out).expanduser()
-    if out.exists():
-        if not (out / "export.json").is_file() or not out.is_dir():
-            raise ConfigError("out", f"{out} exists and is not an export; choose a new directory")
-        shutil.rmtree(out)
+    out = check_out(out, overwrite, log)
+    built = _build_export(run, table_format, platforms)
+    staging = _staging(out)
+    try:
+        manifest = _write_export(built, staging)
+        _swap_in(staging, out)
+    except OSError as error:  # the disk filled up, the folder went read-only, ...
+        space = ""
+        if error.errno == errno.ENOSPC:
+            space = (f"; the export needs {built.bytes():,} bytes, {shutil.disk_usage(out.parent).free:,} are free "
+                     "there")
+        raise ConfigError("out", f"writing the export to {out} failed: {error.strerror or error} "
+                                 f"({error.filename or staging}){space}; {out} is as it was before") from None
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    selected = manifest["source"]["selected_step"]
+    log(f"exported step {run.step:,} of {run.workdir} ({table_format} tables: "
+        f"{manifest['bytes']['tables']:,} bytes, {manifest['bytes']['tables_f32'] / manifest['bytes']['tables']:.2f}x "
+        f"fewer than f32; platforms {', '.join(platforms)}) to {out}")
+    if selected is not None and selected != run.step:
+        log(f"note: this export serves step {run.step:,} (--step), not the run's selected step {selected:,} whose "
+            "test metrics summary.json reports")
+    return manifest
+
+
+@dataclasses.dataclass
+class _Export:
+    """An export before it is written: what `_write_export` puts in files."""
+
+    functions: dict[str, bytes]  # file name -> a serialized jax.export
+    trees: dict[str, object]  # "tables" / "params" / "aux" -> nested dicts of arrays
+    vocab: dict[str, np.ndarray]
+    manifest: dict  # export.json, but for the files' names ("arguments", "input"'s "arrays")
+
+    def bytes(self) -> int:
+        arrays = jax.tree.leaves(self.trees) + list(self.vocab.values())
+        return sum(map(len, self.functions.values())) + int(sum(np.asarray(a).nbytes for a in arrays))
+
+
+def _build_export(run: TrainedRun, table_format: str, platforms: Sequence[str]) -> _Export:
+    """The export's content: the scoring functions serialized, the tables encoded, the input spec fitted again."""
     task, state, spec = run.task, run.state, run.task.spec
     tables_f32 = {g: np.asarray(t) for g, t in state.tables.items()}
     stored = encode_tables(tables_f32, table_format)
@@ -369,17 +533,6 @@ def export_run(run: TrainedRun, out: str | pathlib.Path, table_format: str = "f3
         {g: jax.ShapeDtypeStruct((b * k, stored[g].shape[1]), stored[g].dtype) for g, k in per_example.items()},
         *arguments[1:])
 
-    out.mkdir(parents=True)
-    (out / "score.jax_export").write_bytes(exported.serialize())
-    (out / "slot_rows.jax_export").write_bytes(exported_rows.serialize())
-    (out / "score_gathered.jax_export").write_bytes(exported_gathered.serialize())
-    skeletons = {"tables": _save_tree(stored, out, "arrays/tables"), "params": _save_tree(params, out, "arrays/params"),
-                 "aux": _save_tree(aux, out, "arrays/aux")}
-    vocab_files = {}
-    for name, array in vocab.items():
-        vocab_files[name] = f"vocab/{name}.npy"
-        (out / vocab_files[name]).parent.mkdir(parents=True, exist_ok=True)
-        np.save(out / vocab_files[name], array)
     any_id = task.collection.any_id_features
     dense_names = list(run.dataset.info().get("dense_features", [f"dense{i}" for i in range(spec.num_dense)]))
     if kind["kind"] == "criteo":
@@ -405,18 +558,28 @@ def export_run(run: TrainedRun, out: str | pathlib.Path, table_format: str = "f3
         "bytes": {"tables": stored_bytes(stored), "tables_f32": stored_bytes(tables_f32),
                   "dense_params": int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))),
                   "routing_arrays": int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(aux)))},
-        "arguments": skeletons,
+        "arguments": None,  # the arrays' files, once written
         "gathered": {"slot_rows": "slot_rows.jax_export", "score": "score_gathered.jax_export",
                      "rows_per_example": per_example},
-        "input": {**kind, "arrays": vocab_files},
+        "input": kind,
     }
-    (out / "export.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    functions = {"score.jax_export": exported.serialize(), "slot_rows.jax_export": exported_rows.serialize(),
+                 "score_gathered.jax_export": exported_gathered.serialize()}
+    return _Export(functions, {"tables": stored, "params": params, "aux": aux}, vocab, manifest)
+
+
+def _write_export(export: _Export, out: pathlib.Path) -> dict:
+    """Every file of the export into the (empty) folder `out`, export.json last; returns export.json's content."""
+    for name, data in export.functions.items():
+        (out / name).write_bytes(data)
+    manifest = dict(export.manifest)
+    manifest["arguments"] = {name: _save_tree(tree, out, f"arrays/{name}") for name, tree in export.trees.items()}
+    vocab_files = {}
+    for name, array in export.vocab.items():
+        vocab_files[name] = f"vocab/{name}.npy"
+        (out / vocab_files[name]).parent.mkdir(parents=True, exist_ok=True)
+        np.save(out / vocab_files[name], array)
+    manifest["input"] = {**manifest["input"], "arrays": vocab_files}
     shutil.copyfile(pathlib.Path(loader.__file__), out / "serving_loader.py")
-    selected = manifest["source"]["selected_step"]
-    log(f"exported step {run.step:,} of {run.workdir} ({table_format} tables: "
-        f"{manifest['bytes']['tables']:,} bytes, {manifest['bytes']['tables_f32'] / manifest['bytes']['tables']:.2f}x "
-        f"fewer than f32; platforms {', '.join(platforms)}) to {out}")
-    if selected is not None and selected != run.step:
-        log(f"note: this export serves step {run.step:,} (--step), not the run's selected step {selected:,} whose "
-            "test metrics summary.json reports")
+    (out / "export.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest

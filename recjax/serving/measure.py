@@ -6,13 +6,20 @@ Open loop (the load a population of independent users makes): request i is sent 
 Poisson inter-arrival gaps at the offered rate, whether or not earlier requests were answered; its latency is counted
 from t_i, so a server (or client) falling behind shows as latency instead of silently lowering the offered load (the
 "coordinated omission" a closed loop has). Latency-bounded throughput (DeepRecSys, Gupta et al., ISCA 2020): the
-highest achieved QPS among the offered rates whose p99 latency meets the target.
+highest achieved QPS among the offered rates whose p99 latency meets the target. A burst with SIGTERM in it
+(`drain_burst`): what each client of a shutting-down server got. Stalled clients (`stalled_clients`): connections
+whose headers promise a body that never comes, and what they cost the other clients meanwhile. The server's CPU
+seconds per request (`cpu_per_request`): what handling a request and a connection costs, apart from the wait for
+the CPU that a loaded machine adds to every latency.
 """
 
 import asyncio
+import collections
 import concurrent.futures
 import json
+import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -31,7 +38,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 def format_quality(run, formats: Sequence[str] = tuple(FORMATS), split: str = "test") -> list[dict[str, Any]]:
     """Per format: the run's tables' stored bytes and the test AUC / logloss of the model scoring with the rows those
-    tables decode to (what ServingEmbedding's lookup reads), with the change against f32. `run` is a
+    tables decode to (what ServingStorage's lookup reads), with the change against f32. `run` is a
     recjax.serving.export.TrainedRun."""
     tables = {g: np.asarray(t) for g, t in run.state.tables.items()}
     dims = {g: t.shape[1] for g, t in tables.items()}
@@ -221,6 +228,145 @@ def closed_loop(url: str, rows: Sequence[Any], count: int) -> dict[str, Any]:
         for q in (50, 90, 99):
             record[f"{name}_p{q}_ms"] = float(np.percentile(values, q)) if values.size else float("nan")
     return record
+
+
+async def _burst(host: str, port: int, payload: bytes, count: int, signal_after: float,
+                 process: subprocess.Popen) -> collections.Counter:
+    async def one() -> str:
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+        except OSError:
+            return "refused"  # the listening socket was closed: the connection was never accepted
+        try:
+            writer.write(payload)
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            await reader.readexactly(length)
+            retry = b"\r\nretry-after:" in head.lower()
+            return head[9:12].decode() + (" retry-after" if retry else "")
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, StopIteration):
+            return "dropped"  # accepted, then closed or reset without an answer
+        finally:
+            writer.close()
+
+    clients = [asyncio.ensure_future(one()) for _ in range(count)]
+    await asyncio.sleep(signal_after)
+    process.send_signal(signal.SIGTERM)
+    return collections.Counter(await asyncio.gather(*clients))
+
+
+def drain_burst(process: "ServerProcess", rows: Sequence[Any], count: int, rows_per_request: int,
+                signal_after: float) -> dict[str, Any]:
+    """`count` concurrent requests of `rows_per_request` rows (cycled from `rows`, encoded JSON rows), each on its own
+    connection, and SIGTERM to the server `signal_after` seconds after they start: how many clients got each answer
+    ("200", "503 retry-after", ...), were refused a connection ("refused": never accepted) or lost their accepted
+    connection without an answer ("dropped"); the server's exit status and its drain report line. Waits for the
+    server to exit."""
+    host, _, port = process.url.removeprefix("http://").partition(":")
+    body = json.dumps({"rows": [rows[k % len(rows)] for k in range(rows_per_request)]}).encode()
+    payload = (f"POST /v1/score HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        outcomes = thread.submit(asyncio.run, _burst(host, int(port), payload, count, signal_after,
+                                                     process.process)).result()
+    process.process.wait()
+    log = process.stop()
+    drained = next((line for line in log.splitlines() if line.startswith("drained in")), "")
+    return {"requests": count, "rows_per_request": rows_per_request, "body_bytes": len(body),
+            "signal_after_s": signal_after, "outcomes": dict(outcomes), "dropped": outcomes["dropped"],
+            "exit_status": process.process.returncode, "drain": drained}
+
+
+async def _stalled(host: str, port: int, count: int, request: bytes, guard_s: float) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+
+    async def stall() -> tuple[str, float]:
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+        except OSError:
+            return "refused", loop.time() - start
+        writer.write(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"rows\": [")
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), guard_s)
+            await asyncio.wait_for(reader.read(), guard_s)  # the body, up to the server's close
+            return head[9:12].decode(), loop.time() - start
+        except TimeoutError:
+            return f"no answer in {guard_s:g} s", loop.time() - start
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            return "dropped", loop.time() - start
+        finally:
+            writer.close()
+
+    stalled = [asyncio.ensure_future(stall()) for _ in range(count)]
+    await asyncio.sleep(1.0)  # every stalled connection open
+    latencies = []
+    while not all(s.done() for s in stalled):  # regular requests, one at a time, until the stalled ones are answered
+        t0 = loop.time()
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        await reader.readexactly(length)
+        writer.close()
+        if head[9:12] == b"200":
+            latencies.append(loop.time() - t0)
+        await asyncio.sleep(0.05)
+    results = await asyncio.gather(*stalled)
+    seconds = [t for _, t in results]
+    return {"stalled": count, "outcomes": dict(collections.Counter(code for code, _ in results)),
+            "answered_after_s": [float(min(seconds)), float(max(seconds))], "regular_requests": len(latencies),
+            "regular_p50_ms": float(np.percentile(latencies, 50) * 1e3) if latencies else float("nan"),
+            "regular_max_ms": float(max(latencies) * 1e3) if latencies else float("nan")}
+
+
+def stalled_clients(process: "ServerProcess", rows: Sequence[Any], count: int, guard_s: float = 600.0
+                    ) -> dict[str, Any]:
+    """`count` connections send headers promising a 100-byte body and 10 bytes of it, then nothing: when each was
+    answered and closed (and with what; "no answer in `guard_s` s" for a server that holds them), and the latency of
+    regular one-row requests sent one at a time meanwhile (the server serving others while it holds the stalled
+    ones)."""
+    host, _, port = process.url.removeprefix("http://").partition(":")
+    body = json.dumps({"rows": [rows[0]]}).encode()
+    request = (f"POST /v1/score HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        return thread.submit(asyncio.run, _stalled(host, int(port), count, request, guard_s)).result()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU seconds (Linux /proc)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _requests(host: str, port: int, request: bytes, count: int, new_connections: bool) -> None:
+    connection = None
+    for _ in range(count):
+        if connection is None or new_connections:
+            if connection is not None:
+                connection[1].close()
+            connection = await asyncio.open_connection(host, port)
+        reader, writer = connection
+        writer.write(request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        await reader.readexactly(length)
+    connection[1].close()
+
+
+def cpu_per_request(process: "ServerProcess", request: bytes, count: int, new_connections: bool) -> float:
+    """The server process's CPU microseconds per request over `count` requests sent one at a time (after 200 not
+    counted), on one kept-alive connection or a new connection each (Linux: /proc)."""
+    host, _, port = process.url.removeprefix("http://").partition(":")
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+        thread.submit(asyncio.run, _requests(host, int(port), request, 200, new_connections)).result()
+        start = _cpu_seconds(process.process.pid)
+        thread.submit(asyncio.run, _requests(host, int(port), request, count, new_connections)).result()
+    return (_cpu_seconds(process.process.pid) - start) / count * 1e6
 
 
 def latency_bounded_throughput(levels: Sequence[dict[str, Any]], target_ms: float) -> float:

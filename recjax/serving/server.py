@@ -9,12 +9,16 @@ r"""The scoring server: an export (recjax/serving/loader.py) behind HTTP, with d
                      400 for a body that is not {"rows": [...]}, 413 past --max_rows rows or --max_body_bytes bytes
     GET  /healthz    200 {"status": "ok", ...} once the model is loaded and compiled; 503 while starting / draining
     GET  /metrics    Prometheus text: requests by code, rows scored, row errors, request latency, batch rows and
-                     forward time histograms, queued rows, the batching settings in force
+                     forward time histograms, queued rows, the batching settings in force, open connections and
+                     requests in flight
+    any              408 when a request's headers or body arrive too slowly, 503 + Retry-After past the connection
+                     cap or while draining (below)
 
 Why aiohttp: one maintained package that is both an asyncio HTTP server and the client the load generator
-(benchmarks/serving.py) uses; the batcher is a coroutine beside the handlers; body limits (`client_max_size`) and a
-graceful shutdown (stop accepting, `on_shutdown`, wait for in-flight handlers, then `on_cleanup`) are built in.
-uvicorn + an ASGI framework would be two packages plus a separate HTTP client.
+(benchmarks/serving.py) uses; the batcher is a coroutine beside the handlers; body limits (`client_max_size`) are
+built in, and its protocol class takes the time limits it lacks (connections.py). uvicorn + an ASGI framework would
+be two packages plus a separate HTTP client. (aiohttp's own graceful shutdown drops requests in flight under load:
+connections.py says why, and drains itself.)
 
 Batching (what TF Serving / Triton call max_batch_size / max_queue_delay): requests' valid rows queue; the batcher
 takes the oldest and waits until `max_batch` rows are queued or the oldest has waited `max_wait_ms`, then scores
@@ -28,8 +32,13 @@ Scheduling (`scheduler="adaptive"`): `AdaptiveBatching` sets how many rows a cal
 times (`--max_batch` is then the cap) and, every quarter second, how long to wait for more from the measured arrival
 rate and p99 against a target (DeepRecSys's per-load batching, Gupta et al., ISCA 2020).
 
-On SIGTERM (or SIGINT) the server stops accepting connections, scores what is queued at once, answers every request
-in flight, and exits (`drain_seconds` bounds the wait).
+Connections (recjax/serving/connections.py): a request's headers must arrive within `header_timeout_seconds` and
+its body within `body_timeout_seconds` (else 408), an idle kept-alive connection closes after `idle_timeout_seconds`,
+a connection past `max_connections` gets 503 + Retry-After at once, and a client that hangs up before its answer is
+counted as code 499. On SIGTERM (or SIGINT) the server stops accepting connections, answers requests that arrive
+from then on with 503 + Retry-After, scores what is queued at once, answers every request in flight -- those whose
+bodies are still arriving too -- within `drain_seconds` (503 for any it could not), and exits; `serve` returns the
+drain's report (`DrainReport`).
 
 Tiered tables (rows in RAM + disk, issue 26) plug in as another model object with the loader's `encode` /
 `score_arrays`; a model with `cache_stats()` (hits, lookups) also gets `recjax_serving_table_cache_hit_ratio`.
@@ -38,11 +47,15 @@ Tiered tables (rows in RAM + disk, issue 26) plug in as another model object wit
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
+import functools
 import json
 import math
 import signal
+import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -50,6 +63,7 @@ import prometheus_client as prom
 from aiohttp import web
 
 from recjax.errors import ConfigError
+from recjax.serving.connections import CLOSE_GRACE_SECONDS, RETRY_AFTER_SECONDS, Connection, DrainReport, Gate
 from recjax.serving.loader import EncodedRows, next_power_of_two
 
 BATCH_SHAPES = ("fixed", "pow2")
@@ -68,15 +82,27 @@ class ServerOptions:
     scheduler: str = "fixed"  # "adaptive": tune max_batch / max_wait_ms online (AdaptiveBatching)
     p99_target_ms: float = 20.0  # the adaptive scheduler's target
     drain_seconds: float = 30.0  # on SIGTERM, wait this long at most for requests in flight
+    # Per connection (connections.py). The defaults leave a slow but live client room (a 4 MiB body at ~150 KB/s)
+    # and cut a stalled one within seconds; the idle timeout is nginx's keepalive_timeout default. The cap bounds
+    # the sockets (file descriptors) and memory connections hold, a few KB each idle, above the thousands an
+    # open-loop client opens against a saturated 2-core server (benchmarks/RESULTS.md, the server's connections).
+    header_timeout_seconds: float = 10.0  # a request's headers within this of its connection (or first byte): else 408
+    body_timeout_seconds: float = 30.0  # its body within this of its headers: else 408
+    idle_timeout_seconds: float = 75.0  # a kept-alive connection without a request this long is closed
+    max_connections: int = 4096  # open connections at most; one past it: 503 + Retry-After at once
 
     def check(self) -> None:
-        for name in ("max_batch", "max_rows", "max_body_bytes"):
+        for name in ("max_batch", "max_rows", "max_body_bytes", "max_connections"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"--{name}", f"must be >= 1, got {getattr(self, name)}")
-        for name in ("max_wait_ms", "drain_seconds", "p99_target_ms"):
+        for name in ("max_wait_ms", "drain_seconds"):
             value = float(getattr(self, name))
-            if not math.isfinite(value) or value < 0 or (name == "p99_target_ms" and value == 0):
-                raise ConfigError(f"--{name}", f"must be a finite number >= 0 (> 0 for the target), got {value}")
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"--{name}", f"must be a finite number >= 0, got {value}")
+        for name in ("p99_target_ms", "header_timeout_seconds", "body_timeout_seconds", "idle_timeout_seconds"):
+            value = float(getattr(self, name))
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"--{name}", f"must be a finite number > 0, got {value}")
         if self.batch_shapes not in BATCH_SHAPES:
             raise ConfigError("--batch_shapes", f"must be one of {list(BATCH_SHAPES)}, got {self.batch_shapes!r}")
         if self.scheduler not in SCHEDULERS:
@@ -177,7 +203,8 @@ class Metrics:
 
     def __init__(self, model: Any, options: ServerOptions):
         self.registry = registry = prom.CollectorRegistry()
-        self.requests = prom.Counter("recjax_serving_requests", "HTTP requests by path and status code",
+        self.requests = prom.Counter("recjax_serving_requests", "HTTP requests by path and status code (499: the "
+                                     "client hung up before its answer)",
                                      ["path", "code"], registry=registry)
         self.rows = prom.Counter("recjax_serving_rows_scored", "Rows scored", registry=registry)
         self.row_errors = prom.Counter("recjax_serving_row_errors", "Rows refused with an error", registry=registry)
@@ -197,6 +224,10 @@ class Metrics:
         self.busy = prom.Gauge("recjax_serving_busy_share", "The adaptive scheduler's last window: the share of time "
                                "the worker spent in model calls, and the event loop's thread on the CPU", ["thread"],
                                registry=registry)
+        self.connections = prom.Gauge("recjax_serving_open_connections", "Client connections open",
+                                      registry=registry)
+        self.in_flight = prom.Gauge("recjax_serving_requests_in_flight", "Requests whose headers were read and that "
+                                    "are not answered yet", registry=registry)
         if hasattr(model, "cache_stats"):  # tiered tables: rows served from the RAM cache / rows looked up
             def ratio() -> float:
                 hits, lookups = model.cache_stats()
@@ -355,6 +386,17 @@ def _json_error(status: int, message: str, **extra) -> web.Response:
     return web.json_response({"error": message, **extra}, status=status)
 
 
+def _unavailable(message: str) -> web.Response:
+    """503 with Retry-After: the client should send the request again (to another replica)."""
+    response = _json_error(503, message)
+    response.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+    return response
+
+
+GATE = web.AppKey("gate", Gate)
+BATCHER = web.AppKey("batcher")  # a function returning the Batcher (made at startup)
+
+
 def make_app(model: Any, options: ServerOptions | None = None) -> web.Application:
     """The aiohttp application serving `model` (a loader.ServingModel or anything with its encode / score_arrays)."""
     options = options or ServerOptions()
@@ -363,30 +405,64 @@ def make_app(model: Any, options: ServerOptions | None = None) -> web.Applicatio
     app = web.Application(client_max_size=options.max_body_bytes)
     state = {"status": "starting"}
     batcher: Batcher | None = None
+    gate = Gate(options, metrics)
 
     @web.middleware
-    async def count(request: web.Request, handler):
+    async def admit(request: web.Request, handler):
+        """Every request from its headers to its answer: refused while draining or past the connection cap, cut
+        with a 503 past the drain's deadline, counted by path and code (499: its client hung up first)."""
+        in_flight = gate.begin()
+        gone = False
         try:
-            response = await handler(request)
-        except web.HTTPException as error:  # 404 / 405 from the router, as JSON
-            response = _json_error(error.status, error.reason)
-        except Exception as error:  # a bug must not take the server down; the client gets a 500
-            response = _json_error(500, f"internal error: {type(error).__name__}")
-        path = request.path if request.path in ("/v1/score", "/healthz", "/metrics") else "other"
-        metrics.requests.labels(path, str(response.status)).inc()
-        return response
+            refusal = gate.refusal()
+            if refusal is not None:
+                response = _unavailable(refusal)
+            else:
+                try:
+                    response = await handler(request)
+                except web.HTTPException as error:  # 404 / 405 from the router, as JSON
+                    response = _json_error(error.status, error.reason)
+                except asyncio.CancelledError:
+                    if not in_flight.cut:
+                        raise
+                    asyncio.current_task().uncancel()  # the drain's deadline: this request is answered, with a 503
+                    if isinstance(request.protocol, Connection):  # and the rest of its body is not waited for
+                        request.protocol.stop_reading()
+                    response = _unavailable(f"the server shut down before answering (--drain_seconds="
+                                            f"{options.drain_seconds:g}); send the request again")
+                except Exception as error:  # a bug must not take the server down; the client gets a 500
+                    response = _json_error(500, f"internal error: {type(error).__name__}")
+            if gate.draining:  # no connection outlives its answer during the drain
+                response.force_close()
+            gone = request.transport is None  # the client hung up (mid-body, or while its rows were scored)
+            path = request.path if request.path in ("/v1/score", "/healthz", "/metrics") else "other"
+            metrics.requests.labels(path, "499" if gone else str(response.status)).inc()
+            return response
+        finally:
+            gate.end(in_flight, gone)
 
-    app.middlewares.append(count)
+    app.middlewares.append(admit)
 
     async def score(request: web.Request) -> web.Response:
         received = time.perf_counter()
         if state["status"] != "ok":
             return _json_error(503, f"the server is {state['status']}")
         try:
-            body = await request.read()
+            if request.content.is_eof():  # the whole body came with the headers (most requests): no clock to arm
+                body = await request.read()
+            else:
+                async with asyncio.timeout(options.body_timeout_seconds):
+                    body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return _json_error(413, f"the body is larger than {options.max_body_bytes} bytes (--max_body_bytes); "
                                     "send fewer rows per request")
+        except TimeoutError:
+            if isinstance(request.protocol, Connection):
+                request.protocol.stop_reading()
+            response = _json_error(408, "the request's body did not arrive within --body_timeout_seconds="
+                                        f"{options.body_timeout_seconds:g}")
+            response.force_close()
+            return response
         try:
             payload = json.loads(body)
         except (ValueError, RecursionError) as error:
@@ -440,39 +516,125 @@ def make_app(model: Any, options: ServerOptions | None = None) -> web.Applicatio
         task.cancel()
         batcher.worker.shutdown(wait=True)
 
-    async def on_shutdown(app: web.Application):
+    def on_drain() -> None:
         state["status"] = "draining"
         if batcher is not None:
             batcher.drain()
+
+    async def on_shutdown(app: web.Application):  # aiohttp's shutdown, when the app runs without `serve`
+        on_drain()
 
     app.router.add_post("/v1/score", score)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics_handler)
     app.cleanup_ctx.append(lifecycle)
     app.on_shutdown.append(on_shutdown)
-    app["batcher"] = lambda: batcher
+    gate.on_drain.append(on_drain)
+    app[GATE] = gate
+    app[BATCHER] = lambda: batcher
     return app
 
 
-async def serve(model: Any, host: str, port: int, options: ServerOptions, log=print) -> None:
-    """Serve until SIGTERM / SIGINT, then drain (module doc). Logs the bound address once ready to answer."""
-    app = make_app(model, options)
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=options.drain_seconds, access_log=None)
-    await runner.setup()  # runs the cleanup context's start: the batcher, every batch shape compiled
-    site = web.TCPSite(runner, host, port)
+FILES_KEPT = 256  # open files the process keeps for itself beside its connections (libraries, the export's files)
+
+
+def _room_for_connections(options: ServerOptions, log) -> ServerOptions:
+    """`options` with a connection cap the open-file limit (RLIMIT_NOFILE) allows: the soft limit is raised toward
+    the hard one as far as the cap needs (past the limit, accept() fails and asyncio stops accepting for a while,
+    logging errors); if even the hard limit is too low, the cap is lowered to fit it, and said."""
     try:
-        await site.start()
+        import resource
+    except ImportError:  # not POSIX
+        return options
+    need = options.max_connections + FILES_KEPT
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return options
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need if hard == resource.RLIM_INFINITY else min(need, hard), hard))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft >= need:
+        return options
+    cap = max(1, soft - FILES_KEPT)
+    log(f"note: the open-file limit ({soft}; ulimit -n) leaves room for {cap} connections, fewer than "
+        f"--max_connections={options.max_connections}: serving at most {cap}; raise the limit to serve more")
+    return dataclasses.replace(options, max_connections=cap)
+
+
+def _bind(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to every address of `host` (not yet listening), as asyncio's create_server binds them; bound
+    here, before the model compiles, so a taken port fails at once, and kept so the drain can accept their backlog."""
+    try:
+        addresses = dict.fromkeys(info[:3] + (info[4],) for info in socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE))
+    except socket.gaierror as error:
+        raise ConfigError("--host", f"cannot resolve {host!r}: {error.strerror or error}") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, address in addresses:
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:  # --port=0: every address on the port the first one got
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            sock.bind(address)
     except OSError as error:  # the port is taken, the address is not this machine's, ...
-        await runner.cleanup()
+        for sock in sockets:
+            sock.close()
         raise ConfigError("--port", f"cannot listen on {host}:{port}: {error.strerror or error}") from None
-    bound = runner.addresses[0][1]  # the port the OS chose for --port=0
-    stop = asyncio.Event()
+    return sockets
+
+
+async def serve(model: Any, host: str, port: int, options: ServerOptions, log=print,
+                signalled: Callable[[], bool] = lambda: False) -> DrainReport:
+    """Serve until SIGTERM / SIGINT, then drain (connections.py); returns the drain's report. Logs the bound address
+    once ready to answer. A signal while the model compiles -- or before, when `signalled()` says one came while the
+    caller loaded the model -- stops it before it serves (nothing was accepted)."""
+    options.check()
     loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    log(f"serving on http://{host}:{bound} (max_batch {options.max_batch}, max_wait_ms {options.max_wait_ms:g}, "
-        f"batch shapes {options.batch_shapes}, scheduler {options.scheduler})")
-    await stop.wait()
-    log("draining: no new connections; answering the requests in flight")
-    await runner.cleanup()
-    log("drained; bye")
+        loop.add_signal_handler(sig, stop.set)  # a second signal while draining changes nothing
+    if signalled():
+        stop.set()
+    app = make_app(model, _room_for_connections(options, log))
+    gate = app[GATE]
+    sockets: list[socket.socket] = []
+    # aiohttp's runner runs the application (its startup: the batcher, every batch shape compiled; its cleanup) and
+    # makes the request handler; the listening sockets and their connections' protocol are ours (connections.py).
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=CLOSE_GRACE_SECONDS, access_log=None)
+    try:
+        if stop.is_set():  # while the model loaded
+            log("stopped before serving (a signal while the model loaded); bye")
+            return gate.report
+        sockets = _bind(host, port)
+        await runner.setup()
+        if stop.is_set():
+            await runner.cleanup()
+            log("stopped before serving (a signal while the model compiled); bye")
+            return gate.report
+        protocol = functools.partial(Connection, runner.server, gate, loop=loop,
+                                     keepalive_timeout=options.idle_timeout_seconds, access_log=None)
+        backlog = min(socket.SOMAXCONN, max(128, gate.options.max_connections))
+        listeners = [(await loop.create_server(protocol, sock=sock, backlog=backlog), sock) for sock in sockets]
+        sweeper = asyncio.create_task(gate.sweep())
+        bound = sockets[0].getsockname()[1]  # the port the OS chose for --port=0
+        log(f"serving on http://{host}:{bound} (max_batch {options.max_batch}, max_wait_ms {options.max_wait_ms:g}, "
+            f"batch shapes {options.batch_shapes}, scheduler {options.scheduler})")
+        await stop.wait()
+        await gate.stop_accepting(listeners, protocol)
+        log(f"draining: no new connections; answering the {gate.report.in_flight} requests in flight (at most "
+            f"--drain_seconds={options.drain_seconds:g})")
+        report = await gate.drain()
+        await runner.cleanup()  # the idle connections, then the application (the batcher's task and worker)
+        await gate.closed_all()
+        sweeper.cancel()
+    finally:
+        for sock in sockets:  # closed already unless serving never began
+            sock.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    log(f"{report.describe(options.drain_seconds)}; bye")
+    return report

@@ -1,5 +1,6 @@
-"""Serving tables: a trained run's stacked physical tables stored for inference, and `ServingEmbedding`, the read-only
-embedding backend whose lookup gathers the stored rows and dequantizes them inside the compiled step.
+"""Serving tables: a trained run's stacked physical tables stored for inference, and `ServingStorage`, the read-only
+storage whose lookup gathers the stored rows and dequantizes them inside the compiled step (recjax.placement.serving
+composes it with the one-device layout).
 
 Every compression method ends in plain row tables stacked by group (full and hashing tables, QR's quotient and
 remainder, MD's blocks, TT's cores, FIITED's chunk pool), so one row format serves all of them; the dense glue (MD
@@ -22,6 +23,7 @@ value inside it is within scale / 2 of its code (tests/test_serving_tables.py ch
 """
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 
 import jax
@@ -29,9 +31,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from recjax.embedding import EmbeddingCollection, FeatureRoute, Routes
-from recjax.embedding_backend import EmbeddingBackend, Rows
-from recjax.quantize import CLIP_RATIOS, pack_codes, unpack_codes
+from recjax.embedding import EmbeddingCollection, Routes
+from recjax.embedding_backend import MemoryUse, Storage
+from recjax.quantize import CLIP_RATIOS, best_clipped_range, pack_codes, unpack_codes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,29 +98,18 @@ def _quantize_range(x: np.ndarray, lo: np.ndarray, hi: np.ndarray, bits: int, dt
 def quantize_fused(x: np.ndarray, bits: int, param_dtype=np.float32, search: bool = False) -> np.ndarray:
     """Rows x f32[N, d] -> fused rows u8[N, ceil(d bits / 8) + 2 * sizeof(param)]: packed codes, scale, bias.
 
-    search=False: the row's [min, max]; True: the best of Check-N-Run's clipped ranges by L2 error (module doc)."""
+    search=False: the row's [min, max]; True: the best of Check-N-Run's clipped ranges by L2 error (module doc),
+    `recjax.quantize.best_clipped_range` in float64 with this format's parameter rounding."""
     x = np.asarray(x, np.float64)
     assert x.ndim == 2, x.shape
     n, d = x.shape
     codes = np.empty((n, d), np.uint8)
     scale = np.empty(n, param_dtype)
     bias = np.empty(n, param_dtype)
-    ratios = np.asarray(CLIP_RATIOS if search else (0.0,), np.float64)
-    a, b = (r.reshape(-1) for r in np.meshgrid(ratios, ratios, indexing="ij"))
+    quantize = functools.partial(_quantize_range, bits=bits, dtype=param_dtype)
     for start in range(0, n, _SEARCH_CHUNK_ROWS):
-        rows = x[start:start + _SEARCH_CHUNK_ROWS]
-        xmin, xmax = rows.min(axis=1), rows.max(axis=1)
-        span = xmax - xmin
-        lo = xmin[:, None] + a[None, :] * span[:, None]  # [n, C]
-        hi = xmax[:, None] - b[None, :] * span[:, None]
-        q, s, o = _quantize_range(rows[:, None, :], lo, hi, bits, param_dtype)
-        err = np.sum((o.astype(np.float64)[..., None] + s.astype(np.float64)[..., None] * q - rows[:, None, :]) ** 2,
-                     axis=-1)
-        best = np.argmin(err, axis=1)  # ties -> the first candidate, min / max
-        pick = np.arange(rows.shape[0])
-        codes[start:start + rows.shape[0]] = q[pick, best]
-        scale[start:start + rows.shape[0]] = s[pick, best]
-        bias[start:start + rows.shape[0]] = o[pick, best]
+        rows = slice(start, start + _SEARCH_CHUNK_ROWS)
+        codes[rows], scale[rows], bias[rows] = best_clipped_range(x[rows], quantize, CLIP_RATIOS if search else (0.0,))
     params = np.stack([scale, bias], axis=1).view(np.uint8).reshape(n, -1)  # little-endian bytes, scale first
     return np.concatenate([pack_codes(codes, bits), params], axis=1)
 
@@ -218,99 +209,73 @@ def decode_table(stored: np.ndarray, fmt: str, dim: int) -> np.ndarray:
     return params[:, 1:2] + params[:, 0:1] * codes
 
 
-# --------------------------------------------------------------------------------------------------- backend
+# --------------------------------------------------------------------------------------------------- storage
 def _in_table(ids: jax.Array, rows: int) -> jax.Array:
     return (ids >= 0) & (ids < rows)
 
 
-class ServingEmbedding(EmbeddingBackend):
-    """Read-only tables in a serving format on one device: the forward route (no dedup), a gather of the stored rows
-    every bag slot reads, decoded to f32 inside the step, then the collection's own pooling and glue.
+def slot_rows(collection: EmbeddingCollection, routes: Routes) -> dict[str, jax.Array]:
+    """The stored row every bag slot of a route without dedup reads, {group: i32[M_g]}: each placement's slots
+    flattened, in placement order (padding and skipped ids are outside [0, rows): they read zeros). The order in which
+    the one-device layout brings a storage's rows to the device (recjax/placement/layout.py), so rows gathered outside
+    the step in this order (recjax/serving/tiered.py) are what a `ServingStorage` with `gathered` rows takes."""
+    flat: dict[str, list[jax.Array]] = {g: [] for g in collection.group_rows}
+    for name, placed in collection.placements.items():
+        for p, slots in zip(placed, routes.features[name].slots, strict=True):
+            flat[p.group].append(slots.reshape(-1))
+    return {g: jnp.concatenate(parts).astype(jnp.int32) for g, parts in flat.items() if parts}
 
-    f32 tables take the collection's gather unchanged, so an f32 export scores exactly as the trainer's predict
-    step. Train-side calls (`update`, `compile_train`) refuse: nothing here writes a row. `GatheredEmbedding` is the
-    same lookup over rows gathered outside the step (tables on disk behind a RAM cache, recjax/serving/tiered.py).
-    """
 
-    def __init__(self, collection: EmbeddingCollection, fmt: str = "f32"):
-        self.collection = collection
+class ServingStorage(Storage):
+    """Read-only tables in a serving format: the forward route (no dedup) gathers the stored rows every bag slot reads,
+    decoded to f32 inside the step (`bring`), then the collection's own pooling and glue.
+
+    f32 tables are read in place by the collection's gather, so an f32 export scores exactly as the trainer's
+    predict step. `gathered` {group: stored rows}: the step's arrays hold, per group, the stored rows every bag slot
+    of the batch reads ([M_g, width] in `slot_rows` order), gathered outside the step -- from a RAM cache and the table
+    files (recjax/serving/tiered.py) -- and the ids say which are real rows; every format then decodes, and for f32
+    that reads the same rows in the same order as the collection's gather, so the scores are the in-RAM model's.
+    Nothing writes a row: train steps are refused."""
+
+    name = "serving"
+    read_only = True
+
+    def __init__(self, collection: EmbeddingCollection, groups, fmt: str = "f32",
+                 gathered: Mapping[str, int] | None = None):
+        super().__init__(collection, groups)
         self.format = table_format(fmt).name  # an unknown name is a ValueError
         self.formats = group_formats(self.format, collection.group_dims)  # what encode_tables stores per group
+        self.gathered = None if gathered is None else dict(gathered)
+        self.resident = self.format == "f32" and gathered is None
 
-    def route(self, batch, aux: Mapping, *, train: bool) -> Routes:
+    def rewrite_routes(self, routes, batch, *, train: bool, premade: bool):
         if train:
-            raise TypeError("ServingEmbedding is read-only: it has no train route")
-        return self.collection.route(batch.ids, batch.lengths, aux=aux, dedup=False)
+            raise TypeError("serving tables are read-only: they have no train route")
+        return routes
 
-    def slot_rows(self, routes: Routes) -> dict[str, jax.Array]:
-        """The stored row every bag slot reads, {group: i32[M_g]}: each placement's slots flattened, in placement
-        order (padding and skipped ids are outside [0, rows): they read zeros)."""
-        flat: dict[str, list[jax.Array]] = {g: [] for g in self.collection.group_rows}
-        for name, placed in self.collection.placements.items():
-            for p, slots in zip(placed, routes.features[name].slots, strict=True):
-                flat[p.group].append(slots.reshape(-1))
-        return {g: jnp.concatenate(parts).astype(jnp.int32) for g, parts in flat.items() if parts}
+    def bring(self, group, array, ids):
+        if self.gathered is not None:  # the array holds the rows the ids read, in their order
+            stored, rows = array, self.gathered[group]
+        else:
+            rows = array.shape[0]
+            stored = array.at[jnp.where(_in_table(ids, rows), ids, 0)].get(mode="promise_in_bounds")
+        decoded = decode_rows(stored, self.formats[group], self.collection.group_dims[group])
+        return jnp.where(_in_table(ids, rows)[:, None], decoded, 0.0)
 
-    def fetch(self, tables: Mapping[str, jax.Array], routes: Routes) -> tuple[Rows, None]:
-        if self.format == "f32":
-            return self.collection.gather(tables, routes), None
-        # Every bag slot's stored row, decoded to f32[M_g, d] per group; the slots then index those rows in order,
-        # and the collection pools and combines them as it would the f32 table's.
-        ids = self.slot_rows(routes)
-        stored = {g: tables[g].at[jnp.where(_in_table(i, tables[g].shape[0]), i, 0)].get(
-            mode="promise_in_bounds") for g, i in ids.items()}
-        return self.lookup_slot_rows(stored, ids, {g: tables[g].shape[0] for g in ids}, routes), None
+    def apply(self, group, optimizer, array, state, ids, current, grads, lr, step, kernel, interpret=None):
+        raise TypeError("serving tables are read-only: they take no sparse update")
 
-    def lookup_slot_rows(self, stored: Mapping[str, jax.Array], ids: Mapping[str, jax.Array],
-                         rows: Mapping[str, int], routes: Routes) -> Rows:
-        """The lookups from `stored` {group: [M_g, width]}, the stored row of each bag slot (`slot_rows` order):
-        decoded to f32 (zeros where the slot's id `ids` is outside [0, rows)), then pooled and combined."""
-        collection = self.collection
-        decoded = {g: jnp.where(_in_table(i, rows[g])[:, None],
-                                decode_rows(stored[g], self.formats[g], collection.group_dims[g]), 0.0)
-                   for g, i in ids.items()}
-        starts = dict.fromkeys(decoded, 0)
-        features = {}
-        for name, placed in collection.placements.items():
-            route, slots = routes.features[name], []
-            for p, s in zip(placed, route.slots, strict=True):
-                slots.append((starts[p.group] + jnp.arange(s.size, dtype=jnp.int32)).reshape(s.shape))
-                starts[p.group] += s.size
-            features[name] = FeatureRoute(slots=tuple(slots), weights=route.weights)
-        return collection.lookup(decoded, features)
+    def scatter_add(self, group, optimizer, array, ids, grads, lr, step):
+        raise TypeError("serving tables are read-only: they take no sparse update")
 
-    def update(self, optimizer, tables, opt_state, routes, exchange, rows, row_grads, lr, step):
-        raise TypeError("ServingEmbedding is read-only: serving tables take no sparse update")
+    def memory_use(self, optimizer):
+        return MemoryUse()  # not a training placement: nothing is checked against memory
 
-    def compile_train(self, train_step, state, stacked=False):
-        raise TypeError("ServingEmbedding is read-only: it compiles predict steps only")
-
-    def compile_predict(self, predict_step, state):
-        return jax.jit(predict_step)
-
-    def rebuilt(self, collection, optimizer) -> "ServingEmbedding":
-        return ServingEmbedding(collection, self.format)
+    def rebuilt(self, collection) -> "ServingStorage":
+        return ServingStorage(collection, self.groups, self.format, self.gathered)
 
     def describe(self) -> str:
         return f"serving tables: {self.format}"
 
     def summary(self) -> dict:
         return {"serving_format": self.format}
-
-
-class GatheredEmbedding(ServingEmbedding):
-    """`ServingEmbedding` whose `tables` argument holds, per group, the stored rows every bag slot of the batch reads
-    ({group: [M_g, width]} in `slot_rows` order), gathered outside the step -- from a RAM cache and the table files
-    (recjax/serving/tiered.py). `rows` {group: stored rows}: which ids are real rows (the others read zeros).
-    Every format goes through the decode-and-pool path; for f32 that reads the same rows in the same order as the
-    collection's gather, so the scores are the in-RAM model's."""
-
-    def __init__(self, collection: EmbeddingCollection, fmt: str, rows: Mapping[str, int]):
-        super().__init__(collection, fmt)
-        self.rows = dict(rows)
-
-    def fetch(self, tables: Mapping[str, jax.Array], routes: Routes) -> tuple[Rows, None]:
-        return self.lookup_slot_rows(tables, self.slot_rows(routes), self.rows, routes), None
-
-    def rebuilt(self, collection, optimizer) -> "GatheredEmbedding":
-        return GatheredEmbedding(collection, self.format, self.rows)

@@ -7,7 +7,7 @@ The planner (recjax/sharding/planner.py) searches with one interface, `CostModel
     exchange(stats) -> f64[S]            each storage's collectives, paid by every device
 
 and two implementations: `AnalyticCostModel` (below: bytes over bandwidths, mirroring what
-recjax/sharding/exchange.py runs) and `NeuralCostModel` (recjax/sharding/cost_net.py: small MLPs pre-trained on
+recjax/sharding/exchange.py runs) and `NeuralCostModel` (experiments/planning/cost_net.py: small MLPs pre-trained on
 sampled plans, NeuroShard -- Zha et al. 2023, "Pre-train and Search: Efficient Embedding Table Sharding with
 Pre-trained Neural Cost Models"). A plan's step cost is the slowest device's: max_d compute_d + sum_s exchange_s.
 
@@ -49,7 +49,6 @@ Analytic exchange (per storage = the tables of one dim and kind, as exchange.py 
 """
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -89,24 +88,15 @@ class AccessProfile:
         """Row of rank i (1-based) read with probability proportional to i^-alpha."""
         if alpha < 0 or rows < 1:
             raise ValueError(f"zipf profile needs alpha >= 0 and rows >= 1, got alpha={alpha}, rows={rows}")
-        h = _zipf_cumulative(RANK_GRID * rows, alpha)
+        h = zipf_cumulative(RANK_GRID * rows, alpha)
         return cls(tuple(np.clip(h / h[-1], 0.0, 1.0).tolist()))
-
-    @classmethod
-    def from_counts(cls, counts: np.ndarray) -> "AccessProfile":
-        """From observed per-id counts (any order): sorted, their cumulative share at the grid's ranks."""
-        counts = np.sort(np.asarray(counts, float).ravel())[::-1]
-        if counts.size == 0 or counts.sum() <= 0:
-            return cls.uniform()
-        cum = np.concatenate([[0.0], np.cumsum(counts)]) / counts.sum()
-        return cls(tuple(np.interp(RANK_GRID * counts.size, np.arange(counts.size + 1), cum).tolist()))
 
     def masses(self) -> np.ndarray:
         """f64[SEGMENTS]: the share of lookups in each rank segment."""
         return np.maximum(np.diff(np.asarray(self.cdf)), 0.0)
 
 
-def _zipf_cumulative(x: np.ndarray, alpha: float, head: int = 4096) -> np.ndarray:
+def zipf_cumulative(x: np.ndarray, alpha: float, head: int = 4096) -> np.ndarray:
     """H(x) = sum_{i <= x} i^-alpha, continuous in x (linear within [i, i + 1)); exact for the first `head` ranks,
     the integral from head + 1/2 beyond (the midpoint rule's error is below 1e-6 relative there)."""
     x = np.asarray(x, float)
@@ -559,23 +549,3 @@ def device_memory(problem: Problem, placements: Sequence[TablePlacement]) -> np.
                 raise ValueError(f"table {t.name!r}: placements over {p.axes} are not the planner's")
             used[list(p.devices)] += part_rows_array(t.rows, len(p.devices), p.row_split) * t.row_bytes
     return used
-
-
-def spearman(a: Sequence[float], b: Sequence[float]) -> float:
-    """Spearman's rank correlation (average ranks for ties); nan for fewer than 2 points or a constant input."""
-    a, b = np.asarray(a, float), np.asarray(b, float)
-    if len(a) < 2:
-        return math.nan
-
-    def ranks(x):
-        order = np.argsort(x, kind="stable")
-        r = np.empty(len(x))
-        r[order] = np.arange(len(x), dtype=float)
-        for v in np.unique(x):  # ties share their mean rank
-            r[x == v] = r[x == v].mean()
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    if ra.std() == 0 or rb.std() == 0:
-        return math.nan
-    return float(np.corrcoef(ra, rb)[0, 1])

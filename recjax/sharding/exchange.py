@@ -1,7 +1,7 @@
 """Sharded lookups and sparse updates: the plan's per-device arrays and the collectives between them.
 
 Every physical table of a stacked group (`recjax/embedding.py`) lands, by its plan entry, in one of the group's
-*storages* -- one array each, named "<group>/<kind>":
+*mesh arrays* (`MeshArray`) -- named "<group>/<kind>":
 
     <group>/sharded     f32[n * L, d], P(("data", "model"))   table-wise and row-wise-over-all tables; device k
                         holds rows [k L, (k+1) L): its parts of those tables, back to back
@@ -13,21 +13,21 @@ Optimizer state rows follow their table rows (same leading dim and sharding). In
 holds its local block; a step (per device, on its slice of the batch):
 
   forward (`fetch`): `collection.route` gives the local distinct stacked rows u i32[N] of a group. For a
-    sharded/model storage each member row maps to (owner, local row) by static integer math on its table's split;
+    sharded/model array each member row maps to (owner, local row) by static integer math on its table's split;
     ids are bucketed by owner into i32[parts, C1] (C1 = `capacity_factor` x E + `capacity_sigmas` x sqrt(E), E the
     ids a device is expected to send an owner; padding = the local sentinel L), all_to_all'd to the owners, who
     gather f32[parts, C1, d] (cast to `exchange_dtype`) and all_to_all them back; each distinct row is read from its
     bucket slot. If any device has more than C1 ids for an owner (a psum'ed flag), every device takes the
     worst-case branch of a `lax.cond` instead: C = the most an owner can receive from one device (per table it
     holds, the fewer of the local slots and its rows there), so no id is ever dropped. ragged_all_to_all would
-    need no C1, but XLA:CPU cannot run it. Column storages all_gather the ids, every device gathers its column
+    need no C1, but XLA:CPU cannot run it. Column arrays all_gather the ids, every device gathers its column
     slice of all of them and one all_to_all returns each requester its rows' slices (concatenated on the dim).
-    Replicated storages read locally.
+    Replicated arrays read locally.
   backward (`update`): d loss / d rows (f32[N, d], cast to `exchange_dtype`) goes back through the same buckets
-    (the reverse all_to_all; for column storages split by columns); the owner all_gathers what it received over
-    the axes its storage is replicated along (so every copy applies the same update), deduplicates the received
+    (the reverse all_to_all; for column arrays split by columns); the owner all_gathers what it received over
+    the axes its array is replicated along (so every copy applies the same update), deduplicates the received
     local rows (`unique_rows`), sums their gradients in f32, and `sparse_apply`s them in place (donated). Replicated
-    storages all_gather the touched rows' ids and gradients from every device. No collective carries a table: each
+    arrays all_gather the touched rows' ids and gradients from every device. No collective carries a table: each
     moves ids, rows or gradients of a batch.
 
 Limits of this version (what it costs: benchmarks/RESULTS.md#sharding-the-exchange-per-plan):
@@ -37,11 +37,11 @@ Limits of this version (what it costs: benchmarks/RESULTS.md#sharding-the-exchan
     sends the hot head to one owner, so steps may overflow every time; use `sharding.row_split=mod` there.
   - A table read more than once per id (FIITED reads its pool once per chunk) fills `slots_per_example` slots per
     example, and capacities count those, not the bag size.
-  - A storage is one [n L, d] array, so a table-wise plan whose devices hold different row counts pads the others
+  - A mesh array is one [n L, d] array, so a table-wise plan whose devices hold different row counts pads the others
     to the fullest; the `auto` planner evens blocks (`plan.balance_blocks`), a ragged layout would remove it.
   - `exchange_dtype` bf16 / f16 halves the bytes on GPU / TPU; XLA:CPU widens such collectives back to f32, so on
     CPU it only rounds. Accumulation (the owner's sum, the optimizer) stays f32.
-  - Column-wise storages need element-wise optimizer state (row-wise Adagrad's per-row accumulator would need the
+  - Column-wise arrays need element-wise optimizer state (row-wise Adagrad's per-row accumulator would need the
     whole row's gradient norm).
   - Initialisation is the single-device one, built on the host and laid out by the plan, so the host briefly holds
     every table once.
@@ -71,7 +71,7 @@ _KIND_OF = {"table": "sharded", "row": "sharded", "column": "column", "replicate
 
 
 @dataclasses.dataclass(frozen=True)
-class Storage:
+class MeshArray:
     """One per-device array of a group and the static maps from the group's stacked rows to it.
 
     Maps are over the group's T physical tables in offset order; K = the most parts a table is split into.
@@ -84,7 +84,7 @@ class Storage:
     replica_axes: tuple[str, ...]  # axes along which every device holds the same block
     parts: int  # devices along `axes`
     local_rows: int  # L, rows of the block on each device
-    dim: int  # the table dim (column storages hold dim / parts columns per device)
+    dim: int  # the table dim (column arrays hold dim / parts columns per device)
     group_rows: int  # the group's sentinel
     offsets: np.ndarray  # i32[T] stacked offset of each table
     member: np.ndarray  # bool[T]
@@ -105,7 +105,7 @@ class Storage:
     @property
     def row_spec(self) -> P:
         """The sharding of a per-row array (the dirty-row bitmap): split like the rows; replicated when every device
-        holds every row (replicated and column storages, whose devices update the same rows)."""
+        holds every row (replicated and column arrays, whose devices update the same rows)."""
         return self.spec if self.kind in ("sharded", "model") else P()
 
     def capacity(self, local_batch: int) -> int:
@@ -127,7 +127,7 @@ class Storage:
         return max(1, min(self.capacity(local_batch), math.ceil(factor * expected + sigmas * math.sqrt(expected))))
 
     def compact_size(self, local_batch: int, n: int) -> int:
-        """S: the most distinct rows of a replicated / column storage's tables among a device's n distinct rows
+        """S: the most distinct rows of a replicated / column array's tables among a device's n distinct rows
         (per table the fewer of its slots and its rows); only these cross devices, not the whole group's."""
         rows = np.where(self.member, self.chunk, 0)
         return max(1, min(n, int(np.minimum(rows, local_batch * self.table_bags).sum())))
@@ -148,13 +148,13 @@ class Storage:
         return member, xp.where(member, owner, 0), xp.where(member, local, self.local_rows)
 
 
-def build_storages(collection: EmbeddingCollection, plan: ShardingPlan, skip: frozenset[str] = frozenset()
-                   ) -> dict[str, Storage]:
-    """The plan's storages of every group; tables named in `skip` are in none of them (the disk tier on a mesh keeps
-    those behind per-device caches of its own, recjax/tiering/mesh.py)."""
+def mesh_arrays(collection: EmbeddingCollection, plan: ShardingPlan, skip: frozenset[str] = frozenset()
+                ) -> dict[str, MeshArray]:
+    """The plan's arrays of every group; tables named in `skip` are in none of them (a disk tier on a mesh keeps
+    those behind per-device caches of its own, recjax/tiering/slots.py)."""
     mesh_shape = plan.mesh_shape
     n = plan.devices
-    storages = {}
+    arrays = {}
     for group in sorted(collection.group_rows):
         tables = [p for p in collection.physical_tables() if p.group == group]
         offsets = np.array([p.offset for p in tables], np.int32)
@@ -209,14 +209,14 @@ def build_storages(collection: EmbeddingCollection, plan: ShardingPlan, skip: fr
                     rows_here = np.concatenate(chunks)
                     source[dev, :rows_here.size] = rows_here
             name = f"{group}/{kind}"
-            storages[name] = Storage(
+            arrays[name] = MeshArray(
                 name=name, group=group, kind=kind, axes=axes if kind != "replicated" else (),
                 replica_axes=tuple(a for a in ALL_AXES if a not in axes) if kind != "column" else (),
                 parts=parts, local_rows=local_rows, dim=collection.group_dims[group],
                 group_rows=collection.group_rows[group], offsets=offsets, member=member, split=split, chunk=chunk,
                 modulo=modulo, device=device, base=base, part_rows=part_rows_, table_bags=table_bags,
                 source=source.reshape(-1))
-    return storages
+    return arrays
 
 
 def _fallback(branch):
@@ -236,19 +236,19 @@ def _bucketed(exchange, args: tuple, overflow, capacity: int, small: int):
                         functools.partial(exchange, *args, small))
 
 
-def _rows_exchange(table, s: Storage, owner, local, dest, pos, capacity: int, dtype, size: int):
-    """Ids to their owners in buckets i32[parts, size], rows back: (rows f32[N, d], the received ids padded to
-    i32[parts, capacity] with the sentinel)."""
-    d = table.shape[1]
+def _rows_exchange(read, s: MeshArray, owner, local, dest, pos, capacity: int, dtype, size: int):
+    """Ids to their owners in buckets i32[parts, size], rows back (`read`: local ids -> rows of the owner's block):
+    (rows f32[N, d], the received ids padded to i32[parts, capacity] with the sentinel)."""
+    d = s.dim
     send = jnp.full((s.parts, size), s.local_rows, jnp.int32).at[dest, pos].set(local, mode="drop")
     recv = jax.lax.all_to_all(send, s.axes, 0, 0)  # recv[j]: the rows device j asks me for
-    vals = jnp.take(table, recv.reshape(-1), axis=0, mode="fill", fill_value=0)
+    vals = read(recv.reshape(-1))
     back = jax.lax.all_to_all(vals.astype(dtype).reshape(s.parts, size, d), s.axes, 0, 0)  # back[j]: from owner j
     recv = jnp.pad(recv, ((0, 0), (0, capacity - size)), constant_values=s.local_rows)
     return back[owner, jnp.minimum(pos, size - 1)], recv
 
 
-def _grads_exchange(g, s: Storage, dest, pos, recv, size: int):
+def _grads_exchange(g, s: MeshArray, dest, pos, recv, size: int):
     """Row gradients g [N, d] back through buckets of `size` to their owners (and every copy of the owner's block):
     (local ids, gradients) aligned, padded to the worst case's static length with the sentinel."""
     capacity, d = recv.shape[1], g.shape[1]
@@ -282,19 +282,37 @@ def _bucket_positions(owner: jax.Array, member: jax.Array, parts: int) -> jax.Ar
 class Exchange:
     """The collection's tables laid out by a plan on a mesh: device-side `fetch` / `update` (call them inside
     `jax.shard_map` over every mesh axis) and host-side `shard` / `unshard` of the single-device layout. The mesh
-    backend (recjax/sharding/backend.py) puts it behind the step's interface."""
+    layout (recjax/sharding/layout.py) puts it behind the step's interface.
+
+    `arrays` (default: the plan's) lets a storage add arrays the plan does not know (a disk tier's caches);
+    `storage_of` {group: storage} says how the owner reads and updates each group's block (recjax/placement/
+    storage.py: in place for device memory, rows brought from host memory, ...); default: device memory."""
 
     def __init__(self, collection: EmbeddingCollection, plan: ShardingPlan, mesh: jax.sharding.Mesh,
                  exchange_dtype: str = "float32", capacity_factor: float = 0.0, capacity_sigmas: float = 0.0,
-                 storages: Mapping[str, Storage] | None = None):
+                 arrays: Mapping[str, MeshArray] | None = None, storage_of: Mapping | None = None):
         self.collection = collection
         self.plan = plan
         self.mesh = mesh
         self.exchange_dtype = jnp.dtype(exchange_dtype)
         self.capacity_factor = float(capacity_factor)  # 0: buckets always of the worst case C
         self.capacity_sigmas = float(capacity_sigmas)
-        # `storages` (default: the plan's) lets a placement add arrays the plan does not know (the disk tier's caches).
-        self.storages = dict(storages) if storages is not None else build_storages(collection, plan)
+        self.arrays = dict(arrays) if arrays is not None else mesh_arrays(collection, plan)
+        self.storage_of = dict(storage_of or {})
+
+    def _read(self, s: MeshArray, table: jax.Array):
+        """local ids i32[n] -> the rows of `table` (the local block of array `s`) there, zeros out of range."""
+        storage = self.storage_of.get(s.group)
+        if storage is not None and not storage.resident:
+            return lambda ids: storage.bring(s.group, table, ids)
+        return lambda ids: jnp.take(table, ids, axis=0, mode="fill", fill_value=0)
+
+    def _apply(self, s: MeshArray, optimizer, table, state, distinct, current, summed, lr, step):
+        storage, kernel, interpret = self.storage_of.get(s.group), self.collection.kernel, self.collection.interpret
+        if storage is None:
+            return sparse_apply(optimizer, table, state, distinct, current, summed, lr, step, kernel=kernel,
+                                interpret=interpret)
+        return storage.apply(s.group, optimizer, table, state, distinct, current, summed, lr, step, kernel, interpret)
 
     # ------------------------------------------------------------------------------------------- device side
     def fetch(self, tables: Mapping[str, jax.Array], unique: Mapping[str, jax.Array], local_batch: int
@@ -305,19 +323,19 @@ class Exchange:
         for group, u in unique.items():
             n, d = u.shape[0], self.collection.group_dims[group]
             out = jnp.zeros((n, d), jnp.float32)
-            for s in (s for s in self.storages.values() if s.group == group):
+            for s in (s for s in self.arrays.values() if s.group == group):
                 member, owner, local = s.locate(u)
-                table = tables[s.name]
+                read = self._read(s, tables[s.name])
                 if s.kind == "replicated":
-                    got = jnp.take(table, local, axis=0, mode="fill", fill_value=0)
+                    got = read(local)
                     size = s.compact_size(local_batch, n)
                     context[s.name] = (member, local, _compact_slots(member, size), size)
                 elif s.kind == "column":
                     size = s.compact_size(local_batch, n)
-                    slot = _compact_slots(member, size)  # this storage's rows, packed into i32[S]
+                    slot = _compact_slots(member, size)  # this array's rows, packed into i32[S]
                     packed = jnp.full(size, s.local_rows, jnp.int32).at[slot].set(local, mode="drop")
                     ids = jax.lax.all_gather(packed, s.axes, tiled=True)  # i32[parts * S]
-                    vals = jnp.take(table, ids, axis=0, mode="fill", fill_value=0)  # [parts * S, d / parts]
+                    vals = read(ids)  # [parts * S, d / parts]
                     vals = vals.astype(self.exchange_dtype).reshape(s.parts, size, d // s.parts)
                     back = jax.lax.all_to_all(vals, s.axes, 0, 2, tiled=True).reshape(size, d)
                     got = back[jnp.minimum(slot, size - 1)]
@@ -328,7 +346,7 @@ class Exchange:
                     dest = jnp.where(member, owner, s.parts)  # non-members fall off the buffer
 
                     overflow = self._overflow(member, pos, small, capacity)
-                    got, recv = _bucketed(_rows_exchange, (table, s, owner, local, dest, pos, capacity,
+                    got, recv = _bucketed(_rows_exchange, (read, s, owner, local, dest, pos, capacity,
                                                            self.exchange_dtype), overflow, capacity, small)
                     context[s.name] = (member, dest, pos, recv, overflow, small)
                 out = out + jnp.where(member[:, None], got.astype(jnp.float32), 0.0)
@@ -339,10 +357,10 @@ class Exchange:
                context: Mapping, row_grads: Mapping[str, jax.Array], lr: jax.Array, step: jax.Array
                ) -> tuple[dict, dict, dict]:
         """Send each distinct row's gradient to its owner(s) and apply the optimizer there, in place. Also returns
-        {storage: i32[M]} the local rows each device updated (padded with the sentinel `local_rows`), for the
+        {array: i32[M]} the local rows each device updated (padded with the sentinel `local_rows`), for the
         checkpoints' dirty-row bitmaps."""
         new_tables, new_state, touched = dict(tables), dict(state), {}
-        for s in self.storages.values():
+        for s in self.arrays.values():
             g = row_grads[s.group]
             n, d = g.shape
             member = context[s.name][0]
@@ -368,20 +386,20 @@ class Exchange:
             distinct, inverse = unique_rows(ids, s.local_rows)
             summed = jnp.zeros((ids.shape[0], table.shape[1]), jnp.float32).at[inverse].add(
                 grads.astype(jnp.float32))
-            current = jnp.take(table, distinct, axis=0, mode="fill", fill_value=0)
-            new_tables[s.name], new_state[s.name] = sparse_apply(
-                self.collection.group_optimizer(optimizer, s.group), table, state[s.name], distinct, current, summed,
-                lr, step, kernel=self.collection.kernel)
+            current = self._read(s, table)(distinct)
+            new_tables[s.name], new_state[s.name] = self._apply(
+                s, self.collection.group_optimizer(optimizer, s.group), table, state[s.name], distinct, current,
+                summed, lr, step)
             touched[s.name] = distinct
         return new_tables, new_state, touched
 
     @staticmethod
     def overflows(context: Mapping) -> jax.Array:
-        """i32[]: how many storages took the worst-case buckets this step (the same on every device)."""
+        """i32[]: how many arrays took the worst-case buckets this step (the same on every device)."""
         flags = [c[4] for name, c in context.items() if len(c) == 6 and c[4] is not None]
         return sum((f.astype(jnp.int32) for f in flags), jnp.zeros((), jnp.int32))
 
-    def capacities(self, s: Storage, local_batch: int) -> tuple[int, int]:
+    def capacities(self, s: MeshArray, local_batch: int) -> tuple[int, int]:
         """(C, C1): the worst-case bucket size and the expected one (`sharding.capacity_factor` and
         `capacity_sigmas`; C1 = C when the factor is 0)."""
         capacity = s.capacity(local_batch)
@@ -398,36 +416,40 @@ class Exchange:
         return jax.lax.psum(mine, ALL_AXES) > 0
 
     # --------------------------------------------------------------------------------------------- host side
-    def sharding(self, storage: str) -> NamedSharding:
-        return NamedSharding(self.mesh, self.storages[storage].spec)
+    def sharding(self, name: str) -> NamedSharding:
+        """Where array `name` lives: its spec on the mesh, in its storage's memory (host memory: `pinned_host`)."""
+        s = self.arrays[name]
+        storage = self.storage_of.get(s.group)
+        kind = None if storage is None else storage.memory_kind
+        return NamedSharding(self.mesh, s.spec, memory_kind=kind)
 
     def shard(self, by_group: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """Single-device stacked arrays {group: [rows, ...]} (tables or one optimizer state field) -> the plan's
-        arrays {storage: jax.Array}, each device receiving only its block."""
+        arrays {name: jax.Array}, each device receiving only its block."""
         return {name: put_global(data, self.sharding(name))
-                for name, data in storage_layout(self.storages, by_group).items()}
+                for name, data in array_layout(self.arrays, by_group).items()}
 
-    def unshard(self, by_storage: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:
+    def unshard(self, by_array: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:
         """The inverse of `shard`: {group: np.ndarray} in the single-device layout (on every process)."""
-        return group_layout(self.storages, {name: to_host(a) for name, a in by_storage.items()})
+        return group_layout(self.arrays, {name: to_host(a) for name, a in by_array.items()})
 
 
-def storage_layout(storages: Mapping[str, Storage], by_group: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Host arrays in the single-device layout {group: [rows, ...]} -> the storages' global arrays, as numpy
+def array_layout(arrays: Mapping[str, MeshArray], by_group: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Host arrays in the single-device layout {group: [rows, ...]} -> the mesh arrays' global values, as numpy
     (rows no table uses are zero)."""
     out = {}
-    for name, s in storages.items():
+    for name, s in arrays.items():
         data = np.asarray(by_group[s.group])[np.maximum(s.source, 0)]
         data[s.source < 0] = 0
         out[name] = data
     return out
 
 
-def group_layout(storages: Mapping[str, Storage], by_storage: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The inverse of `storage_layout`: the storages' global host arrays -> {group: [rows, ...]}."""
+def group_layout(arrays: Mapping[str, MeshArray], by_array: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The inverse of `array_layout`: the mesh arrays' global host values -> {group: [rows, ...]}."""
     out: dict[str, np.ndarray] = {}
-    for name, s in storages.items():
-        data = np.asarray(by_storage[name])
+    for name, s in arrays.items():
+        data = np.asarray(by_array[name])
         if s.group not in out:
             out[s.group] = np.zeros((s.group_rows, *data.shape[1:]), data.dtype)
         valid = s.source >= 0

@@ -5,7 +5,7 @@
     result.cost         # PlanCost: per-device compute, the exchange every device pays, the max
 
 `sharding.plan=auto` calls `auto_placements` (from `make_plan`, below). Costs come from one interface
-(recjax/sharding/cost_model.py: the analytic model, or the pre-trained neural one of recjax/sharding/cost_net.py).
+(recjax/sharding/cost_model.py: the analytic model, or the pre-trained neural one of experiments/planning/cost_net.py).
 
 Search (deterministic given the seed; every move is checked against every device's memory first):
   1. greedy: tables by decreasing standalone cost (the LPT order); each goes where the resulting step cost is lowest

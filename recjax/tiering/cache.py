@@ -77,8 +77,9 @@ class RowCache:
         return self.row_of_slot[self.pinned]
 
     @property
-    def evictable(self) -> int:
-        return self.size - int(self.pinned.sum())
+    def free(self) -> int:
+        """Slots holding no row yet (once none, every miss evicts a row)."""
+        return self._free_top
 
     def plan(self, rows: np.ndarray, dirty: bool) -> Plan:
         """Slots for the distinct rows i64[N] a step asks for (a training step updates them: `dirty`)."""
@@ -213,6 +214,11 @@ class PartitionedRowCache:
         self.parts = [RowCache(rows, slots, policy) for _ in range(parts)]
         self.policy = policy
         self.pinned_rows = np.zeros(0, np.int64)
+
+    @property
+    def free(self) -> int:
+        """Slots holding no row yet, over the parts."""
+        return sum(cache.free for cache in self.parts)
 
     def plan(self, rows: np.ndarray, dirty: bool) -> Plan:
         rows = np.asarray(rows, np.int64)

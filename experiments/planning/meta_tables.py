@@ -16,7 +16,7 @@ the generator follows the summary numbers published with it and with NeuroShard'
     (sigma POOLING_SIGMA), scaled to the published mean; ids Zipf-distributed with an exponent uniform on
     [ALPHA_LOW, ALPHA_HIGH]; dims uniform on the six sizes. ROWS_LOW, ROWS_MAX, ALPHA_LOW and ALPHA_HIGH minimise
     the distance of the generated set's expected distinct share and reuse histogram (Poisson, for a batch of
-    65,536) to the published ones over a grid: `python -m recjax.sharding.meta_tables --calibrate` reproduces the
+    65,536) to the published ones over a grid: `python -m experiments.planning.meta_tables --calibrate` reproduces the
     fit, and benchmarks/RESULTS.md shows both histograms side by side.
 """
 
@@ -28,7 +28,7 @@ import math
 import numpy as np
 from scipy import stats
 
-from recjax.sharding.cost_model import AccessProfile, PlannerTable, Problem, Topology, _zipf_cumulative
+from recjax.sharding.cost_model import AccessProfile, PlannerTable, Problem, Topology, zipf_cumulative
 from recjax.sharding.plan import TableInfo
 
 TABLES = 856
@@ -84,7 +84,7 @@ def expected_reuse(tables: list[MetaTable], batch: int = BATCH, points: int = 40
     upper = np.array(REUSE_BINS, float)
     for t in tables:
         edges = np.unique(np.concatenate([[0.0], np.geomspace(1.0, t.rows, points)]))
-        mass = np.diff(_zipf_cumulative(edges, t.alpha)) / _zipf_cumulative(np.array([t.rows]), t.alpha)[0]
+        mass = np.diff(zipf_cumulative(edges, t.alpha)) / zipf_cumulative(np.array([t.rows]), t.alpha)[0]
         rows = np.diff(edges)
         q = batch * t.pooling
         lam = q * mass / rows  # lookups per row in each group

@@ -55,7 +55,6 @@ from recjax.sharding.cost_model import (
     StorageStats,
     Topology,
     bucket_capacity,
-    spearman,
     storage_stats,
 )
 
@@ -547,3 +546,23 @@ def storage_collectives(kind: int, dim: int, size: int, pad: int, n: int):
     ids = jax.device_put(ids, jax.sharding.NamedSharding(mesh, spec))
     rows = jax.device_put(rows, jax.sharding.NamedSharding(mesh, spec))
     return functools.partial(fn, ids, rows)
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties); nan for fewer than 2 points or a constant input."""
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    if len(a) < 2:
+        return math.nan
+
+    def ranks(x):
+        order = np.argsort(x, kind="stable")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x), dtype=float)
+        for v in np.unique(x):  # ties share their mean rank
+            r[x == v] = r[x == v].mean()
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return math.nan
+    return float(np.corrcoef(ra, rb)[0, 1])
