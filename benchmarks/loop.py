@@ -137,8 +137,8 @@ def measure(shape: str, args) -> list[dict[str, Any]]:
 
     from recjax.batch import validate_batch
     from recjax.data import make_dataset
-    from recjax.embedding_backend import LocalEmbedding
     from recjax.evaluation import resolve_budget
+    from recjax.placement.embedding import one_device
     from recjax.step import init_state, make_train_step
     from recjax.task import build_task
     from recjax.train import train_and_evaluate
@@ -150,7 +150,7 @@ def measure(shape: str, args) -> list[dict[str, Any]]:
     budget = resolve_budget(config.train, dataset)
     batch_size = budget.batch_size
     task = build_task(config, dataset.spec, dataset, budget.steps)
-    backend = LocalEmbedding(task.collection)
+    backend = one_device(task.collection)
     validate = lambda b: validate_batch(b, task.spec, any_id=task.collection.any_id_features)  # noqa: E731
 
     # Host costs of one step, each alone.
