@@ -2,6 +2,8 @@ r"""Sharded train step on a mesh of CPU devices: step time, bytes each collectiv
 
     python benchmarks/sharding.py                                   # kaggle_b2048 + reference_random, every plan
     python benchmarks/sharding.py --shapes kaggle_b2048 --plans table,auto --repeats 5 --exchange_dtype bfloat16
+    python benchmarks/sharding.py --shapes reference_random --plans table,row --exchange rows   # as before issue 39
+    python benchmarks/sharding.py --shapes reference_random --plans row --row_axes model    # 2 owners per table
 
 Prints one JSON line per (shape, plan) to stdout (progress to stderr), with the shape, config and the machine. The
 single-device step on the same batch is timed in the same process, interleaved repeat by repeat with the sharded
@@ -18,11 +20,17 @@ Per line
   step_ms / single_device_step_ms    medians of --repeats interleaved steps (state donated)
   collectives                        from the compiled HLO, per op: count and bytes of their results per device
   exchange_bytes                     all-to-all + all-gather bytes per device (the embedding exchange; the
-                                     all-reduce is the dense gradients), next to minimum_exchange_bytes, the plan's
-                                     unavoidable ids out + rows back + gradients back (recjax/sharding/plan.py),
-                                     and their ratio (the price of static buffers); a step whose buckets overflow
-                                     `capacity_factor` x the expected ids runs the worst-case branch instead:
-                                     fallback_exchange_bytes, taken in overflow_steps of timed_steps
+                                     all-reduce is the dense gradients) outside the worst-case buckets' branch,
+                                     next to
+    predicted_exchange_bytes         the same from the plan alone (recjax/sharding/exchange.py `exchange_bytes`)
+    pooled_volume_bytes              the device's bags' pooled vectors, forward and backward (plan.py): the floor
+                                     of an exchange that pools every bag on its owner, ids aside
+    exchange_over_pooled             exchange_bytes / pooled_volume_bytes
+    plan_volume_bytes                what the plan's exchange moves per device without padding (`exchange_volume_
+                                     bytes`, the busiest device's)
+  pooled_tables                      the tables whose bags their owners pool (`sharding.exchange`, --exchange)
+  fallback_exchange_bytes            a step whose buckets overflow `capacity_factor` x the expected ids runs the
+                                     worst-case branch instead (these bytes), taken in overflow_steps of timed_steps
   peak_device_bytes                  XLA's memory analysis of the step: arguments + outputs + temporaries - aliased
   table_bytes_max / share            the largest per-device table block (incl. padding to the storage's row count)
                                      vs an even share (all tables / devices), and vs what the plan assigns it
@@ -33,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import statistics
 import sys
 import time
@@ -40,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # this checkout's recjax, not an installed one
 SHAPES = {
     "kaggle_b2048": dict(tables=None, dim=16, bag=1, batch=2048, bottom=(512, 256, 64, 16), top=(512, 256, 1)),
     "reference_random": dict(tables=8, dim=64, bag=100, batch=512, bottom=(512, 512, 64), top=(1024, 1024, 1024, 1)),
@@ -81,6 +91,8 @@ def build(shape: dict, args, plan: str, seed: int = 0):
     config.mesh.shape = args.mesh
     config.sharding.plan = plan
     config.sharding.exchange_dtype = args.exchange_dtype
+    config.sharding.exchange = args.exchange
+    config.sharding.row_axes = args.row_axes
     config.sharding.capacity_factor = args.capacity_factor
     config.sharding.capacity_sigmas = args.capacity_sigmas
     spec = DatasetSpec(num_dense=13, features=tuple(FeatureSpec(f"C{i + 1}", v, shape["bag"])
@@ -102,7 +114,8 @@ def measure(name: str, shape: dict, args) -> None:
 
     from recjax import placement
     from recjax.sharding import hlo
-    from recjax.sharding.plan import minimum_exchange_bytes
+    from recjax.sharding.exchange import exchange_bytes
+    from recjax.sharding.plan import exchange_volume_bytes, pooled_volume_bytes
     from recjax.step import init_state, make_train_step
 
     config, task, batch = build(shape, args, "table")
@@ -136,7 +149,11 @@ def measure(name: str, shape: dict, args) -> None:
             entry["bytes"] += c["bytes"]
         exchange = sum(ops.get(op, {}).get("bytes", 0) for op in ("all-to-all", "all-gather"))
         itemsize = np.dtype(args.exchange_dtype if args.exchange_dtype != "bfloat16" else "float16").itemsize
-        minimum = minimum_exchange_bytes(sharded.layout.plan, itemsize)
+        plan_ = sharded.layout.plan
+        pooled_volume = pooled_volume_bytes(plan_, itemsize)
+        # XLA:CPU widens bf16 / f16 collectives to f32: the compiled HLO's bytes are f32 ones.
+        predicted = exchange_bytes(plan_, args.capacity_factor, args.capacity_sigmas, 4,
+                                   config.embedding.pooling == "mean")
         memory = compiled.memory_analysis()
         peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
                 - memory.alias_size_in_bytes)
@@ -176,7 +193,11 @@ def measure(name: str, shape: dict, args) -> None:
             "single_device_step_ms": 1000 * statistics.median(times["single"]),
             "compile_s": compile_s,
             "collectives": ops,
-            "exchange_bytes": exchange, "minimum_exchange_bytes": minimum, "exchange_ratio": exchange / minimum,
+            "exchange": args.exchange, "row_axes": args.row_axes,
+            "pooled_tables": sorted(p.table.name for p in plan_.placements if plan_.pooled(p.table.name)),
+            "exchange_bytes": exchange, "predicted_exchange_bytes": predicted[0],
+            "pooled_volume_bytes": pooled_volume, "exchange_over_pooled": exchange / pooled_volume,
+            "plan_volume_bytes": max(exchange_volume_bytes(plan_, itemsize)),
             "capacity_factor": args.capacity_factor, "capacity_sigmas": args.capacity_sigmas,
             "fallback_exchange_bytes": fallback,
             "overflow_steps": sum(o > 0 for o in overflows), "timed_steps": len(overflows),
@@ -200,6 +221,9 @@ def main(argv=None) -> None:
     parser.add_argument("--devices", type=int, default=8, help="CPU devices (jax_num_cpu_devices)")
     parser.add_argument("--mesh", default="data=4,model=2", help="config.mesh.shape")
     parser.add_argument("--exchange_dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--exchange", default="auto", choices=("auto", "pooled", "rows"),
+                        help="config.sharding.exchange")
+    parser.add_argument("--row_axes", default="all", choices=("all", "model"), help="config.sharding.row_axes")
     parser.add_argument("--capacity_factor", type=float, default=1.0, help="config.sharding.capacity_factor")
     parser.add_argument("--capacity_sigmas", type=float, default=7.0, help="config.sharding.capacity_sigmas")
     parser.add_argument("--vocab_cap", type=int, default=1_000_000, help="kaggle_b2048: rows per table at most")

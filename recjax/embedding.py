@@ -468,14 +468,17 @@ class EmbeddingCollection:
                 parts[p.group].append(slots.reshape(-1))
         return {g: jnp.concatenate(v) for g, v in parts.items() if v}
 
-    def pool_batches(self, features: Mapping[str, FeatureRoute]) -> dict[str, tuple[tuple[str, int], ...]]:
+    def pool_batches(self, features: Mapping[str, FeatureRoute], reads: frozenset | None = None
+                     ) -> dict[str, tuple[tuple[str, int], ...]]:
         """The (feature, physical table index) pairs pooled together: one batch per (group, bag size), for the
-        methods that pool before combining. Keys "<group>/L<bag>"; static (from shapes only)."""
+        methods that pool before combining. Keys "<group>/L<bag>"; static (from shapes only). `reads`: only these
+        (feature, index) pairs (a mesh pools the others on their tables' owners: recjax/sharding/exchange.py)."""
         batches: dict[str, list[tuple[str, int]]] = {}
         for name, method in self.methods.items():
             if method.pools_before_combine:
                 for p, slots in zip(self.placements[name], features[name].slots, strict=True):
-                    batches.setdefault(f"{p.group}/L{slots.shape[1]}", []).append((name, p.index))
+                    if reads is None or (name, p.index) in reads:
+                        batches.setdefault(f"{p.group}/L{slots.shape[1]}", []).append((name, p.index))
         return {k: tuple(v) for k, v in batches.items()}
 
     def _batch_slots(self, features: Mapping[str, FeatureRoute], members: tuple[tuple[str, int], ...]
@@ -486,17 +489,19 @@ class EmbeddingCollection:
         weights = jnp.stack([features[name].weights for name, _ in members])
         return slots, weights
 
-    def lookup(self, source: Mapping[str, jax.Array], features: Mapping[str, FeatureRoute]) -> Lookups:
+    def lookup(self, source: Mapping[str, jax.Array], features: Mapping[str, FeatureRoute],
+               reads: frozenset | None = None) -> Lookups:
         """Bags read from `source` ({group: f32[N, d]}: a batch's distinct rows, or whole tables) by the routes'
-        slots (`Lookups`). One gather-reduce per pool batch."""
+        slots (`Lookups`). One gather-reduce per pool batch. `reads`: only these (feature, index) pairs (the pool
+        batches then hold only them, in `pool_batches(features, reads)`'s order)."""
         pooled = {}
-        for key, members in self.pool_batches(features).items():
+        for key, members in self.pool_batches(features, reads).items():
             slots, weights = self._batch_slots(features, members)
             group = self.placements[members[0][0]][members[0][1]].group
             pooled[key] = gather_reduce(source[group], slots, weights, impl=self.kernel, interpret=self.interpret)
         per_id = {}
         for name, method in self.methods.items():
-            if not method.pools_before_combine:
+            if not method.pools_before_combine and (reads is None or (name, 0) in reads):
                 per_id[name] = tuple(gather(source[p.group], s, impl=self.kernel, interpret=self.interpret)
                                      for p, s in zip(self.placements[name], features[name].slots, strict=True))
         return Lookups(pooled=pooled, per_id=per_id)

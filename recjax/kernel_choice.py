@@ -82,13 +82,13 @@ class Device:
     """What the choice depends on about where the run executes."""
 
     platform: str  # jax's backend name: "cpu", "gpu", "tpu"
-    kind: str  # jax.devices()[0].device_kind
+    kind: str  # jax.local_devices()[0].device_kind
     devices: int  # devices in the run (all processes)
     memory_bytes: int | None  # the device's memory, where jax reports it
 
 
 def current_device() -> Device:
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]  # another process's devices answer no memory_stats
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     return Device(jax.default_backend(), device.device_kind, jax.device_count(),
                   (stats or {}).get("bytes_limit"))

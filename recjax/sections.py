@@ -42,7 +42,10 @@ class ShardingSection:
     tables: str = ""  # per-table overrides, e.g. "C3=row,C4=table:2,C5/q=replicated" (logical or physical names)
     row_axes: str = "all"  # row-wise tables split over "all" devices or the "model" axis (copied along "data")
     row_split: str = "range"  # rows to parts by contiguous "range" or id "mod" the part count
-    exchange_dtype: str = "float32"  # rows and row gradients between devices: float32, bfloat16 or float16
+    # what crosses devices: "auto" (bags pooled on their tables' owners where that moves fewer bytes than the rows),
+    # "pooled" (wherever the method allows), "rows" (every distinct row, as before issue 39); recjax/sharding/plan.py
+    exchange: str = "auto"
+    exchange_dtype: str = "float32"  # pooled bags, rows and gradients between devices: float32, bfloat16 or float16
     device_memory_bytes: int = 0  # per-device budget for tables + optimizer state; 0 = the device's own
     # all_to_all buckets of row-/table-wise tables: factor x E + sigmas x sqrt(E) ids, E = the ids a device is
     # expected to send an owner (sqrt(E) ~ the spread of that count); a step with more takes worst-case buckets

@@ -55,6 +55,7 @@ from recjax.guards import (
 )
 from recjax.metric_log import MetricLog
 from recjax.rss import RssSampler
+from recjax.sharding import multihost
 from recjax.step import init_state, make_predict_step, make_train_step
 from recjax.task import Task, build_task
 from recjax.tiering.folders import WORKDIR_FOLDER, remove_stale
@@ -317,6 +318,7 @@ class Run:
         self.train_calls = {1: self.train_step}
         if self.steps_per_call > 1:
             self._executable(self.steps_per_call, self.examples_k, in_loop=False)
+        multihost.barrier("recjax_steps_compiled")  # every process compiled: their first collectives run together
 
     def _executable(self, n: int, block, in_loop: bool = True):
         """The compiled call of `n` steps, compiled for `block` at its first use (in the loop: not training time)."""

@@ -22,6 +22,7 @@ from recjax.config_check import validate_config
 from recjax.data import make_dataset
 from recjax.data.pipeline import stack
 from recjax.sharding import hlo
+from recjax.sharding.exchange import exchange_collectives
 from recjax.step import init_state, make_predict_step, make_train_step
 from recjax.task import build_task
 
@@ -47,6 +48,12 @@ CASES = {
     # FIITED: replicated routing arrays updated from the global batch; its pool row-wise and on one device.
     "dlrm-fiited-mixed-4x2": ("dlrm", "fiited", "data=4,model=2", "table", "C2/pool=row,C3/pool=table:1,C4=column",
                               {"optimizer.sparse.name": "adagrad"}),
+    # Per-id methods that cannot pool on the owner (TT-Rec, signed hashing, path QR, CRT mult: their rows travel)
+    # beside QR add (pooled on its factor tables' owners), row-wise by modulo with QR add column-wise.
+    "dlrm-tt-perid-4x2": ("dlrm", "tt", "data=4,model=2", "row", "C4=column",
+                          {"sharding.row_split": "mod", "optimizer.sparse.name": "adagrad"}),
+    # Every table column-wise: pooled slices concatenated.
+    "dlrm-full-column-8x1": ("dlrm", "full", "data=8", "column", "", {"optimizer.sparse.name": "adagrad"}),
     "wukong-qr-mixed-8x1": ("wukong", "qr", "data=8", "table", "C1=row,C2=column,C5=replicated", {}),
     "wukong-md-auto-2x4": ("wukong", "md", "data=2,model=4", "auto", "", {}),
     # The planner under a tight memory budget (650 rows of dim 16 + a row-wise Adagrad accumulator per device): C1
@@ -90,6 +97,12 @@ def case_config(model: str, method: str, mesh: str, plan: str, overrides: str, e
             "C2": {"method": "qr", "options": {"collisions": 8}},
             "C3": {"method": "md_blocks", "options": {"blocks": (0.1, 1.0)}},
             "C4": {"method": "full"}})
+    if method == "tt":  # TT-Rec beside the other per-id methods and a pooled QR
+        config.embedding.tables = ml_collections.ConfigDict({
+            "C2": {"method": "hashing", "options": {"buckets": 64, "sign": True}},
+            "C3": {"method": "qr_path", "options": {"collisions": 8}},
+            "C4": {"method": "qr", "options": {"collisions": 4, "op": "add"}},
+            "C5": {"method": "crt", "options": {"moduli": (11, 13)}}})
     config.model.name = model
     config.model.dlrm.bottom_mlp = (8, 16)
     config.model.dlrm.top_mlp = (16, 1)
@@ -107,6 +120,9 @@ def case_config(model: str, method: str, mesh: str, plan: str, overrides: str, e
     # the expected-capacity and the worst-case branch run (test_expected_and_worst_case_buckets_both_ran).
     config.sharding.capacity_factor = 1.25
     config.sharding.capacity_sigmas = 0.0
+    # Every bag that can pool on its owner does (these tables are so small that `auto` would keep many as rows);
+    # the cases that say otherwise run `auto` and the rows exchange.
+    config.sharding.exchange = "pooled"
     set_keys(config, extra)
     return config
 
@@ -169,26 +185,42 @@ def run_case(name: str, out: pathlib.Path) -> None:
         result[f"dense/{key}"] = np.asarray(value)
     result["shardings"] = np.array(sorted({p.sharding for p in sharded.layout.plan.placements}))
     # Arrays whose all_to_all buckets are smaller than the worst case (a step takes the worst case on overflow).
-    exchange = sharded.layout.exchange
-    result["expected_buckets"] = sum(small < capacity for capacity, small in
-                                     (exchange.capacities(s, BATCH // 8) for s in exchange.arrays.values()
-                                      if s.kind in ("sharded", "model")))
+    result["expected_buckets"] = sharded.layout.exchange.bucketed()
     np.savez(out / f"{name}.npz", **result)
+
+
+# The compiled steps whose exchange bytes are checked against the plan's prediction (`exchange_bytes`): name ->
+# (mesh, plan, overrides, bag sizes, extra config). Multi-hot bags pooled on their owners (table-, row-wise over all
+# devices or over the model axis, column-wise) and travelling as rows (`exchange=rows`, `auto`).
+BYTES_CASES = {
+    "pooled-mixed-4x2": ("data=4,model=2", "table", "C1=replicated,C2=row,C3=column", (1, 3, 1, 2, 4), {}),
+    "pooled-mean-row_model-2x4": ("data=2,model=4", "row", "C3=table:5", (2, 3, 1, 2, 4),
+                                  {"sharding.row_axes": "model", "embedding.pooling": "mean"}),
+    "rows-mixed-4x2": ("data=4,model=2", "table", "C1=replicated,C2=row,C3=column", (1, 3, 1, 2, 4),
+                       {"sharding.exchange": "rows"}),
+    # A memory budget the planner must split tables for (5 x 4096 rows x 16 x 3 floats with lazy Adam's state).
+    "auto-8x1": ("data=8", "auto", "", (1, 3, 1, 2, 4),
+                 {"sharding.exchange": "auto", "sharding.device_memory_bytes": 700_000}),
+}
 
 
 def hlo_report(out: pathlib.Path) -> None:
     """The compiled sharded step at two table sizes (4096 and 32768 rows; 8 ids per device a step): every
-    collective, the largest array of any instruction, temp and aliased bytes, and each device's blocks."""
+    collective, the largest array of any instruction, temp and aliased bytes, and each device's blocks; and the
+    exchange bytes of `BYTES_CASES` beside the plan's prediction."""
     report = {rows: hlo_facts(rows) for rows in (4096, 32768)}
     report["bfloat16"] = hlo_facts(4096, "bfloat16")
+    for name, (mesh, plan, overrides, bags, extra) in BYTES_CASES.items():
+        report[name] = hlo_facts(4096, "float32", mesh, plan, overrides, bags, extra)
     (out / "hlo.json").write_text(json.dumps(report, indent=1))
 
 
-def hlo_facts(rows: int, exchange_dtype: str = "float32") -> dict:
-    config = case_config("dlrm", "full", "data=4,model=2", "table", "C1=replicated,C2=row,C3=column",
-                         {"sharding.exchange_dtype": exchange_dtype})
+def hlo_facts(rows: int, exchange_dtype: str = "float32", mesh: str = "data=4,model=2", plan: str = "table",
+              overrides: str = "C1=replicated,C2=row,C3=column", bags=(1, 1, 1, 1, 1), extra=None) -> dict:
+    config = case_config("dlrm", "full", mesh, plan, overrides,
+                         {"sharding.exchange_dtype": exchange_dtype, **(extra or {})})
     config.data.vocab_sizes = (rows,) * 5
-    config.data.bag_sizes = (1, 1, 1, 1, 1)
+    config.data.bag_sizes = bags
     config.train.batch_size = 64  # 8 examples per device
     dataset = make_dataset(config.data, seed=0)
     task = build_task(config, dataset.spec, dataset, 10)
@@ -208,7 +240,21 @@ def hlo_facts(rows: int, exchange_dtype: str = "float32") -> dict:
     blocks = {name: int(np.prod(sharded_state.tables[name].addressable_shards[0].data.shape)) * 4
               for name in sharded_state.tables}
     memory = compiled.memory_analysis()
+    # What the exchange's all_to_alls and all_gathers deliver to one device in a step whose buckets fit, and in one
+    # that overflows (the worst-case branch replaces the bucketed collectives), beside the plan's prediction (XLA:CPU
+    # widens bf16 collectives: f32 bytes).
+    exchange = [c for c in collectives if c["op"] in ("all-to-all", "all-gather")]
+    predicted = exchange_collectives(sharded.layout.plan, config.sharding.capacity_factor,
+                                     config.sharding.capacity_sigmas, 4, config.embedding.pooling == "mean")
     return {
+        "exchange_bytes": sum(c["bytes"] for c in exchange if not c["fallback"]),
+        "fallback_exchange_bytes": sum(c["bytes"] for c in exchange if c["fallback"]),
+        "predicted_exchange_bytes": sum(c["bytes"] for c in predicted if not c["fallback"]),
+        "predicted_fallback_exchange_bytes": sum(c["bytes"] for c in predicted if c["fallback"]),
+        # the collectives of the expected-capacity buckets, which the worst-case branch replaces
+        "predicted_bucketed_exchange_bytes": sum(c["bytes"] for c in predicted if c["bucketed"]),
+        "pooled_tables": sorted(p.table.name for p in sharded.layout.plan.placements
+                                if sharded.layout.plan.pooled(p.table.name)),
         "table_bytes": rows * 16 * 4,
         "block_bytes": blocks,
         "collectives": [{"op": c["op"], "bytes": c["largest"], "dtypes": c["dtypes"], "fallback": c["fallback"],

@@ -3,10 +3,11 @@
 The multi-device runs happen in one subprocess with 8 CPU devices (tests/sharding_cases.py): setting
 `jax_num_cpu_devices` for the whole pytest process would send every other test's `train_and_evaluate` through the
 mesh (its default is every device), so they would no longer test the single-device path they were written for. The
-tests that read those runs are `slow` (~4 CPU-minutes for the subprocess: 9 cases and the HLO report, each compiling
+tests that read those runs are `slow` (~5 CPU-minutes for the subprocess: 12 cases and the HLO report, each compiling
 a single-device and a sharded step); the plans and their errors below are not.
 """
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -21,7 +22,8 @@ from recjax.errors import ConfigError
 from recjax.sharding.mesh import mesh_shape, parse_mesh_shape
 from recjax.sharding.plan import TableInfo, format_plan
 from recjax.sharding.planner import make_plan
-from tests.sharding_cases import CASES
+from recjax.sparse_optim import SPARSE_OPTIMIZERS
+from tests.sharding_cases import BYTES_CASES, CASES
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -128,7 +130,9 @@ def test_bfloat16_exchange_is_close_to_float32(runs):
 def test_cases_cover_every_mesh_model_and_method():
     assert {c[2] for c in CASES.values()} == {"data=8", "data=4,model=2", "data=2,model=4"}
     assert {c[0] for c in CASES.values()} == {"dlrm", "wukong"}
-    assert {"full", "qr", "md", "hashing"} <= {c[1] for c in CASES.values()}
+    assert {"full", "qr", "md", "hashing", "tt", "fiited"} <= {c[1] for c in CASES.values()}
+    assert {"table", "row", "column", "auto"} <= {c[3] for c in CASES.values()}
+    assert set(SPARSE_OPTIMIZERS) == {c[5].get("optimizer.sparse.name", "lazy_adam") for c in CASES.values()}
 
 
 @pytest.mark.slow
@@ -169,10 +173,28 @@ def test_no_collective_or_temporary_has_a_table_size(runs):
     assert [c["bytes"] for c in small["collectives"]] == [c["bytes"] for c in large["collectives"]]
     assert small["temp_bytes"] == large["temp_bytes"]
     assert large["block_bytes"]["dim16/column"] == large["table_bytes"] // 8  # a slice of the column-wise table
-    # The row-/table-wise all_to_alls of a step without overflow are smaller than the worst-case branch's.
-    common = [c["bytes"] for c in small["collectives"] if c["op"] == "all-to-all" and not c["fallback"]]
-    fallback = [c["bytes"] for c in small["collectives"] if c["op"] == "all-to-all" and c["fallback"]]
-    assert fallback and max(common) < max(fallback)
+    # The row-wise buckets of a step without overflow move less than the worst-case branch that replaces them (the
+    # compiled bytes equal these predicted ones: test_exchange_bytes_in_the_compiled_step_equal_the_plans_prediction).
+    assert 0 < small["predicted_bucketed_exchange_bytes"] < small["fallback_exchange_bytes"]
+
+
+@pytest.mark.slow
+def test_exchange_bytes_in_the_compiled_step_equal_the_plans_prediction(runs):
+    """The all_to_alls and all_gathers of each compiled step (pooled multi-hot bags table-, row- and column-wise, sum
+    and mean, rows travelling, `auto`; bf16 widened on CPU) deliver to a device exactly the bytes the plan alone
+    predicts (recjax/sharding/exchange.py `exchange_collectives`), in the step whose buckets fit and in the worst-case
+    branch."""
+    report = json.loads((runs / "hlo.json").read_text())
+    names = ["4096", "32768", "bfloat16", *BYTES_CASES]
+    for name in names:
+        facts = report[name]
+        assert facts["exchange_bytes"] > 0, name
+        assert facts["exchange_bytes"] == facts["predicted_exchange_bytes"], name
+        assert facts["fallback_exchange_bytes"] == facts["predicted_fallback_exchange_bytes"], name
+    # The cases really differ in what they pool: every table's bags on their owners, none, and some.
+    assert report["pooled-mixed-4x2"]["pooled_tables"] == ["C2", "C3", "C4", "C5"]  # C1 is replicated
+    assert report["rows-mixed-4x2"]["pooled_tables"] == []
+    assert report["pooled-mixed-4x2"]["exchange_bytes"] != report["rows-mixed-4x2"]["exchange_bytes"]
 
 
 # ------------------------------------------------------------------------------------------ plans (1 device)
@@ -306,6 +328,7 @@ def test_config_errors_name_the_key():
     validate_config(config_with())
     for changes, match in [({"sharding__plan": "diagonal"}, "sharding.plan: unknown value 'diagonal'"),
                            ({"sharding__exchange_dtype": "int8"}, "sharding.exchange_dtype: unknown value"),
+                           ({"sharding__exchange": "unpooled"}, "sharding.exchange: unknown value 'unpooled'"),
                            ({"sharding__row_axes": "data"}, "sharding.row_axes: unknown value"),
                            ({"mesh__shape": "data=x"}, "mesh.shape: cannot read"),
                            ({"sharding__device_memory_bytes": -1}, "sharding.device_memory_bytes: must be >= 0"),
@@ -325,3 +348,64 @@ def test_one_device_runs_the_single_device_engine():
     assert make_mesh("") is None
     with pytest.raises(ConfigError, match="is 2 x 1 = 2 devices, but 1 are available"):
         make_mesh("data=2")
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_buckets_are_ragged_all_to_alls_on_gpu_and_tpu_and_static_on_cpu(platform):
+    """The exchange's bucketed all_to_all lowers to `ragged_all_to_all` for GPU and TPU (only each bucket's filled rows
+    move) and for CPU to the static all_to_all of the whole buckets (XLA:CPU cannot run the ragged one), whose result
+    is the buckets, moved whole (a one-device mesh here: the device sends itself its bucket; the 8-device runs of
+    tests/sharding_cases.py exercise the CPU path's exchange)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from recjax.sharding.exchange import _bucket_all_to_all
+
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    step = jax.jit(jax.shard_map(lambda x, filled: _bucket_all_to_all(x, filled, ("x",)), mesh=mesh,
+                                 in_specs=(P("x"), P("x")), out_specs=P("x")))
+    x = jax.device_put(jnp.arange(12, dtype=jnp.float32).reshape(1, 4, 3), NamedSharding(mesh, P("x")))
+    filled = jax.device_put(jnp.array([2], jnp.int32), NamedSharding(mesh, P("x")))
+    ragged = jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")
+    module = jax.export.export(step, platforms=[platform], disabled_checks=[ragged])(x, filled).mlir_module()
+    assert "@ragged_all_to_all" in module
+    cpu = jax.export.export(step, platforms=["cpu"])(x, filled).mlir_module()
+    assert "@ragged_all_to_all" not in cpu  # (a one-device all_to_all is elided: no collective is left)
+    np.testing.assert_array_equal(np.asarray(step(x, filled)), np.asarray(x))
+
+
+def test_plan_charges_each_device_what_its_exchange_sends_and_receives():
+    """recjax/sharding/plan.py `table_exchange` against the bytes worked out by hand: 8 devices (data=4 x model=2),
+    global batch 64 (b = 8 examples per device), a table of 1000 rows x dim 16 read in bags of 4 ids (32 slots per
+    device), f32."""
+    from recjax.sharding.plan import TablePlacement, expected_distinct, pools_on_owner, table_exchange
+
+    mesh = {"data": 4, "model": 2}
+    multi = TableInfo("C1", "C1", "full", 1000, 16, 4, 0)
+    one_hot = TableInfo("C2", "C2", "full", 1000, 16, 1, 0)
+    whole = TablePlacement(multi, "table", ("data", "model"), (3,))
+    # Pooled, table-wise on device 3: every device gets back its 8 bags' sums (8 x 16 x 4 = 512 bytes); the owner
+    # also receives every device's 32 ids (8 x 128) and 8 bag gradients (8 x 512).
+    assert table_exchange(whole, mesh, 64, True) == [512.0] * 3 + [512.0 + 8 * (128 + 512)] + [512.0] * 4
+    # As rows: a device asks for the distinct rows of its 32 ids and receives them; the owner receives every device's
+    # distinct ids and their gradients (4 + 64 bytes each).
+    a = float(expected_distinct(1000, 32))
+    assert table_exchange(whole, mesh, 64, False) == pytest.approx([a * 64] * 3 + [a * 64 + 8 * a * 68] + [a * 64] * 4)
+    # Row-wise over all 8 devices: each device receives 8 partial sums of its 8 bags, and as an owner of 1/8 of the
+    # rows, 1/8 of every device's ids (8 x 4 x 4), every device's 8 bag counts (8 x 32) and bag gradients (8 x 512).
+    split = TablePlacement(multi, "row", ("data", "model"), tuple(range(8)))
+    assert table_exchange(split, mesh, 64, True) == pytest.approx([8 * 512 + 8 * (16 + 32 + 512)] * 8)
+    # Column-wise: every device's 32 ids all-gathered (8 x 128), and its bags' slices out and gradients back.
+    column = TablePlacement(multi, "column", ("data", "model"), tuple(range(8)))
+    assert table_exchange(column, mesh, 64, True) == [8 * 128 + 2 * 512] * 8
+    # auto pools the multi-hot table and keeps the one-hot one as rows (a pooled bag of one id is one row's bytes,
+    # and rows are deduplicated); never a replicated table, nor a method that combines per id.
+    assert pools_on_owner(whole, mesh, 64) and not pools_on_owner(TablePlacement(one_hot, "table", whole.axes, (3,)),
+                                                                   mesh, 64)
+    assert pools_on_owner(TablePlacement(one_hot, "table", whole.axes, (3,)), mesh, 64, "pooled")
+    assert not pools_on_owner(whole, mesh, 64, "rows")
+    assert not pools_on_owner(TablePlacement(multi, "replicated", (), ()), mesh, 64, "pooled")
+    assert not pools_on_owner(TablePlacement(dataclasses.replace(multi, poolable=False), "table", whole.axes, (3,)),
+                              mesh, 64, "pooled")

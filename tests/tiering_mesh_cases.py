@@ -64,6 +64,9 @@ def case_config(optimizer: str, mesh: str, plan: str, overrides: str, extra: dic
     config.sharding.tables = overrides
     config.sharding.capacity_factor = 1.25  # small buckets that overflow now and then: both branches run
     config.sharding.capacity_sigmas = 0.0
+    # Every bag pooled on its owner, from its cache slots for the cached tables (`auto` would keep these small
+    # tables' rows travelling): the disk run and the memory run pool the same bags in the same order.
+    config.sharding.exchange = "pooled"
     config.tiering.tables = "C1=disk,C2=disk,C4=disk"  # C3 stays in memory, in the same stacked group
     set_keys(config, extra)
     config.tiering.cache_rows = slots

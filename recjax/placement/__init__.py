@@ -31,7 +31,15 @@ from recjax.sections import MeshSection, Sections, ShardingSection, TieringSecti
 from recjax.serving.tables import ServingStorage
 from recjax.sharding.layout import MeshLayout
 from recjax.sharding.mesh import make_mesh, parse_mesh_shape
-from recjax.sharding.plan import EXCHANGE_DTYPES, PLANS, ROW_AXES, ROW_SPLITS, ShardingPlan, parse_overrides
+from recjax.sharding.plan import (
+    EXCHANGE_DTYPES,
+    EXCHANGES,
+    PLANS,
+    ROW_AXES,
+    ROW_SPLITS,
+    ShardingPlan,
+    parse_overrides,
+)
 from recjax.sharding.planner import make_plan
 from recjax.sharding.relayout import table_infos
 from recjax.tiering.cache import POLICIES
@@ -113,9 +121,10 @@ def make_layout(sections: Sections, task, row_wise: list[str] = ()) -> Layout:
     overrides = row_wise_overrides(sharding, task.collection, row_wise)
 
     def replan(collection, optimizer) -> ShardingPlan:
-        return make_plan(table_infos(collection, optimizer), shape, batch_size, plan=sharding.plan,
+        plan = make_plan(table_infos(collection, optimizer), shape, batch_size, plan=sharding.plan,
                          overrides=overrides, row_axes=sharding.row_axes, row_split=sharding.row_split,
                          device_memory_bytes=memory)
+        return dataclasses.replace(plan, exchange=sharding.exchange)
 
     return MeshLayout(replan(task.collection, task.sparse_optimizer), mesh, sharding.exchange_dtype,
                       sharding.capacity_factor, sharding.capacity_sigmas, replan)
@@ -161,6 +170,7 @@ def check_placement(config: Mapping) -> None:
     check_text("sharding.tables", sharding.tables)
     check_choice("sharding.row_axes", sharding.row_axes, ROW_AXES)
     check_choice("sharding.row_split", sharding.row_split, ROW_SPLITS)
+    check_choice("sharding.exchange", sharding.exchange, EXCHANGES)
     check_choice("sharding.exchange_dtype", sharding.exchange_dtype, EXCHANGE_DTYPES)
     check_integer("sharding.device_memory_bytes", sharding.device_memory_bytes, 0)
     factor = check_number("sharding.capacity_factor", sharding.capacity_factor, at_least=0.0)

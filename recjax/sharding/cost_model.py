@@ -34,8 +34,8 @@ Analytic compute (per device, per step; B the global batch, n devices, q = B x p
   uniform ones twice over: fewer distinct rows, and more of them cached.
 Analytic exchange (per storage = the tables of one dim and kind, as exchange.py stacks them; every device pays it):
   table-/row-wise   static all_to_all buckets of C1 slots per (device, owner): C1 = capacity_factor x E +
-                    capacity_sigmas x sqrt(E), E = the most ids a device is expected to send one owner (per table its
-                    b x bag slots x the owner's share of the rows, at most the rows it holds), capped by the worst
+                    capacity_sigmas x sqrt(E), E = the most distinct ids a device is expected to send one owner (per
+                    table the owner's share of the rows its b x bag slots hit, ids spread evenly), capped by the worst
                     case C; a step whose distinct requests to some owner exceed C1 takes C instead (the profile gives
                     the expected distinct requests: a hot head split by `range` overflows). Per peer C1 slots carry
                     an id out, a row back and a gradient back: C1 (4 + 2 d x itemsize) bytes, over the intra-host
@@ -54,7 +54,7 @@ from typing import Protocol
 
 import numpy as np
 
-from recjax.sharding.plan import TableInfo, TablePlacement
+from recjax.sharding.plan import TableInfo, TablePlacement, expected_distinct
 
 # Rank fractions (rows sorted by how often they are read) at which an AccessProfile stores its cumulative share of
 # the lookups; log-spaced so the hot head of a 10M-row table is resolved to a few rows.
@@ -297,7 +297,7 @@ class PartTable:
             mem_bytes=full * (info.rows * info.row_bytes // n) if kind == COLUMN else held * info.row_bytes,
             fwd_bytes=4 * width * full, upd_bytes=8 * (width + state) * full,
             cache_row_bytes=4 * (width + state) * full,
-            lookups=q * seg_mass.sum(1), expected_slots=np.minimum(held, slots * held / info.rows),
+            lookups=q * seg_mass.sum(1), expected_slots=held * expected_distinct(info.rows, slots) / info.rows,
             worst_slots=np.minimum(held, slots), requested=local.sum(1), compact=min(info.rows, slots) * full,
             fwd_total=fwd.sum(1), upd_total=everyone.sum(1),
             seg_rows=seg_rows, seg_start=seg_start, fwd=fwd, upd=everyone, seg_mass=seg_mass)

@@ -1,11 +1,12 @@
 """The mesh layout: a sharding plan over a jax Mesh, behind the step's embedding interface.
 
 The step (recjax/step.py) runs under one `jax.shard_map` over both mesh axes, on each device's share of the batch
-(split over every device, `data` major): `route` is the collection's (always deduplicated: the exchange moves
-distinct rows), `fetch` / `update` are the exchange's collectives (recjax/sharding/exchange.py; at the owner each
-group's storage reads and updates its block), `all_reduce` psums the loss and dense gradients (each device
-contributes its local mean / n), and every replica applies the same optax update, so the dense state stays
-replicated. The state is donated, so each table block is updated where it lives.
+(split over every device, `data` major): `route` is the collection's (always deduplicated: what does not pool on
+its owner moves as distinct rows), `fetch` / `update` are the exchange's collectives (recjax/sharding/exchange.py:
+bags pooled on their tables' owners, the rest as rows; `fetch` returns the bags, `Lookups`, which the step
+differentiates; at the owner each group's storage reads and updates its block), `all_reduce` psums the loss and
+dense gradients (each device contributes its local mean / n), and every replica applies the same optax update, so
+the dense state stays replicated. The state is donated, so each table block is updated where it lives.
 
 Dynamic tables (FIITED, row pruning): their routing arrays (`state.aux`) are replicated. Every device routes its
 share with them and updates them from the whole global batch -- the dynamic features' ids, pooling weights and
@@ -72,10 +73,10 @@ class MeshLayout(Layout):
         return self.collection.route(batch.ids, batch.lengths, aux=aux, dedup=True)
 
     def fetch(self, tables: Mapping[str, jax.Array], routes: Routes):
-        return self.exchange.fetch(tables, routes.unique, routes.batch_size)
+        return self.exchange.fetch(tables, routes)
 
     def update(self, optimizer, tables, opt_state, routes, exchange, rows, row_grads, lr, step):
-        return self.exchange.update(optimizer, tables, opt_state, exchange, row_grads, lr, step)
+        return self.exchange.update(optimizer, tables, opt_state, routes, exchange, row_grads, lr, step)
 
     def update_aux(self, aux: Mapping, ids: Mapping[str, jax.Array], routes: Routes, g_emb: jax.Array | None,
                    step: jax.Array) -> dict:
@@ -211,7 +212,8 @@ class MeshLayout(Layout):
 
     def summary(self) -> dict:
         return {"mesh_shape": dict(self.plan.mesh_shape), "processes": jax.process_count(),
-                "exchange_dtype": str(self.exchange.exchange_dtype)}
+                "exchange_dtype": str(self.exchange.exchange_dtype), "exchange": self.plan.exchange,
+                "pooled_tables": sorted(p.table.name for p in self.plan.placements if self.plan.pooled(p.table.name))}
 
     def save_plan(self, workdir) -> None:
         save_plan(self.plan, workdir)

@@ -14,6 +14,7 @@ workdir's summary (the others log under `workdir/process_<i>/`).
 import os
 
 import jax
+from jax._src import distributed  # the coordination-service client: its barrier is the only one with a timeout
 
 from recjax.errors import ConfigError
 
@@ -54,3 +55,19 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(str(given["coordinator_address"]), num, index)
     return True
+
+
+# Long enough for the slowest process's compiles on a loaded machine; a process that died ends the wait sooner (the
+# coordination service reports it).
+BARRIER_TIMEOUT_S = 3600
+
+
+def barrier(name: str) -> None:
+    """Wait until every process reaches `name`; nothing for a single process.
+
+    Gloo opens its connections at the first collective each process runs, and gives a peer only 30 s to arrive
+    (a limit JAX does not expose). Compiling the steps can take one process far longer than the other on a loaded
+    machine, so the processes meet here, through the coordination service, before their first collective.
+    """
+    if jax.process_count() > 1:
+        distributed.global_state.client.wait_at_barrier(name, BARRIER_TIMEOUT_S * 1000)

@@ -14,32 +14,36 @@ Optimizer state rows always live with their table rows. The plan is plain data (
 table (`format_plan`) and saved as `sharding_plan.txt` / `.json` in the workdir; `recjax/sharding/exchange.py`
 turns it into the per-device arrays and the collectives. A stronger planner only has to return a `ShardingPlan`.
 
-Cost model (`device_costs`), per training step, in bytes each device moves or touches; B is the global batch, n
+What crosses devices (`pools_on_owner`, `sharding.exchange`): a table's owners pool its bags and send one vector per
+(example, bag) -- row-wise owners partial sums, column-wise owners slices -- unless its method combines each id's
+rows before pooling, it is replicated, or ("auto") its rows move fewer bytes (one-hot bags, tables with fewer rows
+than a step's ids). The rest travel as distinct rows.
+
+Cost model (`device_costs`), per training step, in bytes each device touches or receives; B is the global batch, n
 the devices, b = B / n; a table t has dim d, bag size L (ids per example), s optimizer state floats per row element;
-q = B * L lookups of t a step (an upper bound: duplicates are not discounted; ids are assumed spread evenly over a
-table's rows, access skew is ignored):
+q = B * L lookups of t a step (ids are assumed spread evenly over a table's rows, access skew is ignored):
   - owner work: a device holding a fraction f of t's rows looks up, returns and updates f * q rows:
     f * q * (4 + 4 d (3 + s)) (table-wise f = 1 on one device, row-wise 1 / parts on each part; over the `model`
-    axis each data row of devices serves its own requests, f / n_data);
-  - exchange of a table-/row-wise storage (the tables of one dim on the same axes): the all_to_all buffers have a
-    static size, parts x C per device, C = the most rows one device can ask one owner for (summed over the owner's
-    tables: the fewer of b * L and the rows it holds), each slot an id out, a row back, a gradient out:
-    parts * C * (4 + 8 d). This is why splitting every table
-    over every device is not free: C then holds every table's ids, and the buffers are parts times the minimum;
-  - replicated: no forward exchange; the touched rows' ids and gradients of every device are all-gathered and every
-    copy applies all of them: q * (4 + 4 d) + q * 4 d (1 + s) on each device;
-  - column-wise over n: ids all-gathered (q * 4), a slice of each row read, sent and its gradient received and
-    applied: q * (4 + 4 d / n * (3 + s)).
+    axis each data row of devices serves its own requests, f / n_data); replicated and column-wise tables as below;
+  - exchange (`table_exchange`): what the table's collectives bring each device, per device and without the static
+    buffers' padding -- pooled: the (partial) sums of its own bags and, on an owner, its share of every device's
+    ids and the pooled gradients of the bags it serves; rows: the distinct rows it asks for and, on an owner, its
+    share of every device's distinct ids and row gradients; replicated / column-wise rows: the all-gathered ids
+    and gradients. So plans differ: a table-wise table's owner receives every device's ids, a row-wise one's k
+    owners each a k-th of them but every device receives k partial sums per bag.
+`pooled_volume_bytes` is the floor of an exchange that pools every bag (its pooled vectors, forward and backward);
+`exchange_volume_bytes` what the plan's exchange moves per device; recjax/sharding/exchange.py `exchange_bytes` the
+bytes of the static buffers the compiled step really allocates (what its HLO says, recjax/sharding/hlo.py).
 The planner minimises the largest per-device sum (the slowest device sets the step time) subject to memory, then
-evens each storage's blocks to within BLOCK_BALANCE of the mean (`balance_blocks`). The exchange term charges the
-worst-case buckets C; a step's buckets are usually the expected ids E plus `sharding.capacity_sigmas` x sqrt(E)
-(exchange.py).
+evens each storage's blocks to within BLOCK_BALANCE of the mean (`balance_blocks`).
 """
 
 import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 from recjax.errors import ConfigError
 
@@ -48,6 +52,9 @@ PLANS = ("auto", "table", "row", "column", "replicated")
 ROW_AXES = ("all", "model")
 ROW_SPLITS = ("range", "mod")
 EXCHANGE_DTYPES = ("float32", "bfloat16", "float16")
+# sharding.exchange: pool bags on their tables' owners "auto" (where it moves fewer bytes), "pooled" (wherever the
+# method allows) or never ("rows": every distinct row travels, as before issue 39); `pools_on_owner`.
+EXCHANGES = ("auto", "pooled", "rows")
 # Row-wise / table-wise all_to_all buckets hold this many times the ids a device is expected to send an owner; a step
 # where some device has more takes the worst-case buckets instead (exact either way; recjax/sharding/exchange.py).
 CAPACITY_FACTOR = 1.0
@@ -70,6 +77,18 @@ class TableInfo:
     dim: int
     bag_size: int  # ids per example read from it (the feature's bag size x the table's reads, e.g. FIITED's K)
     state_floats: int  # optimizer state floats per row (0 sgd, 1 row-wise Adagrad, dim Adagrad, 2 dim lazy Adam)
+    reads: int = 1  # bags per example read from it (FIITED reads its pool once per chunk): bag_size / reads ids each
+    poolable: bool = True  # its method pools a bag before combining (linear per row), so an owner may pool its bags
+    group: str = ""  # the stacked group it is in (tables of one dim and weight decay); "" = "dim<dim>"
+
+    @property
+    def group_name(self) -> str:
+        return self.group or f"dim{self.dim}"
+
+    @property
+    def bag(self) -> int:
+        """Ids of one bag (one read of one example)."""
+        return self.bag_size // self.reads
 
     @property
     def row_bytes(self) -> int:
@@ -129,6 +148,7 @@ class ShardingPlan:
     placements: tuple[TablePlacement, ...]
     batch_size: int  # global
     device_memory_bytes: int
+    exchange: str = "auto"  # what crosses devices: EXCHANGES (`pools_on_owner`; recjax/sharding/exchange.py)
 
     @property
     def devices(self) -> int:
@@ -141,16 +161,21 @@ class ShardingPlan:
         return [sum(p.device_bytes(d, self.mesh_shape) for p in self.placements) for d in range(self.devices)]
 
     def device_costs(self) -> list[float]:
-        return device_costs(self.placements, self.mesh_shape, self.batch_size)
+        return device_costs(self.placements, self.mesh_shape, self.batch_size, self.exchange)
+
+    def pooled(self, table: str) -> bool:
+        """Whether the owners of `table` pool its bags (`pools_on_owner`)."""
+        return pools_on_owner(self.placement(table), self.mesh_shape, self.batch_size, self.exchange)
 
     def to_json(self) -> dict:
         return {
             "mesh_shape": dict(self.mesh_shape), "batch_size": self.batch_size,
-            "device_memory_bytes": self.device_memory_bytes,
+            "device_memory_bytes": self.device_memory_bytes, "exchange": self.exchange,
             "tables": [{"table": p.table.name, "feature": p.table.feature, "method": p.table.method,
                         "rows": p.table.rows, "dim": p.table.dim, "sharding": p.sharding, "axes": list(p.axes),
                         "devices": list(p.devices), "row_split": p.row_split, "bytes": p.table.bytes,
-                        "estimated_cost": sum(placement_costs(p, self.mesh_shape, self.batch_size))}
+                        "pooled": self.pooled(p.table.name),
+                        "estimated_cost": sum(placement_costs(p, self.mesh_shape, self.batch_size, self.exchange))}
                        for p in self.placements],
             "device_bytes": self.device_bytes(), "device_costs": self.device_costs(),
         }
@@ -179,55 +204,118 @@ def owner_costs(p: TablePlacement, mesh_shape: Mapping[str, int], batch_size: in
     return costs
 
 
-def placement_costs(p: TablePlacement, mesh_shape: Mapping[str, int], batch_size: int) -> list[float]:
-    """A table's own estimate per device: its owner work plus its ids' unpadded exchange, b * L * (4 + 8 d)."""
-    n = math.prod(mesh_shape.values())
-    exchange = 0.0 if p.sharding in ("replicated", "data_parallel") else batch_size / n * p.table.bag_size * (
-        4 + 8 * p.table.dim)
-    return [c + exchange for c in owner_costs(p, mesh_shape, batch_size)]
+def expected_distinct(rows, draws):
+    """How many distinct rows `draws` ids drawn uniformly from `rows` rows hit: rows (1 - (1 - 1 / rows)^draws)
+    (numpy arrays or numbers). Uniform ids hit the most distinct rows in expectation (the sum of 1 - (1 - p_i)^draws
+    is concave in p), so skewed ids hit fewer."""
+    rows = np.maximum(np.asarray(rows, float), 1.0)
+    return rows * -np.expm1(np.asarray(draws, float) * np.log1p(-1.0 / np.maximum(rows, 1.0 + 1e-12)))
 
 
-def device_costs(placements: Sequence[TablePlacement], mesh_shape: Mapping[str, int], batch_size: int
-                 ) -> list[float]:
-    """The plan's estimated bytes per flat device and step: owner work plus the padded all_to_all exchange."""
+def table_exchange(p: TablePlacement, mesh_shape: Mapping[str, int], batch_size: int, pooled: bool,
+                   itemsize: int = 4) -> list[float]:
+    """Bytes each flat device receives per step for table `p` (its all_to_all / all_gather results, its own slice
+    included), ids spread evenly over the rows, no padding: what a device really sends and receives, whatever the
+    static buffers round it to (recjax/sharding/exchange.py `exchange_bytes` counts those).
+
+    b = batch_size / n examples per device, a table of d columns read in r bags of L ids per example:
+      pooled, table- / row-wise over k owners: a requester receives k x b r pooled (partial) sums of d; the owner of a
+        share f of the rows receives f of every requester's b r L ids (4 bytes; split tables add b r bag counts per
+        requester) and the pooled gradients of every bag it serves (b r d per requester);
+      pooled, column-wise: every device receives every device's b r L ids (all-gathered), and its pooled vectors and
+        gradients' slices (b r d in all);
+      rows, table- / row-wise: a requester receives the A rows it asks for (A: the expected distinct rows of its b r L
+        ids); an owner receives its share of every requester's A ids and row gradients;
+      rows, column-wise: every device's S = min(rows, b r L) ids all-gathered, S rows' slices and gradients' slices;
+      replicated: every device's S ids and row gradients all-gathered (no forward exchange).
+    A row-wise table over the `model` axis has a copy per data row: each copy gathers what its replicas received."""
     n = math.prod(mesh_shape.values())
+    t = p.table
     b = batch_size / n
+    slots, bags, d = b * t.bag_size, b * t.reads, t.dim
+    if p.sharding in ("replicated", "data_parallel"):
+        s = min(t.rows, slots)
+        return [n * s * (4 + d * itemsize)] * n
+    if p.sharding == "column":
+        if pooled:
+            return [n * slots * 4 + 2 * bags * d * itemsize] * n
+        s = min(t.rows, slots)
+        return [n * s * 4 + 2 * s * d * itemsize] * n
+    parts = n if p.axes == ("data", "model") else mesh_shape["model"]
+    replicas = n // parts
+    k = len(p.devices)
+    asked = float(expected_distinct(t.rows, slots))
+    requester = k * bags * d * itemsize if pooled else asked * d * itemsize
+    out = []
+    for device in range(n):
+        position = _position(device, p.axes, mesh_shape)
+        owner = 0.0
+        if position in p.devices:
+            share = part_rows(t.rows, k, p.devices.index(position), p.row_split) / t.rows
+            if pooled:
+                owner = parts * (slots * share * 4 + (bags * 4 if k > 1 else 0) + bags * d * itemsize)
+            else:
+                owner = parts * asked * share * (4 + d * itemsize)
+        out.append(requester + replicas * owner)
+    return out
+
+
+def pools_on_owner(p: TablePlacement, mesh_shape: Mapping[str, int], batch_size: int, exchange: str = "auto"
+                   ) -> bool:
+    """Whether the owners of table `p` pool its bags and send one vector per (example, bag) -- row-wise owners a
+    partial sum, column-wise owners a slice -- instead of the rows (DESIGN.md "The exchange"). Never for a method
+    that is not linear per row (`TableInfo.poolable`: it combines each id's rows before pooling) nor for a
+    replicated table (read where it is); `exchange` "pooled": every other table; "rows": none (the exchange before
+    issue 39); "auto": where it moves fewer bytes over all devices (`table_exchange`, in f32): a bag of one id
+    (one-hot features) moves as many bytes pooled as a row, and rows are deduplicated, so one-hot tables and tables
+    with fewer rows than a step's ids stay rows; a table split over k owners pays k partial sums per bag."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"unknown exchange {exchange!r}; use one of {EXCHANGES}")
+    if exchange == "rows" or not p.table.poolable or p.sharding in ("replicated", "data_parallel"):
+        return False
+    if exchange == "pooled":
+        return True
+    pooled = sum(table_exchange(p, mesh_shape, batch_size, True))
+    return pooled < sum(table_exchange(p, mesh_shape, batch_size, False))
+
+
+def placement_costs(p: TablePlacement, mesh_shape: Mapping[str, int], batch_size: int, exchange: str = "auto"
+                    ) -> list[float]:
+    """A table's own estimate per device: its owner work plus the bytes its exchange brings each device."""
+    moved = table_exchange(p, mesh_shape, batch_size, pools_on_owner(p, mesh_shape, batch_size, exchange))
+    return [c + m for c, m in zip(owner_costs(p, mesh_shape, batch_size), moved, strict=True)]
+
+
+def device_costs(placements: Sequence[TablePlacement], mesh_shape: Mapping[str, int], batch_size: int,
+                 exchange: str = "auto") -> list[float]:
+    """The plan's estimated bytes per flat device and step: owner work plus what its exchange brings that device
+    (`table_exchange`: pooled where the runtime pools, per device, not the busiest owner's bucket times every
+    peer)."""
+    n = math.prod(mesh_shape.values())
     costs = [0.0] * n
-    storages: dict[tuple[int, tuple[str, ...]], list[TablePlacement]] = {}
     for p in placements:
-        for d, c in enumerate(owner_costs(p, mesh_shape, batch_size)):
+        for d, c in enumerate(placement_costs(p, mesh_shape, batch_size, exchange)):
             costs[d] += c
-        if p.sharding in ("table", "row"):
-            storages.setdefault((p.table.dim, p.axes), []).append(p)
-    for (dim, axes), members in storages.items():
-        parts = n if axes == ("data", "model") else mesh_shape["model"]
-        slots = [0.0] * parts
-        for p in members:
-            for k, j in enumerate(p.devices):
-                slots[j] += min(b * p.table.bag_size, part_rows(p.table.rows, len(p.devices), k, p.row_split))
-        per_device = parts * max(slots) * (4 + 8 * dim)
-        costs = [c + per_device for c in costs]
     return costs
 
 
-def minimum_exchange_bytes(plan: "ShardingPlan", itemsize: int = 4) -> float:
-    """Bytes per device and step the plan's exchange cannot avoid without dedup: for every table, each of the
-    device's b * L ids out (4 bytes) and its row back and its gradient out (d * itemsize each); replicated tables
-    all-gather every device's ids and gradients, column-wise ones all-gather the ids. The collectives' buffers are
-    measured against this (benchmarks/sharding.py)."""
-    n = plan.devices
-    b = plan.batch_size / n
-    total = 0.0
+def pooled_volume_bytes(plan: "ShardingPlan", itemsize: int = 4) -> float:
+    """Bytes per device and step of the pooled vectors alone: each of the device's b examples' bags, one vector of d
+    per bag read, forward and backward (2 b r d itemsize per table). Any exchange that pools every bag on its owner
+    moves at least this much besides the ids (benchmarks/sharding.py prints the exchange's bytes beside it)."""
+    b = plan.batch_size / plan.devices
+    return float(sum(2 * b * p.table.reads * p.table.dim * itemsize for p in plan.placements))
+
+
+def exchange_volume_bytes(plan: "ShardingPlan", itemsize: int = 4) -> list[float]:
+    """Bytes each device receives per step from the plan's exchange (`table_exchange` summed over the tables, pooled
+    where `pools_on_owner` says), before the static buffers' padding."""
+    out = [0.0] * plan.devices
     for p in plan.placements:
-        slots = b * p.table.bag_size
-        d = p.table.dim
-        if p.sharding in ("replicated", "data_parallel"):
-            total += n * slots * (4 + d * itemsize)
-        elif p.sharding == "column":
-            total += n * slots * 4 + 2 * slots * d * itemsize
-        else:
-            total += slots * (4 + 2 * d * itemsize)
-    return total
+        for d, x in enumerate(table_exchange(p, plan.mesh_shape, plan.batch_size, plan.pooled(p.table.name),
+                                             itemsize)):
+            out[d] += x
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------- planner
@@ -337,7 +425,7 @@ def check_fits(plan: ShardingPlan) -> None:
 def format_plan(plan: ShardingPlan) -> str:
     """The plan as a readable table, then bytes and estimated cost per device."""
     n = plan.devices
-    header = ("table", "method", "rows", "dim", "sharding", "devices", "bytes", "est. cost")
+    header = ("table", "method", "rows", "dim", "sharding", "devices", "exchange", "bytes", "est. cost")
     lines = []
     for p in plan.placements:
         if p.sharding in ("replicated", "data_parallel"):
@@ -349,16 +437,19 @@ def format_plan(plan: ShardingPlan) -> str:
         else:
             devices = f"0-{len(p.devices) - 1}"
         kind = p.sharding + (f" ({p.row_split})" if p.sharding == "row" else "")
-        lines.append((p.table.name, p.table.method, f"{p.table.rows:,}", str(p.table.dim), kind, devices,
-                      _size(p.table.bytes), _size(sum(placement_costs(p, plan.mesh_shape, plan.batch_size)))))
+        exchange = "pooled" if plan.pooled(p.table.name) else "rows"
+        cost = sum(placement_costs(p, plan.mesh_shape, plan.batch_size, plan.exchange))
+        lines.append((p.table.name, p.table.method, f"{p.table.rows:,}", str(p.table.dim), kind, devices, exchange,
+                      _size(p.table.bytes), _size(cost)))
     widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(header)]
 
     def fmt(row):
-        return "  ".join(c.ljust(w) if i < 6 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        return "  ".join(c.ljust(w) if i < 7 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
 
     out = [f"sharding plan: mesh data={plan.mesh_shape['data']} x model={plan.mesh_shape['model']}, global batch "
-           f"{plan.batch_size}; bytes = rows + optimizer state; est. cost = bytes touched or moved per step "
-           "(recjax/sharding/plan.py)", fmt(header), fmt(tuple("-" * w for w in widths))]
+           f"{plan.batch_size}; exchange = what crosses devices (pooled bags or rows); bytes = rows + optimizer "
+           "state; est. cost = bytes touched or received per step (recjax/sharding/plan.py)", fmt(header),
+           fmt(tuple("-" * w for w in widths))]
     out += [fmt(row) for row in lines]
     used, costs = plan.device_bytes(), plan.device_costs()
     out.append("per device: " + ", ".join(f"{d}: {_size(b)} / {_size(c)}" for d, (b, c) in

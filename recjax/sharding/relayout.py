@@ -15,12 +15,14 @@ from recjax.sharding.plan import ShardingPlan, TableInfo, TablePlacement
 
 
 def table_infos(collection, optimizer) -> list[TableInfo]:
-    """The planner's view of the collection's physical tables."""
+    """The planner's view of the collection's physical tables (in stacking order)."""
     infos = []
     for p in collection.physical_tables():
         state = optimizer.state_bytes(p.table.rows, p.table.dim) // 4 // max(p.table.rows, 1) if optimizer else 0
+        reads = sum(1 for q in collection.placements[p.feature] if q.table_index == p.table_index)
         infos.append(TableInfo(p.table.name, p.feature, collection.table_specs[p.feature].method, p.table.rows,
-                               p.table.dim, collection.slots_per_example(p), state))
+                               p.table.dim, collection.slots_per_example(p), state, reads=reads,
+                               poolable=collection.methods[p.feature].pools_before_combine, group=p.group))
     return infos
 
 

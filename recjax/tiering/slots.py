@@ -312,7 +312,8 @@ def cache_array(holder: MeshArray, cached: np.ndarray, slots: int) -> MeshArray:
         device=np.stack([np.zeros(parts, np.int32), np.arange(parts, dtype=np.int32)]),
         base=np.zeros((2, parts), np.int32), part_rows=np.stack([np.zeros(parts, np.int64), owned], axis=1),
         table_bags=np.array([0, holder.table_bags[cached].sum()], np.int64),
-        source=np.full(parts * slots, -1, np.int64))
+        source=np.full(parts * slots, -1, np.int64), holds=cached.copy(),
+        held_rows=np.where(cached[None, :], holder.held_rows, 0))
 
 
 class BlockSlots:
