@@ -15,26 +15,32 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["recjax*", "compression*", "pallas_kernels*", "experiments*"]),
     install_requires=[
-        # jax 0.10.x is the newest on Python 3.11; newer Pythons get newer releases.
-        "jax>=0.7,<0.12",
+        # Every lower bound is what the code needs, found by installing exactly these minimums (with jaxlib == jax) in
+        # a throwaway venv and training (tests/test_min_versions.py, slow). jax 0.10.x is the newest on Python 3.11;
+        # 0.9.2: pallas_kernels/hardware.py reads the TPU chips' budgets (pltpu.get_tpu_info_for_chip), traced even
+        # on a CPU (lax.platform_dependent traces every branch).
+        "jax>=0.9.2,<0.12",
         "flax>=0.10,<0.14",
         "optax>=0.2.4,<0.4",
-        "ml_collections>=0.1.1,<2",
+        "ml_collections>=1.0,<2",  # recjax/cli.py: config_flags.register_flag_parser_for_type
         "absl-py>=2.0,<3",
-        "numpy>=1.26,<3",
-        "tensorboardX>=2.6,<3",
+        "numpy>=2.0,<3",  # jax 0.9.2's own minimum
+        "tensorboardX>=2.6.2.2,<3",  # 2.6 caps protobuf < 4, which grain's protobuf >= 5.28 excludes
         "tqdm>=4.66,<5",
-        # Prepared real datasets: TFDS builders writing array_record, read without TensorFlow via Grain.
-        "tensorflow-datasets>=4.9.7,<5",
-        "pyarrow>=14",  # recjax/data/tabular*.py: CSV parsing (invalid_row_handler), Parquet, Arrow compute
-        "array_record>=0.7",
+        # Prepared real datasets: TFDS builders writing array_record, read without TensorFlow via Grain; 4.9.10: the
+        # first to read its dataset_info with protobuf 7 (FieldDescriptor.label is gone).
+        "tensorflow-datasets>=4.9.10,<5",
+        # recjax/data/tabular*.py: CSV parsing (invalid_row_handler), Parquet, Arrow compute; 16: built for numpy 2.
+        "pyarrow>=16",
+        "array_record>=0.8",  # grain 0.2.12's minimum
         "grain>=0.2.12,<0.3",
         "importlib_resources>=5",  # TFDS (via etils.epath) needs it to locate builder code; not always pulled in
-        "matplotlib>=3.8,<4",
-        # recjax/checkpoint/: CheckpointManager, StandardSave / JsonSave items, read_only managers (0.11+).
-        "orbax-checkpoint>=0.11,<0.13",
+        "matplotlib>=3.8.4,<4",  # 3.8.0-3.8.3 cap numpy < 2
+        # recjax/checkpoint/: CheckpointManager, StandardSave / JsonSave items, read_only managers; 0.11.34: the
+        # ParamInfo.await_path_creation the streamed tables' handler reads with (recjax/checkpoint/streamed.py).
+        "orbax-checkpoint>=0.11.34,<0.13",
         # recjax/serving/export.py: jax.export serializes an exported model with flatbuffers (not a jax dependency).
-        "flatbuffers>=23",
+        "flatbuffers>=23.1.4",  # the first 23.x
     ],
     extras_require={
         # python -m experiments.serve (recjax/serving/server.py): the asyncio HTTP server (and the load generator's

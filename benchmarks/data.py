@@ -247,8 +247,9 @@ def measure_tabular(args, machine: dict) -> list[dict]:
             builder = TabularBlocks(options=settings, sources=sources, data_dir=str(prepared_dir),
                                     file_format="array_record")
             begin = time.perf_counter()
+            download = tfds.download.DownloadConfig(manual_dir=str(directory), try_download_gcs=False)
             with contextlib.redirect_stdout(sys.stderr):
-                builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=str(directory)))
+                builder.download_and_prepare(download_config=download)
             seconds = time.perf_counter() - begin
             return {"rows": rows, "seconds": seconds, "rows_per_sec": rows / seconds}
 
@@ -346,8 +347,9 @@ def measure_tfds_and_loader(tmp: pathlib.Path, args, options: criteo.CriteoOptio
                                  sources=[file_fingerprint(tmp / "train.txt")], data_dir=str(tmp / "prepared"),
                                  file_format="array_record")
     start = time.perf_counter()
+    download = tfds.download.DownloadConfig(manual_dir=str(tmp), try_download_gcs=False)
     with contextlib.redirect_stdout(sys.stderr):  # TFDS prints progress; stdout carries only JSON lines
-        builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=str(tmp)))
+        builder.download_and_prepare(download_config=download)
     prepare_s = time.perf_counter() - start
     data = PreparedDataset(builder, seed=0)
     batches = data.train_batches(2048)

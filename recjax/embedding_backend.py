@@ -76,6 +76,8 @@ class EmbeddingBackend(abc.ABC):
     shards: int = 1
     # The trainer waits for the step dispatched this many steps earlier (None: never waits).
     steps_in_flight: int | None = None
+    # Why a compiled call runs one step here (None: k steps a call, `compile_train(..., stacked=True)`).
+    one_step_only: str | None = None
     # A checkpoint restores into the single-device layout, which `place_state` then lays out; False: into this
     # placement's own layout (a mesh's arrays).
     restores_single_device: bool = True
@@ -125,9 +127,10 @@ class EmbeddingBackend(abc.ABC):
         same rows)."""
 
     @abc.abstractmethod
-    def compile_train(self, train_step: Callable, state) -> Callable:
+    def compile_train(self, train_step: Callable, state, stacked: bool = False) -> Callable:
         """jit of `train_step(state, batch) -> (state, metrics)` with the state donated; `state` is an example of
-        this placement's state (its structure)."""
+        this placement's state (its structure). `stacked`: the step takes k batches stacked on a new leading axis
+        (`put_batch(..., stacked=True)`; recjax/step.py scans over them)."""
 
     @abc.abstractmethod
     def compile_predict(self, predict_step: Callable, state) -> Callable:
@@ -159,8 +162,9 @@ class EmbeddingBackend(abc.ABC):
         """(by_key, saved layout) -> by_key in `checkpoint_layout()`: a checkpoint saved under another layout."""
 
     @abc.abstractmethod
-    def put_batch(self, batch):
-        """A host batch (multi-host: this process's rows) -> what the compiled step takes."""
+    def put_batch(self, batch, stacked: bool = False):
+        """A host batch (multi-host: this process's rows), or one made on the device, -> what the compiled step
+        takes. `stacked`: k batches on a leading axis (f32[k, B, ...]), for a k-step call, in one transfer."""
 
     @abc.abstractmethod
     def process_rows(self, batch_size: int) -> slice | None:
@@ -252,8 +256,10 @@ class Layout(abc.ABC):
 
     # --------------------------------------------------------------------------------------------- host side
     @abc.abstractmethod
-    def compile_train(self, train_step: Callable, state, batch) -> Callable:
-        """jit of `train_step(state, batch)` with the state donated; `state` / `batch` examples of their structure."""
+    def compile_train(self, train_step: Callable, state, batch, stacked: bool = False) -> Callable:
+        """jit of `train_step(state, batch)` with the state donated; `state` / `batch` examples of their structure;
+        `stacked`: the batch is k batches on a new leading axis (a layout splitting a batch over devices splits its
+        second axis)."""
 
     @abc.abstractmethod
     def compile_predict(self, predict_step: Callable, state, batch) -> Callable:
@@ -279,8 +285,9 @@ class Layout(abc.ABC):
                              dense_opt_state=jax.tree.map(host, state.dense_opt_state),
                              aux=jax.tree.map(host, state.aux))
 
-    def put_batch(self, batch):
-        """A host batch (multi-host: this process's rows) -> the device arrays the compiled step takes."""
+    def put_batch(self, batch, stacked: bool = False):
+        """A host batch (multi-host: this process's rows), or one made on the device, -> the device arrays the
+        compiled step takes; `stacked`: k batches on a leading axis."""
         return jax.device_put(batch)
 
     def put_replicated(self, tree):
@@ -292,8 +299,9 @@ class Layout(abc.ABC):
         return None
 
     def to_host(self, array: jax.Array) -> np.ndarray:
-        """The whole value of an array the step returned, as numpy (on every process)."""
-        return np.asarray(array)
+        """The whole value of an array the step returned, as numpy (on every process): an explicit transfer, which
+        `jax.transfer_guard` allows where it refuses implicit ones."""
+        return np.asarray(jax.device_get(array))
 
     def checkpoint_layout(self) -> dict | None:
         """What a checkpoint records of where the tables' rows are (None: one device, tables keyed by group)."""

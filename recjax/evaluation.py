@@ -26,12 +26,16 @@ from recjax.errors import ConfigError
 from recjax.placement.embedding import one_device
 from recjax.step import TrainState
 from recjax.task import Task
-from recjax.validation import boolean, choice, get, integer, known_keys, number
+from recjax.validation import boolean, check_integer, choice, find, get, integer, known_keys, number
 
 SELECT_ON = ("auc", "logloss", "mse")  # auc / logloss: binary labels; mse: regression (recjax/task.py OBJECTIVES)
 TRAIN_KEYS = {"batch_size", "steps", "epochs", "eval_every", "log_every", "early_stopping_patience", "select_on",
               "selection_logloss_tolerance", "selection_auc_tolerance", "progress_bar", "divergence_factor",
-              "check_memory"}
+              "check_memory", "steps_per_call", "input_workers"}
+# train.steps_per_call = "auto": the steps one compiled call runs, by platform. On a CPU the step itself keeps the
+# cores busy and a scan only saves a dispatch a step; on a GPU / TPU one step takes about as long as the host needs to
+# dispatch it, so a call runs many (benchmarks/RESULTS.md#the-training-loop-steps-per-call).
+AUTO_STEPS_PER_CALL = {"cpu": 1, "gpu": 32, "tpu": 32}
 EPOCH_EVERY = re.compile(r"^\s*(\d*\.?\d*)\s*epochs?\s*$")  # "epoch", "0.25epoch", "2 epochs"
 
 
@@ -79,6 +83,10 @@ def check_train(config: Mapping) -> None:
         raise ConfigError("train.divergence_factor", f"must be 0 (off) or > 1 (a loss this many times its lowest), "
                                                      f"got {factor}")
     boolean(config, "train.check_memory")
+    steps_per_call = find(config, "train.steps_per_call", "auto")
+    if steps_per_call != "auto":
+        check_integer("train.steps_per_call", steps_per_call, 1)
+    check_integer("train.input_workers", find(config, "train.input_workers", 2), 1)
     if get(config, "data.name") == "synthetic" and (epochs is not None or unit == "epochs"):
         raise ConfigError("train.epochs" if epochs is not None else "train.eval_every",
                           "synthetic data is an endless stream without epochs; set train.steps and an eval_every "
@@ -121,6 +129,17 @@ class Budget:
         else:
             every = "every epoch" if self.every_epochs == 1 else f"every {self.every_epochs:g} epochs"
         return f"{text}; validation {every} and at the end"
+
+
+def resolve_steps_per_call(train: ml_collections.ConfigDict, platform: str, one_step_only: str | None = None) -> int:
+    """train.steps_per_call as a number: "auto" -> the platform's (`AUTO_STEPS_PER_CALL`; 1 on an unknown one), or 1
+    where the placement runs one step per call (`one_step_only`: why; then a k > 1 asked for is a ConfigError)."""
+    value = train.get("steps_per_call", "auto")
+    if value == "auto":
+        return 1 if one_step_only else AUTO_STEPS_PER_CALL.get(platform, 1)
+    if int(value) > 1 and one_step_only:
+        raise ConfigError("train.steps_per_call", one_step_only.removeprefix("train.steps_per_call "))
+    return int(value)
 
 
 def resolve_budget(train: ml_collections.ConfigDict, dataset) -> Budget:

@@ -149,6 +149,12 @@ class TrainSection:
     # in the memory available (host MemAvailable on CPU; on GPU / TPU the device's, and the host's for tables in host
     # memory); False: start anyway.
     check_memory: bool = True
+    # Steps one compiled call runs (a lax.scan over that many batches, sent to the device as one block): "auto" picks
+    # by platform (recjax/evaluation.py AUTO_STEPS_PER_CALL: 1 on a CPU, where the step keeps the cores busy; 32 on a
+    # GPU / TPU, where one step is as quick as the host's dispatch of it; benchmarks/RESULTS.md, the training loop).
+    # Results do not depend on it: log, eval, checkpoint and adjustment steps end calls.
+    steps_per_call: object = "auto"
+    input_workers: int = 2  # threads reading, checking, stacking and transferring the next blocks of batches
 
 
 @dataclasses.dataclass(frozen=True)

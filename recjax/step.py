@@ -94,10 +94,17 @@ def mark_dirty_rows(dirty: Mapping[str, jax.Array], touched: Mapping[str, jax.Ar
     return {k: d.at[touched[k]].set(True, mode="drop") for k, d in dirty.items()}
 
 
-def make_train_step(task: Task, backend: EmbeddingBackend | None = None, state: TrainState | None = None):
+def make_train_step(task: Task, backend: EmbeddingBackend | None = None, state: TrainState | None = None,
+                    steps_per_call: int = 1):
     """The compiled `(state, batch) -> (state, {"loss", "invalid_ids", ...})`, state donated. `backend` defaults to
-    one device; `state` is an example of the backend's state (its structure; a mesh needs it)."""
+    one device; `state` is an example of the backend's state (its structure; a mesh needs it).
+
+    `steps_per_call` k > 1: `(state, batches) -> (state, metrics)` over k batches stacked on a leading axis
+    (`batches.labels`: f32[k, B]), one `lax.scan` of the same step, each metric f32[k] (step by step, on the device
+    until the trainer reads them); the state after it is the state after k calls of the one-step function."""
     backend = backend or one_device(task.collection)
+    if steps_per_call < 1:
+        raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
     collection = task.collection
     probe = collection.wants_embedding_grads  # FIITED's chunk utility reads d loss / d embeddings
 
@@ -130,7 +137,16 @@ def make_train_step(task: Task, backend: EmbeddingBackend | None = None, state: 
         invalid = backend.all_reduce(sum(routes.invalid_ids.values(), jnp.zeros((), jnp.int32)))
         return new_state, {"loss": loss, "invalid_ids": invalid, **backend.step_metrics(exchange)}
 
-    return backend.compile_train(train_step, state)
+    if steps_per_call == 1:
+        return backend.compile_train(train_step, state)
+
+    def train_steps(state: TrainState, batches: Batch):
+        # One dispatch for k steps: the host queues one call, not k, and the loop body is the very step above (the
+        # learning-rate schedule and dropout read `state.step`, which the scan carries), so the result does not
+        # depend on k. Each step's metrics come back stacked, f32[k].
+        return jax.lax.scan(train_step, state, batches)
+
+    return backend.compile_train(train_steps, state, stacked=True)
 
 
 def make_predict_step(task: Task, backend: EmbeddingBackend | None = None, state: TrainState | None = None):

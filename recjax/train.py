@@ -6,7 +6,8 @@ embedding interface, which `recjax.placement.build` composes from a layout (one 
 table group (device memory, host memory, disk behind a RAM cache); budget, evaluation and selection are
 recjax/evaluation.py; what the run writes as it goes is recjax/metric_log.py. The loop:
 
-    for each step: train step -> (dynamic tables: adjust) -> at log points: loss and the divergence check, at eval
+    for each call of k steps (`train.steps_per_call`; a call ends at every log / eval / checkpoint / adjustment step):
+    train steps -> (dynamic tables: adjust) -> at log points: loss and the divergence check, at eval
     points: validation, and test when validation improved -> early stop? -> checkpoint when due or newly selected (or
     on Ctrl-C, then stop)
 
@@ -21,11 +22,13 @@ logloss), so test numbers never steer anything; the summary reports the test met
 
 import collections
 import dataclasses
+import functools
 import json
 import math
 import pathlib
 import resource
 import time
+from collections.abc import Iterator
 
 import jax
 import ml_collections
@@ -37,11 +40,11 @@ from recjax.batch import pad_batch, validate_batch
 from recjax.checkpoint import Checkpointer, ResumePoint
 from recjax.config_check import validate_config
 from recjax.data import make_dataset
-from recjax.data.pipeline import DevicePrefetcher
+from recjax.data.pipeline import BlockPrefetcher, MadeBlocks, stack, stream_blocks
 from recjax.dynamic import DynamicTables
 from recjax.embedding_backend import EmbeddingBackend
 from recjax.errors import ConfigError, Interrupted
-from recjax.evaluation import Budget, Selection, evaluate, resolve_budget
+from recjax.evaluation import Budget, Selection, evaluate, resolve_budget, resolve_steps_per_call
 from recjax.guards import (
     Divergence,
     StopRequest,
@@ -108,25 +111,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
         checkpointer.task = task  # what the tables hold: checked on restore
         checkpointer.backend = backend  # what a save writes of the tables (a disk tier reads them from its files)
 
-    # --- input pipeline ---------------------------------------------------------------------------------
-    # Step i's batch is a pure function of (seed, i), so a resumed run restarts the stream at its step.
-    # Multi-host: each process reads only its devices' rows of every batch (the batch is the same for any number
-    # of processes); the processes' shares make the global arrays (`backend.put_batch`).
-    rows = backend.process_rows(budget.batch_size)
-    share = {} if rows is None else {"rows": rows}
-    if rows is not None:
-        print(f"data: process {jax.process_index()} of {jax.process_count()} reads rows [{rows.start}, {rows.stop}) "
-              f"of every batch of {budget.batch_size}", flush=True)
-    validate = lambda b, where: validate_batch(b, task.spec, any_id=task.collection.any_id_features,  # noqa: E731
-                                               where=where)
     stop = StopRequest()
     try:
-        with stop, RssSampler() as rss, DevicePrefetcher(
-                dataset.train_batches(budget.batch_size, resume.step if resume else 0, **share), validate,
-                put=backend.put_batch) as batches:
-            run = Run(config, workdir, dataset, task, budget, backend, checkpointer, dynamic, stop, rss)
-            run.start(next(batches), resume)
-            return run.train(batches)
+        # Steps one compiled call runs: by platform, or 1 where the placement plans each step's rows on the host.
+        steps_per_call = resolve_steps_per_call(config.train, jax.default_backend(), backend.one_step_only)
+        with stop, RssSampler() as rss:
+            run = Run(config, workdir, dataset, task, budget, backend, checkpointer, dynamic, stop, rss, steps_per_call)
+            # The input pipeline starts first: its first blocks are made while the steps compile.
+            with run.input_pipeline(resume.step if resume else 0) as calls:
+                run.start(resume)
+                return run.train(calls)
     except KeyboardInterrupt as error:  # Ctrl-C twice, or before the loop started
         if isinstance(error, Interrupted):
             raise
@@ -178,20 +172,78 @@ class Run:
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: pathlib.Path, dataset, task: Task,
                  budget: Budget, backend: EmbeddingBackend, checkpointer: Checkpointer | None,
-                 dynamic: DynamicTables | None, stop: StopRequest | None = None, rss: RssSampler | None = None):
+                 dynamic: DynamicTables | None, stop: StopRequest | None = None, rss: RssSampler | None = None,
+                 steps_per_call: int = 1):
         self.config, self.workdir, self.dataset, self.task, self.budget = config, workdir, dataset, task, budget
         self.backend, self.checkpointer, self.dynamic = backend, checkpointer, dynamic
-        self.stop = stop or StopRequest()  # Ctrl-C: stop after the current step
+        self.stop = stop or StopRequest()  # Ctrl-C: stop after the current call
+        self.steps_per_call = steps_per_call
         self.rss = rss or RssSampler()  # the peaks of the process's own memory and of its mapped files
         self.loop = LoopState.fresh(config, task.objective.tracked)
-        # The steps' losses since the last divergence check, left on the device until a log point (or a save)
+        # The calls' losses since the last divergence check, left on the device until a log point (or a save)
         # fetches them at once; step 1's loss (a fresh run's: the untrained model's).
         self.window_losses: list[jax.Array] = []
         self.first_loss: jax.Array | None = None
+        # Where the loop's train time goes (summary.json "loop"): waiting for the next block of batches, dispatching
+        # the compiled calls, and reading values back at log points (which waits for the device); and the process's
+        # CPU time over the same windows (every thread's: the device's on a CPU, the input pipeline's).
+        self.clock = {"calls": 0, "input_wait_s": 0.0, "dispatch_s": 0.0, "sync_s": 0.0, "cpu_s": 0.0}
+        self.train_calls: dict[int, object] = {}  # steps per call -> its executable (1: `train_step`)
+        self._initial_collection = task.collection  # a compaction keeps the adjustment steps
+
+    # ------------------------------------------------------------------------------------------------ input
+    def is_call_end(self, step: int) -> bool:
+        """A step after which the loop must look at the state: a log or evaluation point, a checkpoint the steps
+        interval asks for, a dynamic table's adjustment, or the last step. A call of k steps never runs past one
+        (time-based checkpoints and Ctrl-C are looked at after every call)."""
+        due = self.dynamic.due if self.dynamic is not None else None
+        return (step % self.config.train.log_every == 0 or self.budget.is_eval_step(step)
+                or (self.checkpointer is not None and self.checkpointer.due_at(step))
+                or (due is not None and due(self._initial_collection, step)))
+
+    def call_lengths(self, start: int, last: int) -> Iterator[int]:
+        """Steps of each call from `start` to `last`: k (`steps_per_call`) where no call end falls inside the next k
+        steps, else 1 up to it -- two compiled executables, whatever the intervals (a call of every other length would
+        compile one more)."""
+        k, step = self.steps_per_call, start
+        while step < last:
+            n = k if step + k <= last and not any(self.is_call_end(s) for s in range(step + 1, step + k)) else 1
+            yield n
+            step += n
+
+    def call_sizes(self) -> list[int]:
+        """Every length a call can have: 1 and k."""
+        return sorted({1, self.steps_per_call})
+
+    def input_pipeline(self, start: int) -> BlockPrefetcher | MadeBlocks:
+        """The calls' inputs from step `start` to the budget (recjax/data/pipeline.py). Step i's batch is a pure
+        function of (seed, i), so a resumed run restarts the stream at its step. Synthetic data is made on the
+        device, keyed by step, one call ahead; other data is read on the host and validated, stacked and put on the
+        device a block at a time by worker threads, ahead of the loop. Multi-host: each process reads only its
+        devices' rows of every batch (the batch is the same for any number of processes); the processes' shares
+        make the global arrays (`backend.put_batch`)."""
+        backend, batch_size = self.backend, self.budget.batch_size
+        lengths = self.call_lengths(start, self.budget.steps)
+        rows = backend.process_rows(batch_size)  # multi-host: this process's share of every batch
+        if rows is None and hasattr(self.dataset, "device_batches"):
+            make = functools.partial(self.dataset.device_batches, batch_size)
+            # Compiled for every call length while the steps compile.
+            return MadeBlocks(make, lengths, backend.put_batch, start,
+                              warmup=[functools.partial(make, start, n) for n in self.call_sizes()])
+        if rows is not None:
+            print(f"data: process {jax.process_index()} of {jax.process_count()} reads rows [{rows.start}, "
+                  f"{rows.stop}) of every batch of {batch_size}", flush=True)
+        validate = lambda b, where: validate_batch(b, self.task.spec,  # noqa: E731
+                                                   any_id=self.task.collection.any_id_features, where=where)
+        share = {} if rows is None else {"rows": rows}
+        jobs = stream_blocks(self.dataset.train_batches(batch_size, start, **share), lengths, validate,
+                             backend.put_batch, start)
+        workers = int(self.config.train.get("input_workers", 2))
+        return BlockPrefetcher(jobs, workers=workers, depth=2 * workers)
 
     # ------------------------------------------------------------------------------------------------ start
-    def start(self, first, resume: ResumePoint | None) -> None:
-        """The initial (or restored) state and the compiled steps; `first` is the first train batch."""
+    def start(self, resume: ResumePoint | None) -> None:
+        """The initial (or restored) state and the compiled steps."""
         task, backend, batch_size = self.task, self.backend, self.budget.batch_size
         rows = backend.process_rows(batch_size)  # multi-host: this process's share
         eval_host = pad_batch(next(self.dataset.eval_batches(batch_size, "validation",
@@ -208,10 +260,13 @@ class Run:
             self.state = self._restore_or_track(backend.place_state(init(eval_host)), resume)
         self.start_step = resume.step if resume else 0
 
-        # Compile once, up front: the loop calls the executables, so no step pays for compilation and the
-        # compile time and XLA's cost analysis come from exactly what runs.
+        # Compile once, up front: the loop calls the executables (one step, and k steps a call), so no step pays for
+        # compilation and the compile time and XLA's cost analysis come from exactly what runs. The train steps
+        # compile for a validation batch's shapes: the same as a train batch's.
         t0 = time.perf_counter()
-        self.examples = (backend.put_batch(eval_host), first)
+        self.example = backend.put_batch(eval_host)
+        if self.steps_per_call > 1:  # k copies of it for the k-step call
+            self.examples_k = backend.put_batch(stack([eval_host] * self.steps_per_call), stacked=True)
         self._compile()
         self.compile_time = time.perf_counter() - t0
         # XLA's cost analysis of a mesh step is per device, which sees batch_size / devices examples.
@@ -222,7 +277,9 @@ class Run:
         self.dense_params = dense_param_count(self.state.dense_params)
         print(f"workdir: {self.workdir}\nembedding tables: {accounting['params']:,} params "
               f"({accounting['bytes'] / 2**20:.1f} MiB) + optimizer {accounting['optimizer_bytes'] / 2**20:.1f} MiB; "
-              f"dense params: {self.dense_params:,}; {self.forward_flops:,.0f} FLOPs/example", flush=True)
+              f"dense params: {self.dense_params:,}; {self.forward_flops:,.0f} FLOPs/example; "
+              f"{self.steps_per_call} step{'s' if self.steps_per_call > 1 else ''} per call on "
+              f"{jax.device_count()} x {jax.devices()[0].device_kind} ({jax.default_backend()})", flush=True)
 
         self.log = MetricLog(self.workdir, batch_size, self.budget.examples_per_epoch, self.loop.history,
                              task.objective.metrics)
@@ -255,43 +312,63 @@ class Run:
         return state
 
     def _compile(self) -> None:
-        eval_example, first = self.examples
         self.predict_step = make_predict_step(self.task, self.backend, self.state).lower(
-            self.state, eval_example).compile()
-        self.train_step = make_train_step(self.task, self.backend, self.state).lower(self.state, first).compile()
+            self.state, self.example).compile()
+        self.train_step = make_train_step(self.task, self.backend, self.state).lower(self.state, self.example).compile()
+        self.train_calls = {1: self.train_step}
+        if self.steps_per_call > 1:
+            self._executable(self.steps_per_call, self.examples_k, in_loop=False)
         multihost.barrier("recjax_steps_compiled")  # every process compiled: their first collectives run together
 
+    def _executable(self, n: int, block, in_loop: bool = True):
+        """The compiled call of `n` steps, compiled for `block` at its first use (in the loop: not training time)."""
+        if n not in self.train_calls:
+            t0, cpu = time.perf_counter(), time.process_time()
+            self.train_calls[n] = make_train_step(self.task, self.backend, self.state, steps_per_call=n).lower(
+                self.state, block).compile()
+            compiling = time.perf_counter() - t0
+            if in_loop:
+                self.compile_time += compiling
+                self.window_start += compiling
+                self.window_cpu += time.process_time() - cpu
+        return self.train_calls[n]
+
     # ------------------------------------------------------------------------------------------------- loop
-    def train(self, batches) -> dict:
-        """Train from the start step to the budget (or the early stop); return the summary."""
+    def train(self, calls) -> dict:
+        """Train from the start step to the budget (or the early stop); return the summary. `calls` yields each call's
+        (steps, block of batches on the device) (`input_pipeline`)."""
         budget, selection, batch_size = self.budget, self.loop.selection, self.budget.batch_size
         step = self.start_step
         last = step if selection.should_stop else budget.steps  # a run restored after its early stop trains no more
         bar = tqdm.tqdm(initial=step * batch_size, total=budget.steps * batch_size, unit="ex", unit_scale=True,
                         disable=not self.config.train.progress_bar, mininterval=1.0, dynamic_ncols=True)
-        batch = self.examples[1]
-        self.window_start, self.window_examples = time.perf_counter(), 0
-        in_flight = collections.deque()  # dispatched steps not known to be done (when the backend bounds them)
+        ready = next(calls) if step < last else None  # the first block, made while the steps compiled
+        self.window_start, self.window_cpu, self.window_examples = time.perf_counter(), time.process_time(), 0
+        in_flight = collections.deque()  # dispatched calls not known to be done (when the backend bounds them)
         diverged = None  # why the run stopped as diverged (summary.json "diverged")
-        for step in range(self.start_step + 1, last + 1):
-            self.state, metrics = self.train_step(self.state, batch)
+        clock = self.clock
+        while step < last:
+            t0 = time.perf_counter()
+            (n, block), ready = ready or next(calls), None
+            t1 = time.perf_counter()
+            compiling = self.compile_time
+            step = self._call(step, n, block)
+            clock["input_wait_s"] += t1 - t0
+            clock["dispatch_s"] += time.perf_counter() - t1 - (self.compile_time - compiling)
+            clock["calls"] += 1
             self.stop.step = step
-            self.window_losses.append(metrics["loss"])
-            if step == 1:
-                self.first_loss = metrics["loss"]
             if self.backend.steps_in_flight is not None:
                 # A mesh on XLA:CPU: hundreds of queued steps with collectives can deadlock (one device thread never
-                # reaches an all-reduce; XLA aborts after 40 s), so at most `steps_in_flight` are queued.
-                in_flight.append(metrics["loss"])
+                # reaches an all-reduce; XLA aborts after 40 s), so at most `steps_in_flight` calls are queued.
+                in_flight.append(self.window_losses[-1])
                 if len(in_flight) > self.backend.steps_in_flight:
                     in_flight.popleft().block_until_ready()
-            self.window_examples += batch_size
+            self.window_examples += n * batch_size
             if self.dynamic is not None and self.dynamic.due(self.task.collection, step):
                 self._adjust(step)
             evaluate_now = budget.is_eval_step(step)
             if step % self.config.train.log_every == 0 or evaluate_now:
-                self._log_train(step, metrics)
-                diverged = self._check_divergence(step)
+                diverged = self._log_train(step)
                 if diverged is None and evaluate_now:
                     diverged = self._evaluate(step)
                 if diverged is not None:
@@ -301,8 +378,8 @@ class Run:
                     best = selection.best_validation[selection.select_on]
                     postfix["best_val"] = f"{best:.4f}@{selection.best_step}"
                 bar.set_postfix(postfix)
-                self.window_start, self.window_examples = time.perf_counter(), 0
-            bar.update(batch_size)
+                self.window_start, self.window_cpu, self.window_examples = time.perf_counter(), time.process_time(), 0
+            bar.update(n * batch_size)
             if selection.should_stop:
                 break
             # Due by the interval, or (`keep_selected`) because this step is the newly selected one: the export
@@ -316,14 +393,13 @@ class Run:
                 diverged = self._check_divergence(step)  # never checkpoint a diverged state
                 if diverged is not None:
                     self.loop.train_time += time.perf_counter() - self.window_start
+                    self.clock["cpu_s"] += time.process_time() - self.window_cpu
                     break
                 self._save(step)
             if stopping:
                 bar.close()
                 self.log.close()
                 raise interrupted(step, self.checkpointer)  # the save above finishes as the checkpointer closes
-            if step < budget.steps:
-                batch = next(batches)
         bar.close()
         self.log.close()
         if diverged is not None:
@@ -365,6 +441,15 @@ class Run:
                 f"improving when the budget ended, so these test figures understate what this config reaches; raise "
                 f"{key} (summary.json: selected_step = budget_steps)")
 
+    def _call(self, step: int, n: int, block) -> int:
+        """Dispatch the `n` steps after `step` as one compiled call; the step after them. Nothing is read from the
+        device here: the losses stay there, in `window_losses`, until a log point."""
+        self.state, metrics = self._executable(n, block)(self.state, block)
+        self.window_losses.append(metrics["loss"])
+        if step == 0:
+            self.first_loss = metrics["loss"]
+        return step + n
+
     def _adjust(self, step: int) -> None:
         """A dynamic table's adjustment (and compaction: new shapes, re-compiled steps); not training time."""
         dynamic = self.dynamic
@@ -378,18 +463,25 @@ class Run:
                 self.checkpointer.layout = self.backend.checkpoint_layout()
                 self.checkpointer.relayout = self.backend.relayout()
             t0 = time.perf_counter()
-            self._compile()
+            self._compile()  # and the k-step call again (`examples_k` keeps the batch's shapes)
             dynamic.timings["recompile_s"] += time.perf_counter() - t0
-        # Compiling is not training time (as the first compile is not).
-        self.window_start += dynamic.timings["adjust_compile_s"] + dynamic.timings["recompile_s"] - compiling
+        # Compiling is not training time (as the first compile is not); nor its CPU time (a compile runs on one
+        # thread: about its wall time).
+        compiled = dynamic.timings["adjust_compile_s"] + dynamic.timings["recompile_s"] - compiling
+        self.window_start += compiled
+        self.window_cpu += compiled
 
-    def _log_train(self, step: int, metrics: dict) -> None:
-        loss = self.loop.loss = float(metrics["loss"])  # blocks: the window's time is real work
+    def _log_train(self, step: int) -> str | None:
+        """The log point after `step`: the window's losses read at once (this waits for the device, so the window's
+        time is real work), the last one logged, their mean checked for divergence (`_check_divergence`)."""
+        diverged = self._check_divergence(step)
         elapsed = time.perf_counter() - self.window_start
         self.loop.train_time += elapsed
-        self.log.write({"step": step, "split": "train", "loss": loss,
+        self.clock["cpu_s"] += time.process_time() - self.window_cpu
+        self.log.write({"step": step, "split": "train", "loss": self.loop.loss,
                         "examples_per_sec": self.window_examples / elapsed,
                         "elapsed_s": time.perf_counter() - self.run_start})
+        return diverged
 
     def _score(self, split: str, step: int) -> dict:
         result = evaluate(self.task, self.predict_step, self.state, self.dataset, self.budget.batch_size, split,
@@ -399,14 +491,21 @@ class Run:
         return result
 
     def _check_divergence(self, step: int) -> str | None:
-        """Why training diverged, from the mean loss of the steps since the last check (`Divergence`), or None."""
+        """Why training diverged, from the mean loss of the steps since the last check (`Divergence`), or None. Reads
+        the window's losses (and step 1's) from the device in one transfer; the last is the logged train loss."""
         if not self.window_losses:  # checked at this step already
             return None
-        if self.first_loss is not None:
-            self.loop.divergence.start(float(self.first_loss))
-        span = f"steps {step - len(self.window_losses) + 1:,}-{step:,}"
-        reason = self.loop.divergence.check(float(np.mean(jax.device_get(self.window_losses))), span)
+        t0 = time.perf_counter()
+        window, first = jax.device_get((self.window_losses, self.first_loss))
+        self.clock["sync_s"] += time.perf_counter() - t0
         self.window_losses.clear()
+        losses = np.concatenate([np.ravel(x) for x in window])
+        self.loop.loss = float(losses[-1])
+        if first is not None:
+            self.loop.divergence.start(float(np.ravel(first)[0]))
+            self.first_loss = None  # started: step 1's loss is read once
+        span = f"steps {step - len(losses) + 1:,}-{step:,}"
+        reason = self.loop.divergence.check(float(np.mean(losses)), span)
         return None if reason is None else f"training diverged at step {step:,}: {reason}"
 
     def _evaluate(self, step: int) -> str | None:
@@ -437,9 +536,10 @@ class Run:
 
     def _save(self, step: int) -> None:
         jax.block_until_ready(self.state)
-        saving = time.perf_counter()
+        saving, cpu = time.perf_counter(), time.process_time()
         self.state = self.checkpointer.save(step, self.state, self._loop_saved())
         self.window_start += time.perf_counter() - saving  # the save's stall is not training time
+        self.window_cpu += time.process_time() - cpu
 
     # ---------------------------------------------------------------------------------------------- summary
     def summary(self, step: int, disagreement: str | None = None, diverged: str | None = None,
@@ -487,6 +587,9 @@ class Run:
             "train_flops_per_example": self.train_flops,
             # Steps this run (and its resumes) trained: not those of a checkpoint.restore's run.
             "examples_per_sec": (step - restored) * batch_size / self.loop.train_time,
+            # This process's loop: steps per call, calls, and where its train time went (waiting for input blocks,
+            # dispatching calls, reading losses back at log points -- which waits for the device).
+            "loop": {"steps_per_call": self.steps_per_call, **self.clock},
             "compile_time_s": self.compile_time,
             "train_time_s": self.loop.train_time,
             "wall_time_s": time.perf_counter() - self.run_start,

@@ -162,7 +162,7 @@ def main() -> None:
     reference = checkpoint.read_arrays(checkpoint.open_checkpoint(root / "reference" / "checkpoints"))
     summary_ref = json.loads((root / "reference" / "summary.json").read_text())
     timing = {"examples_per_sec", "compile_time_s", "train_time_s", "wall_time_s", "peak_rss_bytes",
-              "peak_rss_anon_bytes", "peak_rss_file_bytes"}
+              "peak_rss_anon_bytes", "peak_rss_file_bytes", "loop"}
     if args.disk:  # the tier's own: its summary section, XLA's FLOPs of its step (which maps rows to cache slots),
         # and its bytes in device memory (a cache instead of the disk tables)
         timing |= {"tiering", "flops_per_example", "train_flops_per_example", "embedding_device_bytes"}

@@ -20,6 +20,7 @@ from experiments.configs import dlrm_synthetic
 from recjax import placement
 from recjax.config_check import validate_config
 from recjax.data import make_dataset
+from recjax.data.pipeline import stack
 from recjax.sharding import hlo
 from recjax.sharding.exchange import exchange_collectives
 from recjax.step import init_state, make_predict_step, make_train_step
@@ -27,6 +28,9 @@ from recjax.task import build_task
 
 BATCH = 32
 STEPS = 3
+# Cases that also run their STEPS steps as one call (recjax/step.py's scan inside the shard_map), from the same state:
+# mixed shardings, and FIITED's replicated routing arrays updated from each step's global batch.
+K_STEP_CASES = ("dlrm-full-mixed-4x2", "dlrm-fiited-mixed-4x2")
 # name: (model, method, mesh, plan, overrides, extra config)
 CASES = {
     "dlrm-full-row_mod_model-2x4": ("dlrm", "full", "data=2,model=4", "row", "",
@@ -144,6 +148,22 @@ def run_case(name: str, out: pathlib.Path) -> None:
         result["ref_loss"].append(float(ref_metrics["loss"]))
         result["loss"].append(float(metrics["loss"]))
         result["overflows"].append(int(metrics["bucket_overflows"]))
+    if name in K_STEP_CASES:
+        k_state = sharded.place_state(init_state(task, jax.random.key(0), jax.device_put(batches[0])))
+        block = sharded.put_batch(stack(batches), stacked=True)
+        k_train = make_train_step(task, sharded, k_state, steps_per_call=STEPS)
+        k_state, k_metrics = k_train(k_state, block)
+        result["k_loss"] = np.asarray(k_metrics["loss"])
+        k_back = sharded.local_state(k_state)
+        for group in k_back.tables:
+            result[f"k_table/{group}"] = np.asarray(k_back.tables[group])
+            for field, value in k_back.sparse_opt_state[group].items():
+                result[f"k_opt/{group}/{field}"] = np.asarray(value)
+        for feature, arrays in k_back.aux.items():
+            for key, value in arrays.items():
+                result[f"k_aux/{feature}/{key}"] = np.asarray(value)
+        for path, value in jax.tree_util.tree_leaves_with_path(k_back.dense_params):
+            result[f"k_dense/{jax.tree_util.keystr(path)}"] = np.asarray(value)
     result["ref_logits"] = np.asarray(ref_predict(state, jax.device_put(batches[0])))
     result["logits"] = np.asarray(sharded_predict(sharded_state, put(batches[0])))
     back = sharded.local_state(sharded_state)

@@ -22,7 +22,7 @@ from recjax.train import train_and_evaluate
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMING = {"examples_per_sec", "compile_time_s", "train_time_s", "wall_time_s", "peak_rss_bytes",
-            "peak_rss_anon_bytes", "peak_rss_file_bytes"}
+          "peak_rss_anon_bytes", "peak_rss_file_bytes", "loop"}
 VOCABS = (200, 50, 1000, 8, 3000, 20)
 
 
@@ -60,8 +60,13 @@ def assert_same_arrays(a: dict, b: dict) -> None:
 def assert_same_run(a: pathlib.Path, b: pathlib.Path) -> None:
     """Bit-identical final state, summary (but its timings) and metrics.csv (but its timing columns)."""
     assert_same_arrays(final_arrays(a), final_arrays(b))
-    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
-    assert {k: v for k, v in sa.items() if k not in TIMING} == {k: v for k, v in sb.items() if k not in TIMING}
+    def untimed(d):  # the dynamic tables' section has timings of its own (adjust_s, recompile_s, ...)
+        summary = {k: v for k, v in json.loads((d / "summary.json").read_text()).items() if k not in TIMING}
+        if summary.get("dynamic_tables"):
+            summary["dynamic_tables"] = {k: v for k, v in summary["dynamic_tables"].items() if not k.endswith("_s")}
+        return summary
+
+    assert untimed(a) == untimed(b)
 
     def rows(d):
         lines = [line.split(",") for line in (d / "metrics.csv").read_text().splitlines()]
@@ -279,10 +284,10 @@ def test_prepared_data_resumes_exactly(tmp_path, capsys):
 
 
 def test_both_metrics_selections_resume_exactly_and_their_disagreement_warns(tmp_path, capsys):
-    """Learning rates of 0.1 make validation AUC peak at step 10 and logloss at step 5; a run resumed from the save
-    of step 5 (run a's) must know step 5 was the logloss-best (only the checkpoint's loop state says so). The summary
-    reports the test metrics at both steps; metrics.csv is the oracle: test scored exactly at the evaluations that
-    improved AUC or logloss, the bests its arg-extremes."""
+    """Learning rates of 0.1 make validation AUC and logloss peak at different steps (10 and 20 on this data); a run
+    resumed from the save of the earlier one (run a's) must know that step was its metric's best (only the
+    checkpoint's loop state says so). The summary reports the test metrics at both steps; metrics.csv is the oracle:
+    test scored exactly at the evaluations that improved AUC or logloss, the bests its arg-extremes."""
     import csv
 
     config = tiny(steps=20, every_steps=5, policy="full", keep=4)  # keep every restore point for the resume below
@@ -299,7 +304,7 @@ def test_both_metrics_selections_resume_exactly_and_their_disagreement_warns(tmp
     assert sorted(test) == improving
     best_auc = max(validation, key=lambda v: (v[1], -v[0]))[0]
     best_loss = min(validation, key=lambda v: (v[2], v[0]))[0]
-    assert best_loss < 5 + 1 < best_auc, (best_loss, best_auc)  # the precondition of the resume below
+    assert best_loss != best_auc, (best_loss, best_auc)  # the precondition of the resume below
     assert a["selected_step"] == a["selection"]["auc"]["step"] == best_auc
     assert a["selection"]["logloss"]["step"] == best_loss
     for metric, step in (("auc", best_auc), ("logloss", best_loss)):
@@ -308,7 +313,7 @@ def test_both_metrics_selections_resume_exactly_and_their_disagreement_warns(tmp
     assert f"WARNING: selecting on validation auc picked step {best_auc}" in out
     assert a["warnings"][-1].startswith(f"selecting on validation auc picked step {best_auc}")
 
-    resumed_from(tmp_path / "a", config, tmp_path / "b", at_step=5, capsys=capsys)
+    resumed_from(tmp_path / "a", config, tmp_path / "b", at_step=min(best_auc, best_loss), capsys=capsys)
     assert_same_run(tmp_path / "a", tmp_path / "b")
 
 

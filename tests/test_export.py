@@ -345,18 +345,18 @@ def test_an_export_killed_at_any_moment_leaves_the_old_or_the_new_export(synthet
 
 @pytest.fixture(scope="module")
 def run_selecting_earlier(tmp_path_factory):
-    """A run whose selected step (35: the best validation logloss) is neither its last (40) nor among the `keep=1`
-    restore points the interval keeps."""
+    """A run whose selected step (the best validation logloss: 10 on this data) is neither its last (40) nor among the
+    `keep=1` restore points the interval keeps."""
     workdir = tmp_path_factory.mktemp("selecting")
     config = tiny_config(40)
     config.data.bag_sizes = (1, 3, 1, 1, 1, 2)
     config.data.eval_examples = 512
     config.train.eval_every = 5
     config.train.select_on = "logloss"
-    config.optimizer.dense.learning_rate = 0.1  # noisy enough that the logloss is best before the end
+    config.optimizer.dense.learning_rate = 0.2  # noisy enough that the logloss is best before the end
     config.checkpoint.keep = 1
     summary = train_and_evaluate(config, workdir)
-    assert summary["selected_step"] == 35, summary["selected_step"]  # what the test below is about
+    assert summary["selected_step"] < 40, summary["selected_step"]  # what the test below is about
     return workdir, summary
 
 
@@ -374,11 +374,12 @@ def test_export_serves_the_selected_step(run_selecting_earlier, tmp_path):
     checkpoint.keep_selected), not the last step's; --step still picks another; a run whose selected step has no
     checkpoint says so."""
     workdir, summary = run_selecting_earlier
-    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [35, 40]
+    selected = summary["selected_step"]
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [selected, 40]
     run = load_run(workdir)
-    assert run.step == 35
+    assert run.step == selected
     manifest = export_run(run, tmp_path / "selected", "f32", log=lambda _: None)
-    assert manifest["source"]["checkpoint_step"] == manifest["source"]["selected_step"] == 35
+    assert manifest["source"]["checkpoint_step"] == manifest["source"]["selected_step"] == selected
     batch_size = manifest["source"]["batch_size"]
     served = _test_metrics(loader.load(tmp_path / "selected"), run, batch_size)
     # The trainer's test metrics at its selected step, to the last bit (the export scores as the trainer does).
@@ -386,11 +387,11 @@ def test_export_serves_the_selected_step(run_selecting_earlier, tmp_path):
     notes = []
     last = load_run(workdir, step=40)
     export_run(last, tmp_path / "last", "f32", log=notes.append)
-    assert "not the run's selected step 35" in notes[-1]
+    assert f"not the run's selected step {selected}" in notes[-1]
     assert _test_metrics(loader.load(tmp_path / "last"), last, batch_size)["logloss"] != summary["logloss"]
     shutil.copytree(workdir, tmp_path / "copy")
-    shutil.rmtree(tmp_path / "copy" / "checkpoints" / "35")
-    with pytest.raises(CheckpointError, match="reports selected step 35, which has no checkpoint"):
+    shutil.rmtree(tmp_path / "copy" / "checkpoints" / str(selected))
+    with pytest.raises(CheckpointError, match=f"reports selected step {selected}, which has no checkpoint"):
         load_run(tmp_path / "copy")
 
 

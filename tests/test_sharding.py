@@ -86,8 +86,24 @@ def assert_equals_single_device(r, case: str) -> None:
     assert r["ref_loss"][0] != r["ref_loss"][-1]
 
 
+def assert_k_steps_equal_one_per_call(r) -> None:
+    """The STEPS steps as one call on the mesh (a scan inside the shard_map) give the losses, tables, optimizer state,
+    routing arrays and dense params of one call per step on the mesh, bit for bit."""
+    keys = [k for k in r.files if k.startswith("k_")]
+    assert any(k.startswith("k_table/") for k in keys) and any(k.startswith("k_dense/") for k in keys)
+    np.testing.assert_array_equal(r["k_loss"], r["loss"])
+    for key in keys:
+        np.testing.assert_array_equal(r[key], r[key[2:]], err_msg=key)
+
+
 def test_the_default_mesh_case_equals_single_device(default_run):
     assert_equals_single_device(np.load(default_run / f"{DEFAULT_CASE}.npz"), DEFAULT_CASE)
+    assert_k_steps_equal_one_per_call(np.load(default_run / f"{DEFAULT_CASE}.npz"))
+
+
+@pytest.mark.slow
+def test_k_steps_per_call_on_a_mesh_with_dynamic_tables(runs):
+    assert_k_steps_equal_one_per_call(np.load(runs / "dlrm-fiited-mixed-4x2.npz"))
 
 
 @pytest.mark.slow

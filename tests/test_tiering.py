@@ -511,6 +511,23 @@ def tiny_run_config(tmp_path, **tiering_fields):
     return config
 
 
+def test_disk_tier_runs_one_step_per_call(tmp_path):
+    """The disk tier plans each step's rows on the host before the step, so a call runs one step: "auto" resolves to
+    1 whatever the platform, and an explicit k > 1 is one line naming the key and the tier."""
+    from recjax.evaluation import resolve_steps_per_call
+
+    config = tiny_run_config(tmp_path, disk_over_bytes=20_000, cache_fraction=0.3)
+    config.train.steps_per_call = 4
+    with pytest.raises(ConfigError, match=r"train.steps_per_call: must be 1 with tables in the disk tier") as error:
+        train_and_evaluate(config, tmp_path / "k4")
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "k4" / tiering.WORKDIR_FOLDER).exists()  # the placement was closed: its files are gone
+    reason = "train.steps_per_call must be 1 with tables in the disk tier: ..."
+    assert resolve_steps_per_call({"steps_per_call": "auto"}, "gpu", reason) == 1
+    assert resolve_steps_per_call({"steps_per_call": "auto"}, "gpu") == 32
+    assert resolve_steps_per_call({"steps_per_call": 1}, "gpu", reason) == 1
+
+
 def test_train_and_evaluate_on_disk_equals_memory(tmp_path, monkeypatch):
     import tempfile
 

@@ -13,7 +13,7 @@ from recjax import checkpoint
 from recjax.train import train_and_evaluate
 
 TIMING = {"examples_per_sec", "compile_time_s", "train_time_s", "wall_time_s", "peak_rss_bytes",
-            "peak_rss_anon_bytes", "peak_rss_file_bytes"}
+          "peak_rss_anon_bytes", "peak_rss_file_bytes", "loop"}
 SAVES = (3, 6, 9, 12)
 
 

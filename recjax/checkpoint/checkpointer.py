@@ -148,6 +148,14 @@ class Checkpointer:
         """`state` with a zero dirty-row bitmap per group when the policy writes deltas (none for "full")."""
         return self.policy.track(state)
 
+    def due_at(self, step: int) -> bool:
+        """Whether a fixed schedule may ask for a save exactly after `step` -- the steps interval, and under several
+        processes the steps their clocks agree at -- so the trainer ends a call of k steps there. (One process's
+        minutes interval is looked at after every call.)"""
+        if self.every_steps and step % self.every_steps == 0:
+            return True
+        return bool(self.every_seconds) and jax.process_count() > 1 and step % AGREE_EVERY_STEPS == 0
+
     def due(self, step: int) -> bool:
         """Whether the interval (steps or minutes) asks for a save after `step`."""
         if self.every_steps and step % self.every_steps == 0:

@@ -23,9 +23,10 @@ KEYS = {"enabled", "dir", "every_steps", "every_minutes", "keep", "keep_selected
 # Config keys that may change between a run and its resumption (everything else must match).
 # The mesh and plan may change too: the tables are re-laid out on restore; and the storage tiers: a checkpoint records
 # the tables in the single-device layout whatever their tier, and a disk tier's files are written from it. How
-# embedding.kernel="auto" measures and caches its choice changes no state.
-RESUMABLE_CHANGES = ("checkpoint.", "train.progress_bar", "mesh.", "sharding.", "tiering.", "embedding.kernel_measure",
-                     "embedding.kernel_cache")
+# embedding.kernel="auto" measures and caches its choice changes no state; steps per call and the input threads
+# change how the loop runs, not what it computes.
+RESUMABLE_CHANGES = ("checkpoint.", "train.progress_bar", "train.steps_per_call", "train.input_workers", "mesh.",
+                     "sharding.", "tiering.", "embedding.kernel_measure", "embedding.kernel_cache")
 
 
 def check_checkpoint_config(config: Mapping) -> None:

@@ -15,6 +15,7 @@ on demand; a delta's rows go over it as `Patched` (recjax/checkpoint/restore.py)
 import asyncio
 import copy
 import hashlib
+import inspect
 import math
 from collections.abc import Iterator
 
@@ -60,6 +61,12 @@ class RowBlocks:
 
     def __len__(self) -> int:
         return self.shape[0]
+
+    def __deepcopy__(self, memo) -> "RowBlocks":
+        # A view of where the rows live, read as it is written: a copy would copy that (a disk tier's backend). Orbax's
+        # NumpyHandler deep-copies the host values it writes in the background (orbax-checkpoint < 0.12.5 always;
+        # later ones unless told not to, as `RowBlocksHandler` does).
+        return self
 
     @property
     def block_rows(self) -> int:
@@ -177,7 +184,12 @@ def register_handler() -> None:
         save leaves no write of either kind in flight (`_open_and_write`)."""
 
         def __init__(self, deepcopy_host_arrays: bool):
-            super().__init__(deepcopy_host_arrays=deepcopy_host_arrays)
+            # orbax-checkpoint < 0.12.5 has no such option and always deep-copies; there RowBlocks.__deepcopy__
+            # returns the view itself.
+            if "deepcopy_host_arrays" in inspect.signature(ocp.type_handlers.NumpyHandler.__init__).parameters:
+                super().__init__(deepcopy_host_arrays=deepcopy_host_arrays)
+            else:
+                super().__init__()
             self._writing: dict = {}  # event loop -> [(value, done)]: the values it writes together
 
         async def _open_and_write(self, value, tspec: dict, ts_context) -> None:

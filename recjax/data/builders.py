@@ -350,7 +350,9 @@ def open_prepared(cls: type[OptionsBuilder], options: dict, config: ml_collectio
     log(f"data: {'reusing' if reused else 'preparing'} {builder.info.full_name} from {manual} ({names})"
         f"{'' if reused else ' ...'}")
     tfds.disable_progress_bar()
-    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=str(manual)))
+    # Never looked for on GCS (it is ours, prepared here): TFDS 4.9.7 would import TensorFlow to ask.
+    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=str(manual),
+                                                                              try_download_gcs=False))
     dataset = PreparedDataset(builder, seed=seed, read_threads=read_threads)
     for line in dataset.report_lines():
         log(line)

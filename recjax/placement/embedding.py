@@ -45,6 +45,14 @@ class PreparedBatch:
     routes: Routes | None = None
 
 
+def one_step_only(preparing: Sequence[Storage]) -> str:
+    """Why a placement with storages working on the host per batch takes one step per call."""
+    names = ", ".join(sorted({s.name for s in preparing}))
+    return (f"train.steps_per_call must be 1 with tables in the {names} tier: it plans each step's rows on the host "
+            "before the step (its cache holds one step's rows), so a call runs one step; set train.steps_per_call=1 "
+            "(or \"auto\")")
+
+
 class PlacedEmbedding(EmbeddingBackend):
     """`collection`'s tables placed by `layout`, each group's rows in the storage of `storages` that covers it."""
 
@@ -58,6 +66,7 @@ class PlacedEmbedding(EmbeddingBackend):
         limits = [n for n in (layout.steps_in_flight, *(s.steps_in_flight for s in self.storages)) if n is not None]
         self.steps_in_flight = min(limits) if limits else None
         self.preparing = tuple(s for s in self.storages if s.prepares)
+        self.one_step_only = one_step_only(self.preparing) if self.preparing else None
         self.placing = tuple(s for s in self.storages if s.places)
         self.restores_single_device = self.checkpoint_layout() is None
         self.restores_by_rows = frozenset(g for s in self.placing for g in s.groups)
@@ -103,12 +112,14 @@ class PlacedEmbedding(EmbeddingBackend):
                 opt_state[g] = optimizer.init(collection.group_rows[g], collection.group_dims[g])
         return tables, opt_state
 
-    def compile_train(self, train_step: Callable, state):
+    def compile_train(self, train_step: Callable, state, stacked: bool = False):
         for s in self.storages:
             if s.read_only:
                 raise TypeError(f"the {s.name} storage is read-only: it compiles predict steps only")
+        if stacked and self.preparing:
+            raise ValueError(self.one_step_only)
         if not self.preparing:
-            return self.layout.compile_train(train_step, state, None)
+            return self.layout.compile_train(train_step, state, None, stacked)
         return PreparedStep(self, lambda batch: self.layout.compile_train(train_step, state, batch), train=True)
 
     def compile_predict(self, predict_step: Callable, state):
@@ -194,8 +205,10 @@ class PlacedEmbedding(EmbeddingBackend):
             return relayout(self.collection, None)
         return self.layout.relayout()
 
-    def put_batch(self, batch):
-        device = self.layout.put_batch(batch)
+    def put_batch(self, batch, stacked: bool = False):
+        if stacked and self.preparing:
+            raise ValueError(self.one_step_only)
+        device = self.layout.put_batch(batch, stacked)
         if not self.preparing:
             return device
         extras, routes = {}, None

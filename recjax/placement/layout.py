@@ -76,7 +76,7 @@ class OneDevice(Layout):
         return tables, opt_state, self.collection.touched_rows(routes)
 
     # --------------------------------------------------------------------------------------------- host side
-    def compile_train(self, train_step: Callable, state, batch) -> Callable:
+    def compile_train(self, train_step: Callable, state, batch, stacked: bool = False) -> Callable:
         return jax.jit(train_step, donate_argnums=(0,))
 
     def relayout(self) -> Callable:

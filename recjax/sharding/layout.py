@@ -115,18 +115,19 @@ class MeshLayout(Layout):
             aux=replicated(state.aux))
 
     @staticmethod
-    def batch_specs(batch):
-        """A batch's PartitionSpecs: its examples split over every device; what a storage adds to it (a disk tier's
-        map of the batch's rows) replicated."""
+    def batch_specs(batch, stacked: bool = False):
+        """A batch's PartitionSpecs: its examples split over every device (`stacked`: k batches on a leading axis,
+        each split so); what a storage adds to it (a disk tier's map of the batch's rows) replicated."""
+        split = placement.batch_spec(stacked)
         if batch is None or type(batch) is Batch:
-            return P(ALL_AXES)
-        fields = {f: P(ALL_AXES) for f in ("dense", "ids", "lengths", "labels")}
+            return split
+        fields = {f: split for f in ("dense", "ids", "lengths", "labels")}
         return batch.replace(**fields, **{f: jax.tree.map(lambda _: P(), getattr(batch, f))
                                           for f in vars(batch) if f not in fields})
 
-    def compile_train(self, train_step: Callable, state, batch) -> Callable:
+    def compile_train(self, train_step: Callable, state, batch, stacked: bool = False) -> Callable:
         specs = self.state_specs(state)
-        step = jax.shard_map(train_step, mesh=self.mesh, in_specs=(specs, self.batch_specs(batch)),
+        step = jax.shard_map(train_step, mesh=self.mesh, in_specs=(specs, self.batch_specs(batch, stacked)),
                              out_specs=(specs, P()), check_vma=False)
         return jax.jit(step, donate_argnums=(0,))
 
@@ -177,8 +178,8 @@ class MeshLayout(Layout):
         out_dirty = unshard({name: dirty_rows[name] for name in arrays}) if dirty_rows else {}
         return out_tables, out_opt, out_dirty
 
-    def put_batch(self, batch):
-        return placement.put_batch(self.mesh, batch)
+    def put_batch(self, batch, stacked: bool = False):
+        return placement.put_batch(self.mesh, batch, stacked)
 
     def put_replicated(self, tree):
         return jax.device_put(tree, NamedSharding(self.mesh, P()))

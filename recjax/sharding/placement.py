@@ -13,9 +13,13 @@ from jax.sharding import PartitionSpec as P
 ALL_AXES = ("data", "model")
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """A batch's leading dim split over every device."""
-    return NamedSharding(mesh, P(ALL_AXES))
+def batch_spec(stacked: bool = False) -> P:
+    """A batch's leading dim split over every device; k stacked batches (f32[k, B, ...]) split along B."""
+    return P(None, ALL_AXES) if stacked else P(ALL_AXES)
+
+
+def batch_sharding(mesh: Mesh, stacked: bool = False) -> NamedSharding:
+    return NamedSharding(mesh, batch_spec(stacked))
 
 
 def process_rows(mesh: Mesh, batch_size: int) -> slice | None:
@@ -31,11 +35,12 @@ def process_rows(mesh: Mesh, batch_size: int) -> slice | None:
     return slice(spans[0][0], spans[-1][1])
 
 
-def put_batch(mesh: Mesh, batch):
-    """A host batch -> device arrays split over every device (B/n rows each, data major). Single process: `batch`
-    is the global batch. Multi-host: it is this process's rows (`process_rows`), and the processes' shares
-    make the global arrays (no process holds another's rows)."""
-    sharding = batch_sharding(mesh)
+def put_batch(mesh: Mesh, batch, stacked: bool = False):
+    """A host batch -> device arrays split over every device (B/n rows each, data major); `stacked`: k batches on a
+    leading axis, each split so. Single process: `batch` is the global batch (or made on a device: moved). Multi-host:
+    it is this process's rows (`process_rows`), and the processes' shares make the global arrays (no process holds
+    another's rows)."""
+    sharding = batch_sharding(mesh, stacked)
     if jax.process_count() == 1:
         return jax.device_put(batch, sharding)
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch)
@@ -49,5 +54,5 @@ def put_global(data: np.ndarray, sharding: NamedSharding) -> jax.Array:
 def to_host(array: jax.Array) -> np.ndarray:
     """The whole value of a (possibly multi-process) global array as numpy."""
     if array.is_fully_addressable:
-        return np.asarray(array)
+        return np.asarray(jax.device_get(array))
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
