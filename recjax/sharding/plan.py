@@ -115,11 +115,11 @@ class TablePlacement:
         t = self.table
         if self.sharding in ("replicated", "data_parallel"):
             return t.bytes
-        if self.sharding == "column":
-            return t.rows * t.row_bytes // len(self.devices)
         position = _position(device, self.axes, mesh_shape)
         if position not in self.devices:
             return 0
+        if self.sharding == "column":  # a slice of width dim / k on each of its k devices
+            return t.rows * t.row_bytes // len(self.devices)
         k = len(self.devices)
         j = self.devices.index(position)
         return part_rows(t.rows, k, j, self.row_split) * t.row_bytes
