@@ -9,6 +9,7 @@ import ast
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -33,6 +34,20 @@ def declared_minimums() -> dict[str, str]:
     return out
 
 
+def copy_source(target: pathlib.Path) -> None:
+    """The checkout's tracked files; where it is no git checkout (CI's copy of the tracked files), all of it but
+    environments, caches and build output."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True)
+    if listed.returncode:
+        shutil.copytree(REPO, target, ignore=shutil.ignore_patterns(
+            ".venv", "venv", ".git", "__pycache__", "*.egg-info", "build", ".pytest_cache", ".ruff_cache"))
+        return
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        path = target / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes((REPO / name).read_bytes())
+
+
 def normalized(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
@@ -54,13 +69,9 @@ def test_the_declared_minimums_install_import_train_and_checkpoint(tmp_path):
                              f"jax=={minimums['jax']}"], capture_output=True, text=True, timeout=600)
     if online.returncode:
         pytest.skip(f"no package index to install the declared minimums from: {online.stderr.strip()[-300:]}")
-    # A copy of the tracked files (as .ci/run installs), so the build writes nothing beside the checkout.
+    # A copy of the source (as .ci/run installs it), so the build writes nothing beside the checkout.
     source = tmp_path / "src"
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
-    for name in filter(None, files.decode().split("\0")):
-        target = source / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes((REPO / name).read_bytes())
+    copy_source(source)
     install = subprocess.run([pip, "install", "-q", "-c", str(tmp_path / "constraints.txt"), str(source)],
                              capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert install.returncode == 0, install.stderr[-4000:]
