@@ -33,7 +33,8 @@ fresh temporary directory by default), removed at the end. Sections:
             (the "compress or offload" row): examples/s, test AUC, hit rate, peak RSS and its split (the process's
             own memory, file-backed pages) of each run (each in its own process: `python -m experiments.train`,
             --mlperf_steps from scratch). Then the steady state (--mlperf_window > 0): the disk arm's cache filled by
-            a replay of batches without the model step until every slot holds a row (at most --mlperf_fill batches),
+            a replay of batches without the model step until every slot holds a row or the warm-up's misses fill the
+            rest (at most --mlperf_fill batches; `cache_full_at_window` says how full the window began),
             then --mlperf_window train steps timed, beside as many steps of the capped arm (each arm in its own
             process): examples/s and its ratio to the capped arm's, hit rate, rows read / written and evictions /
             write-backs per step, the peaks of RssAnon and RssFile over the window and the process. --vocab_cap and
@@ -544,10 +545,12 @@ def steady_window(arm: str, cap: int, vocab_cap: int, disk_over: int, window: in
     own, so the RSS figures are the arm's): the disk arm's cache is filled first by replaying batches through it
     without the model step (each batch's rows planned, its misses read and its victims written back as a train step
     does; `time_steps`), until every slot holds a row -- from then on every miss evicts and writes a row back -- or
-    `fill` batches; then `warmup` train steps and `window` timed ones, run as the trainer runs them (batches placed
-    on the prefetch thread, two steps in flight). Examples/s, hit rate, rows read / written and evictions /
-    write-backs per step over the window; the peaks of the process's own memory (RssAnon) and of its file-backed
-    pages (RssFile), over the window and over the whole process, sampled on a thread (recjax/rss.py)."""
+    the free slots are fewer than the warm-up's misses will take (at the replay's last rate), or `fill` batches;
+    then `warmup` train steps and `window` timed ones, run as the trainer runs them (batches placed on the prefetch
+    thread, two steps in flight); the window's figures are printed before the final write-back. Examples/s, hit
+    rate, rows read / written and evictions / write-backs per step over the window; the peaks of the process's own
+    memory (RssAnon) and of its file-backed pages (RssFile), over the window and over the whole process, sampled on
+    a thread (recjax/rss.py)."""
     import jax
 
     from experiments.configs.dlrm_synthetic import get_config
@@ -587,14 +590,16 @@ def steady_window(arm: str, cap: int, vocab_cap: int, disk_over: int, window: in
                "embedding_rows": int(sum(config.data.vocab_sizes))}
         caches = disk.caches if disk is not None else {}
         if caches:
-            t0, filled = time.perf_counter(), 0
+            t0, filled, read_at = time.perf_counter(), 0, 0
             for batch in stream:
                 state, _ = disk.prepare_train(state, backend.put_batch(batch))
                 filled += 1
                 if filled % 20 == 0 or filled >= fill:
                     jax.block_until_ready(state.tables)  # keep the queued swaps few
-                    full = all(c.free == 0 for c in caches.values())
-                    if full or filled >= fill:
+                    # Full, or so nearly that the warm-up's misses (at the last 20 batches' rate) take the rest.
+                    read = sum(s.rows_read for s in disk.stores.values())
+                    misses, read_at = (read - read_at) / 20, read
+                    if sum(c.free for c in caches.values()) <= warmup * misses or filled >= fill:
                         break
             jax.block_until_ready(state.tables)
             # The replay's queued write-backs done before the window; its rows stay dirty in the cache, as a long
@@ -613,6 +618,8 @@ def steady_window(arm: str, cap: int, vocab_cap: int, disk_over: int, window: in
                 if i == warmup:
                     jax.block_until_ready(state)
                     before = json.loads(json.dumps(backend.summary()))
+                    if caches:
+                        out["cache_full_at_window"] = min(1 - c.free / c.size for c in caches.values())
                     window_rss = RssSampler().start()
                     start = time.perf_counter()
                 state, metrics = step(state, batch)
@@ -640,7 +647,11 @@ def steady_window(arm: str, cap: int, vocab_cap: int, disk_over: int, window: in
             out["hit_rate"] = hits / max(lookups, 1)
             for key in ("read_s", "plan_s", "write_s", "queue_wait_s"):
                 out[f"{key[:-2]}_ms_per_step"] = 1000 * (after["tiering"][key] - before["tiering"][key]) / window
+        # The window's figures now (the final write-back of a full cache can take minutes), then the whole line.
+        print(json.dumps({"stage": "window", **out}), flush=True)
+        t0 = time.perf_counter()
         backend.finish(state)  # the final write-back (files kept under --dir): its memory counts too
+        out["finish_s"] = time.perf_counter() - t0
     finally:
         backend.close()
     now = resident() or {}

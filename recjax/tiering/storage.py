@@ -65,6 +65,7 @@ from recjax.tiering.slots import GroupLayout, power_of_two
 from recjax.tiering.store import RowStore
 
 _WRITES_IN_FLIGHT = 8  # evictions queued for the writer before the step loop waits for it
+_WRITE_BACK_ROWS = 1 << 18  # dirty rows gathered and written per chunk of a write-back (~70 MB at 65 floats)
 
 
 @dataclasses.dataclass
@@ -469,13 +470,16 @@ class DiskStorage(Storage):
         for g, cache in self.caches.items():
             rows, slots = cache.dirty_slots()
             if len(rows) and tables is not None:
-                # Padded to a power of two with an out-of-range slot (read as zeros, dropped): a flush before each
-                # checkpoint compiles a few shapes, not one per count of dirty rows.
+                # In chunks of at most _WRITE_BACK_ROWS (a full cache of millions of dirty rows gathered at once
+                # would hold gigabytes twice, on the device and on the host), each padded to a power of two with an
+                # out-of-range slot (read as zeros, dropped): a flush compiles a few shapes, not one per count.
                 sl = self.slots[g]
-                device = np.full(power_of_two(len(slots)), sl.end, np.int32)
-                device[: len(slots)] = sl.first + slots
-                records = np.asarray(self._records_fn(tables[sl.key], opt_state[sl.key], jnp.asarray(device)))
-                self.stores[g].write(rows, records[: len(rows)])
+                for lo in range(0, len(rows), _WRITE_BACK_ROWS):
+                    part = slots[lo: lo + _WRITE_BACK_ROWS]
+                    device = np.full(power_of_two(len(part)), sl.end, np.int32)
+                    device[: len(part)] = sl.first + part
+                    records = np.asarray(self._records_fn(tables[sl.key], opt_state[sl.key], jnp.asarray(device)))
+                    self.stores[g].write(rows[lo: lo + len(part)], records[: len(part)])
                 cache.mark_clean()
 
     # ------------------------------------------------------------------------------------------- per batch
