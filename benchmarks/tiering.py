@@ -34,7 +34,8 @@ fresh temporary directory by default), removed at the end. Sections:
             own memory, file-backed pages) of each run (each in its own process: `python -m experiments.train`,
             --mlperf_steps from scratch). Then the steady state (--mlperf_window > 0): the disk arm's cache filled by
             a replay of batches without the model step until every slot holds a row or the warm-up's misses fill the
-            rest (at most --mlperf_fill batches; `cache_full_at_window` says how full the window began),
+            rest (at most --mlperf_fill batches, then batches of uniform ids fill what is left; `cache_full_at_window`
+            says how full the window began),
             then --mlperf_window train steps timed, beside as many steps of the capped arm (each arm in its own
             process): examples/s and its ratio to the capped arm's, hit rate, rows read / written and evictions /
             write-backs per step, the peaks of RssAnon and RssFile over the window and the process. --vocab_cap and
@@ -546,11 +547,12 @@ def steady_window(arm: str, cap: int, vocab_cap: int, disk_over: int, window: in
     without the model step (each batch's rows planned, its misses read and its victims written back as a train step
     does; `time_steps`), until every slot holds a row -- from then on every miss evicts and writes a row back -- or
     the free slots are fewer than the warm-up's misses will take (at the replay's last rate), or `fill` batches;
-    then `warmup` train steps and `window` timed ones, run as the trainer runs them (batches placed on the prefetch
-    thread, two steps in flight); the window's figures are printed before the final write-back. Examples/s, hit
-    rate, rows read / written and evictions / write-backs per step over the window; the peaks of the process's own
-    memory (RssAnon) and of its file-backed pages (RssFile), over the window and over the whole process, sampled on
-    a thread (recjax/rss.py)."""
+    slots still free then are filled by batches of uniform ids (`fill_uniform_steps`); then `warmup` train steps
+    and `window` timed ones, run as the trainer runs them (batches placed on the prefetch thread, two steps in
+    flight); the window's figures are printed before the final write-back. Examples/s, hit rate, rows read /
+    written and evictions / write-backs per step over the window; the peaks of the process's own memory (RssAnon)
+    and of its file-backed pages (RssFile), over the window and over the whole process, sampled on a thread
+    (recjax/rss.py)."""
     import jax
 
     from experiments.configs.dlrm_synthetic import get_config
@@ -601,11 +603,22 @@ def steady_window(arm: str, cap: int, vocab_cap: int, disk_over: int, window: in
                     misses, read_at = (read - read_at) / 20, read
                     if sum(c.free for c in caches.values()) <= warmup * misses or filled >= fill:
                         break
+            # The last free slots: a long-tailed stream fills them slowly (a few hundred new rows a batch), so
+            # batches of uniform ids fill them -- with rows no better than a long run's would be, so the window's
+            # hit rate is if anything lower than at a true steady state.
+            uniform = SyntheticDataset(vocab_sizes=config.data.vocab_sizes, zipf_exponent=0.0, eval_examples=16,
+                                       seed=1).train_batches(batch_size)
+            spread = 0
+            while sum(c.free for c in caches.values()) > 0 and spread < 10_000:
+                state, _ = disk.prepare_train(state, backend.put_batch(next(uniform)))
+                spread += 1
+                if spread % 20 == 0:
+                    jax.block_until_ready(state.tables)
             jax.block_until_ready(state.tables)
             # The replay's queued write-backs done before the window; its rows stay dirty in the cache, as a long
             # run's do (every row a step uses is), so from the window's first step a miss evicts a dirty row.
             disk._drain()
-            out.update({"fill_steps": filled, "fill_s": time.perf_counter() - t0,
+            out.update({"fill_steps": filled, "fill_uniform_steps": spread, "fill_s": time.perf_counter() - t0,
                         "cache_full": min(1 - c.free / c.size for c in caches.values()),
                         "cache_slots": sum(c.size for c in caches.values()),
                         "cached_rows": sum(disk.layouts[g].cached_rows for g in caches)})
