@@ -33,11 +33,14 @@ One JSON line per measurement on stdout (progress on stderr), with the machine. 
               reference_random, 8 tables of bags of 100) on 8 CPU devices under >= 10 plans (table, row,
               column, replicated, auto, NeuroShard's table-wise heuristics, random table-wise plans, random mixtures
               of kinds): each plan's predicted step cost -- the analytic model of today's rows exchange, the one of
-              the pooled exchange, and the neural model at --neural_model -- against the measured train step, with
-              Spearman's rank correlation of each. The runtime runs `--runtime_exchange` (sharding.exchange,
-              default pooled; the record's runtime_exchange says which ran).
+              the pooled exchange (every table pooled), the model `sharding.plan=auto` plans with (`runtime`:
+              recjax/sharding/planner.py `runtime_problem`, the run's exchange table by table) and the neural model
+              at --neural_model -- against the measured train step, with Spearman's rank correlation of each. The
+              runtime runs `--runtime_exchange` (sharding.exchange, default pooled; the record's runtime_exchange
+              says which ran).
   measure     gather / scatter-add bandwidth of one CPU device, all_to_all bandwidth over the local devices, a
-              kernel's and a collective's fixed cost (what `Topology.cpu_host`'s numbers come from).
+              kernel's and a collective's fixed cost, the dedup's seconds per id, random rows of 2 and 16 floats
+              gathered per second (what `Topology.cpu_host`'s numbers come from).
 """
 
 from __future__ import annotations
@@ -331,6 +334,7 @@ def section_rank(args) -> None:
     from experiments.planning.cost_net import NeuralCostModel, spearman
     from recjax import placement, sharding
     from recjax.sharding import cost_model as C
+    from recjax.sharding import planner
     from recjax.step import init_state, make_train_step
 
     bench = _sharding_benchmark()
@@ -355,17 +359,24 @@ def section_rank(args) -> None:
         compiled = make_train_step(task, sharded, state).lower(state, device_batch).compile()
         state, metrics = compiled(state, device_batch)  # warm-up
         jax.block_until_ready(metrics)
-        topology = C.Topology.cpu_host(sharded.layout.mesh.size, sharded.layout.plan.device_memory_bytes)
+        layout = sharded.layout
+        topology = C.Topology.cpu_host(layout.mesh.size, layout.plan.device_memory_bytes)
+        placements = layout.plan.placements
         predicted = {}
-        for exchange in C.EXCHANGES:
+        for exchange in C.EXCHANGES:  # every table pooled (or none), the devices side by side
             problem = C.Problem(tuple(C.PlannerTable(i) for i in infos), topology, int(config.train.batch_size),
                                 config.sharding.row_split, exchange)
-            predicted[exchange] = C.plan_cost(C.AnalyticCostModel(topology, exchange), problem,
-                                              sharded.layout.plan.placements).step
-            if neural is not None and neural.exchange_kind == exchange:
-                predicted["neural"] = C.plan_cost(neural.for_topology(topology), problem,
-                                                  sharded.layout.plan.placements).step
+            predicted[exchange] = C.plan_cost(C.AnalyticCostModel(topology, exchange), problem, placements).step
+        # What `sharding.plan=auto` plans with: the runtime's exchange per table, its column layout.
+        problem = planner.runtime_problem(infos, layout.plan.mesh_shape, int(config.train.batch_size),
+                                          layout.plan.device_memory_bytes, config.sharding.row_split,
+                                          config.sharding.exchange)
+        runtime_cost = C.plan_cost(C.AnalyticCostModel(problem.topology, problem.exchange), problem, placements)
+        predicted["runtime"] = runtime_cost.step
+        if neural is not None and neural.exchange_kind == problem.exchange:
+            predicted["neural"] = C.plan_cost(neural.for_topology(problem.topology), problem, placements).step
         runs[name] = {"state": state, "step": compiled, "batch": device_batch, "times": [], "predicted": predicted,
+                      "runtime_cost": runtime_cost.to_json(),
                       "shardings": {k: sum(p.sharding == k for p in sharded.layout.plan.placements)
                                     for k in sorted({p.sharding for p in sharded.layout.plan.placements})}}
         _log(f"rank: {name} compiled, predicted {json.dumps({k: round(1e3 * v, 3) for k, v in predicted.items()})}")
@@ -385,7 +396,8 @@ def section_rank(args) -> None:
           "runtime_exchange": config.sharding.get("exchange", "rows"),  # "rows": a runtime before the pooled one
           "repeats": args.repeats, "plans": names, "measured_step_ms": measured,
           "predicted_ms": predicted, "spearman": {m: spearman(predicted[m], measured) for m in models},
-          "shardings": {p: runs[p]["shardings"] for p in names}})
+          "shardings": {p: runs[p]["shardings"] for p in names},
+          "runtime_costs": {p: runs[p]["runtime_cost"] for p in names}})
 
 
 # ---------------------------------------------------------------------------------------------------- measure
@@ -411,10 +423,21 @@ def section_measure(args) -> None:
     scatter = jax.jit(lambda t, i: t.at[i].add(1.0).sum())
     row_bytes = dim * 4
     tiny = jnp.asarray(rng.integers(0, rows, 8).astype(np.int32))
+    def dedup(i):  # the owner's dedup before an update: sort, then mark the first of each run
+        s = jnp.sort(i)
+        return jnp.concatenate([jnp.ones(1, bool), s[1:] != s[:-1]]).sum()
+
+    few = idx[: 1 << 16]  # a step's ids on one device
     record = {"section": "measure", "gather_bytes_per_s": ids * row_bytes / timed(gather, table, idx),
               "gather_cached_bytes_per_s": ids * row_bytes / timed(gather, table, hot),
               "scatter_add_bytes_per_s": 2 * ids * row_bytes / timed(scatter, table, idx),
-              "kernel_overhead_s": timed(gather, table, tiny, repeats=10 * args.repeats)}
+              "kernel_overhead_s": timed(gather, table, tiny, repeats=10 * args.repeats),
+              "dedup_s_per_id": timed(jax.jit(dedup), few) / len(few)}  # Topology.id_seconds
+    for width in (2, 16):  # a random row costs its cache lines: 2 floats about as much as 16 (access_bytes), from
+        # tables of the same bytes (a column-wise slice holds 8x the rows of a table-wise part of as many bytes)
+        shaped = table.reshape(-1, width)[: rows * dim // width]
+        wide = jnp.asarray(rng.integers(0, shaped.shape[0], ids).astype(np.int32))
+        record[f"gather_rows_per_s_width_{width}"] = ids / timed(gather, shaped, wide)
     n = jax.device_count()
     if n > 1:
         from jax.sharding import NamedSharding

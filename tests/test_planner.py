@@ -317,15 +317,18 @@ def test_exchange_buckets_are_the_ones_exchange_py_allocates():
             assert bucket_capacity(e, c, factor, sigmas) == storage.expected_capacity(batch // n, factor, sigmas)
 
 
-def test_pooled_phases_equal_a_hand_computed_plan():
+@pytest.mark.parametrize("access, per_id", [(0, 0.0), (12, 2e-8)])
+def test_pooled_phases_equal_a_hand_computed_plan(access, per_id):
     """The pooled exchange's per-device phases, worked by hand for a plan of three uniform tables on 2 devices
     (the cache as fast as memory: every read at the memory bandwidth): A (1000 rows, dim 8, bag 2) whole on device
-    0, B (500 rows, dim 16, bag 1) in rows over both, C (200 rows, dim 8, bag 3) in 2 column slices of width 4."""
+    0, B (500 rows, dim 16, bag 1) in rows over both, C (200 rows, dim 8, bag 3) in 2 column slices of width 4.
+    `access`: bytes a random row access costs beyond its own; `per_id`: seconds per received id the owner sorts."""
     from recjax.sharding.cost_model import PHASES
 
     batch, n = 64, 2
     topo = Topology.gpu_cluster(n, 1 << 30, cache_bytes=1, memory_bandwidth=1e9, cache_bandwidth=1e9,
-                                intra_host_bandwidth=2e8, collective_latency=1e-5, kernel_overhead=3e-6)
+                                intra_host_bandwidth=2e8, collective_latency=1e-5, kernel_overhead=3e-6,
+                                access_bytes=access, id_seconds=per_id)
     spec = [("A", 1000, 8, 2), ("B", 500, 16, 1), ("C", 200, 8, 3)]
     tables = tuple(PlannerTable(TableInfo(name, name, "full", r, d, b, 0)) for name, r, d, b in spec)
     problem = Problem(tables, topo, batch, row_split="mod", exchange="pooled")
@@ -346,10 +349,11 @@ def test_pooled_phases_equal_a_hand_computed_plan():
         held += [(16, 250, batch * 1 / 2, batch * 1 / 2), (4, 200, batch * 3, batch * 3)]
         ids = sum(4 * slots for *_, slots in held) / n * wire + 1e-5
         width = sum(w for w, *_ in held)
-        forward = sum(q * 4 * w + batch * 4 * w for w, _, q, _ in held) / bw + 3e-6 * len({w for w, *_ in held})
+        forward = (sum(q * (4 * w + access) + batch * 4 * w for w, _, q, _ in held) / bw
+                   + 3e-6 * len({w for w, *_ in held}))
         pooled = 2 * (batch * width * 4 / n * wire + 1e-5)
-        update = (sum(distinct(r, q) * 8 * w + 4 * w * q for w, r, q, _ in held) / bw
-                  + 3e-6 * len({w for w, *_ in held}))
+        update = (sum(distinct(r, q) * 2 * (4 * w + access) + 4 * w * q for w, r, q, _ in held) / bw
+                  + 3e-6 * len({w for w, *_ in held}) + per_id * sum(slots for *_, slots in held))
         expected[d] = (ids, forward, pooled, update)
     np.testing.assert_allclose(cost.compute, expected, rtol=1e-6)
     assert cost.exchange == 0.0  # every part pooled: no collective of a storage's own
@@ -673,3 +677,22 @@ def test_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2, "the notebook shows no plots"
     for figure in ("sharding_planner.png", "sharding_planner_ratios.png"):
         assert (tmp_path / figure).stat().st_size > 0
+
+
+def test_auto_plans_for_the_exchange_the_runtime_runs():
+    """`sharding.plan=auto` models what the run's `sharding.exchange` does table by table: under `auto` a one-hot
+    table travels as rows (a pooled bag of one id moves as many bytes as its row) and a multi-hot one pooled; under
+    `rows` none is pooled; column-wise tables split over every device, as the runtime splits them (a dim-6 table
+    cannot be column-wise on 8 devices, though NeuroShard's halvings would slice it over 2)."""
+    infos = [TableInfo("C0", "C0", "full", 50_000, 16, 1, 0), TableInfo("C1", "C1", "full", 50_000, 16, 20, 0),
+             TableInfo("C2", "C2", "full", 1000, 6, 5, 0)]
+    mesh = {"data": 8, "model": 1}
+    auto = P.runtime_problem(infos, mesh, 256, 1 << 30, "range", "auto")
+    assert auto.exchange == "pooled" and [t.poolable for t in auto.tables] == [False, True, True]
+    assert [auto.column_counts(t) for t in range(3)] == [[8], [8], []]
+    assert dataclasses.replace(auto, whole_columns=False).column_counts(2) == [2]
+    rows = P.runtime_problem(infos, mesh, 256, 1 << 30, "range", "rows")
+    assert rows.exchange == "rows" and not any(t.poolable for t in rows.tables)
+    for exchange in ("auto", "pooled", "rows"):
+        plan = make_plan(infos, mesh, 256, exchange=exchange, device_memory_bytes=1 << 30)
+        assert all(len(p.devices) == 8 for p in plan.placements if p.sharding == "column"), plan.placements

@@ -236,11 +236,14 @@ def test_auto_splits_a_table_too_big_for_one_device():
     assert plan.placement("C0").sharding in ("row", "column")
 
 
-def test_auto_evens_the_blocks_of_each_storage():
-    """A storage is one [n L, d] array, so every device pays for the fullest: auto splits the fullest device's
-    largest whole tables by rows until no block holds more than 1.05x the mean (an oracle sum over part_rows);
+def test_auto_evens_the_blocks_where_that_is_not_slower():
+    """A storage is one [n L, d] array, so every device pays for the fullest: auto evens the blocks (splits the
+    fullest device's largest whole tables by rows until no block holds more than 1.05x the mean) unless the
+    planner's own plan fits with its blocks padded and the cost model of the runtime says the evened plan is slower;
     `plan=table` keeps whole tables, and a pinned table stays where it was pinned."""
-    from recjax.sharding.plan import storage_rows
+    from recjax.sharding import planner
+    from recjax.sharding.cost_model import AnalyticCostModel, plan_cost
+    from recjax.sharding.plan import balance_blocks, padded_device_bytes, storage_rows
 
     sizes = (1_000_000, 900_000, 12_517, 633, 93_145, 5683, 800_000, 3194, 286_181, 142_572, 14_992, 700_000)
     infos = [TableInfo(f"C{i}", f"C{i}", "full", rows, 16, 1, 0) for i, rows in enumerate(sizes)]
@@ -248,11 +251,36 @@ def test_auto_evens_the_blocks_of_each_storage():
     assert {p.sharding for p in table.placements} == {"table"}
     rows = storage_rows(table.placements, 16, 8)
     assert max(rows) > 1.3 * sum(rows) / 8  # whole tables: the 1M-row one alone is 2x the mean
-    auto = make_plan(infos, MESH, 2048, overrides="C2=table:3", device_memory_bytes=2**34)
-    rows = storage_rows(auto.placements, 16, 8)
-    assert sum(rows) + sum(p.table.rows for p in auto.placements if p.sharding == "replicated") == sum(sizes)
-    assert max(rows) <= 1.05 * sum(rows) / 8, rows
-    assert auto.placement("C0").sharding == "row" and auto.placement("C2").devices == (3,)
+    for exchange in ("rows", "pooled"):
+        auto = make_plan(infos, MESH, 2048, overrides="C2=table:3", exchange=exchange, device_memory_bytes=2**34)
+        rows = storage_rows(auto.placements, 16, 8)
+        assert sum(rows) + sum(p.table.rows for p in auto.placements if p.sharding == "replicated") == sum(sizes)
+        assert auto.placement("C2").devices == (3,)
+        evened = {p.table.name: p for p in auto.placements}
+        balance_blocks(evened, {"C2"}, MESH, "range", 2**34)
+        problem = planner.runtime_problem(infos, MESH, 2048, 2**34, "range", exchange)
+        model = AnalyticCostModel(problem.topology, problem.exchange)
+        kept, even = (plan_cost(model, problem, placements).step
+                      for placements in (auto.placements, [evened[t.name] for t in infos]))
+        if max(rows) > 1.05 * sum(rows) / 8:  # kept uneven: it fits padded and evening it would be slower
+            assert max(padded_device_bytes(auto.placements, MESH)) <= 2**34
+            assert even > kept * (1 + planner.SPLIT_GAIN), (exchange, kept, even)
+        else:
+            assert even == kept
+
+
+def test_padded_device_bytes_pad_each_storage_to_its_fullest_device():
+    """Worked by hand: dim-16 tables A (300 rows) on device 0 and B (100) on 1, dim-8 C (200) on 1 and a
+    replicated D (10 rows of dim 8) on both: the dim-16 block is 300 rows on each device, the dim-8 one 200."""
+    from recjax.sharding.plan import TablePlacement, padded_device_bytes
+
+    a, b = (TableInfo(n, n, "full", r, 16, 1, 0) for n, r in (("A", 300), ("B", 100)))
+    c, d = (TableInfo(n, n, "full", r, 8, 1, 0) for n, r in (("C", 200), ("D", 10)))
+    placements = [TablePlacement(a, "table", ("data", "model"), (0,)), TablePlacement(b, "table", ("data", "model"),
+                                                                                          (1,)),
+                  TablePlacement(c, "table", ("data", "model"), (1,)), TablePlacement(d, "replicated", (), ())]
+    each = 300 * 64 + 200 * 32 + 10 * 32
+    assert padded_device_bytes(placements, {"data": 2, "model": 1}) == [each, each]
 
 
 def test_plan_that_cannot_fit_names_the_device_and_the_bytes():

@@ -123,7 +123,7 @@ def make_layout(sections: Sections, task, row_wise: list[str] = ()) -> Layout:
     def replan(collection, optimizer) -> ShardingPlan:
         plan = make_plan(table_infos(collection, optimizer), shape, batch_size, plan=sharding.plan,
                          overrides=overrides, row_axes=sharding.row_axes, row_split=sharding.row_split,
-                         device_memory_bytes=memory)
+                         exchange=sharding.exchange, device_memory_bytes=memory)
         return dataclasses.replace(plan, exchange=sharding.exchange)
 
     return MeshLayout(replan(task.collection, task.sparse_optimizer), mesh, sharding.exchange_dtype,

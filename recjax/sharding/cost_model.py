@@ -59,6 +59,9 @@ Analytic compute (per device, per step; B the global batch, n devices, q = B x p
                       of pooled outputs written
     update            distinct(q) rows read + written with their optimizer state: 2 (d + s) x 4 bytes each (the
                       owner dedups before the update); pooled: plus each lookup's output gradient read (4 x width)
+                      and the sort that dedups the ids it received (`id_seconds` each)
+  A random row access costs `access_bytes` more than its bytes (its fixed part), so splitting a table by columns
+  over k devices, each reading every lookup's slice, costs more than 1 / k of the table's reads each.
   Cache/skew term: each device keeps its most-read rows in `cache_bytes` (an LFU cache), shared by its parts in
   proportion to their lookups; a part's cached rows are its top-ranked ones, so the rows read from the top c
   ranks are served at `cache_bandwidth`, the others at `memory_bandwidth`. Hot tables cost less per lookup than
@@ -81,7 +84,8 @@ Analytic exchange (per storage = the tables of one dim and kind, as exchange.py 
   (rows)            all_to_all'd ((n - 1) S d / n x itemsize each way)
   pooled parts      nothing here: their bytes are the per-device phases above, and the ids, the outputs and their
                     gradients of every table cross in one all_to_all each (`collective_latency` in those phases)
-  plus `collective_latency` per collective and, with the rows exchange, `kernel_overhead` per storage kernel.
+  plus `collective_latency` per collective, `id_seconds` per id each device (or copy) sorts to dedup its received
+  slots, and, with the rows exchange, `kernel_overhead` per storage kernel.
 """
 
 import dataclasses
@@ -185,6 +189,13 @@ class Topology:
     exchange_itemsize: int = 4  # bytes per element of rows and gradients between devices (sharding.exchange_dtype)
     capacity_factor: float = 1.0  # sharding.capacity_factor
     capacity_sigmas: float = 7.0  # sharding.capacity_sigmas
+    # What a random row access costs beyond its own bytes, in bytes at memory bandwidth (its fixed part: address
+    # arithmetic, a cache line's latency not hidden): a column slice of 2 floats costs about a third of a row of 16,
+    # not an eighth (`benchmarks/planner.py --sections measure`, gather_rows_per_s_width_*).
+    access_bytes: int = 0
+    # Seconds per id a device sorts and deduplicates (the owner's dedup before an update, a copy's of the gathered
+    # ids): on a CPU this costs more than the row it names (0: not modelled).
+    id_seconds: float = 0.0
 
     def __post_init__(self):
         if self.devices < 1 or self.devices_per_host < 1 or self.devices % self.devices_per_host:
@@ -206,7 +217,8 @@ class Topology:
         benchmarks/RESULTS.md "Sharding planner"); the scale is a round 4 GB/s for one core's gather."""
         values = dict(devices=devices, devices_per_host=devices, memory_bytes=int(memory_bytes),
                       memory_bandwidth=4e9, cache_bytes=2 << 20, cache_bandwidth=8e9, intra_host_bandwidth=1.1e9,
-                      inter_host_bandwidth=1.1e9, collective_latency=100e-6, kernel_overhead=50e-6)
+                      inter_host_bandwidth=1.1e9, collective_latency=100e-6, kernel_overhead=50e-6,
+                      access_bytes=16, id_seconds=40e-9)
         return cls(**{**values, **changes})
 
     @classmethod
@@ -231,6 +243,9 @@ class Problem:
     batch_size: int
     row_split: str = "range"  # how row-wise tables split their rows (sharding.row_split)
     exchange: str = "rows"  # what crosses between devices (EXCHANGES; the module docstring)
+    # Column-wise over every device only, as the runtime's column layout splits a table (recjax/sharding/exchange.py);
+    # False: with the pooled exchange also over 2, 4, ... devices (NeuroShard's halvings, `column_counts`).
+    whole_columns: bool = False
 
     def __post_init__(self):
         names = [t.info.name for t in self.tables]
@@ -256,11 +271,11 @@ class Problem:
         return info.dim % (k or self.devices) == 0 and not 0 < info.state_floats < info.dim
 
     def column_counts(self, t: int) -> list[int]:
-        """The column splits a plan may give table t: over every device with the rows exchange (what
-        recjax/sharding/exchange.py runs); with the pooled exchange each slice is a table of width dim / k of its
-        own, so also over 2, 4, 8, ... devices (NeuroShard's halvings, Zha et al. 2023)."""
+        """The column splits a plan may give table t: over every device with the rows exchange or `whole_columns`
+        (what recjax/sharding/exchange.py runs); else, with the pooled exchange, each slice is a table of width
+        dim / k of its own, so also over 2, 4, 8, ... devices (NeuroShard's halvings, Zha et al. 2023)."""
         n = self.devices
-        counts = [n] if self.exchange == "rows" else sorted({*split_counts(n), n})
+        counts = [n] if self.exchange == "rows" or self.whole_columns else sorted({*split_counts(n), n})
         return [k for k in counts if k > 1 and self.column_allowed(t, k)]
 
 
@@ -319,6 +334,10 @@ class PartTable:
             self.size += count
         return base + j
 
+    def _accessed(self, nbytes: float) -> float:
+        """The bytes one random access to `nbytes` costs (`Topology.access_bytes` more)."""
+        return float(nbytes + self.problem.topology.access_bytes)
+
     def value(self, field: str, t: int, kind: int, k: int | None = None, j: int = 0) -> float:
         """One field of a part's row (the row is made first: making it may reallocate the arrays)."""
         i = self.index(t, kind, k, j)
@@ -368,7 +387,7 @@ class PartTable:
         return dict(
             table=t * full, kind=kind * full, dim=info.dim * full, width=width * full, rows=held,
             mem_bytes=full * (info.rows * info.row_bytes // k) if kind == COLUMN else held * info.row_bytes,
-            fwd_bytes=4 * width * full, upd_bytes=8 * (width + state) * full,
+            fwd_bytes=self._accessed(4 * width) * full, upd_bytes=2 * self._accessed(4 * (width + state)) * full,
             cache_row_bytes=4 * (width + state) * full,
             lookups=q * seg_mass.sum(1),
             expected_slots=bucketed * held * expected_distinct(info.rows, slots) / info.rows,
@@ -573,7 +592,7 @@ class AnalyticCostModel:
         ids = self.wire(id_bytes / n) + np.where(id_bytes > 0, latency, 0.0)
         forward = at_kappa(1) + stream_fwd / topo.memory_bandwidth + kernels
         pooled = 2 * (self.wire(out_floats * topo.exchange_itemsize / n) + np.where(out_floats > 0, latency, 0.0))
-        update = at_kappa(1 + g) + stream_upd / topo.memory_bandwidth + kernels
+        update = at_kappa(1 + g) + stream_upd / topo.memory_bandwidth + kernels + id_bytes / 4 * topo.id_seconds
         return np.stack([ids, forward, pooled, update], axis=1)
 
     def wire(self, per_peer_bytes: np.ndarray) -> np.ndarray:
@@ -637,12 +656,12 @@ class AnalyticCostModel:
         small = bucket_capacity(stats.expected, stats.worst, topo.capacity_factor, topo.capacity_sigmas)
         used = np.where(stats.requested > small, worst, small)  # an overflowing step takes the worst case
         sharded = (self.wire(used * (4 + 2 * dim * x)) + 3 * topo.collective_latency
-                   + n * worst * (8 + 8 * dim) / topo.memory_bandwidth)
+                   + n * worst * ((8 + 8 * dim) / topo.memory_bandwidth + topo.id_seconds))
         s = stats.compact
         replicated = (self.wire(s * (4 + dim * x)) + 2 * topo.collective_latency
-                      + n * s * (8 + 8 * dim) / topo.memory_bandwidth)
+                      + n * s * ((8 + 8 * dim) / topo.memory_bandwidth + topo.id_seconds))
         column = (self.wire(s * 4 + 2 * s * dim / n * x) + 3 * topo.collective_latency
-                  + n * s * (8 + 8 * dim / n) / topo.memory_bandwidth)
+                  + n * s * ((8 + 8 * dim / n) / topo.memory_bandwidth + topo.id_seconds))
         if not rows_exchange:  # parts that travel as rows pay the above only if the storage has any
             sharded = np.where(stats.worst > 0, sharded, 0.0)
             column = np.where(s > 0, column, 0.0)

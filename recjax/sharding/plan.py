@@ -35,7 +35,8 @@ q = B * L lookups of t a step (ids are assumed spread evenly over a table's rows
 `exchange_volume_bytes` what the plan's exchange moves per device; recjax/sharding/exchange.py `exchange_bytes` the
 bytes of the static buffers the compiled step really allocates (what its HLO says, recjax/sharding/hlo.py).
 The planner minimises the largest per-device sum (the slowest device sets the step time) subject to memory, then
-evens each storage's blocks to within BLOCK_BALANCE of the mean (`balance_blocks`).
+evens each storage's blocks to within BLOCK_BALANCE of the mean (`balance_blocks`) where the plan would not fit
+padded (`padded_device_bytes`) or evening them is not slower (recjax/sharding/planner.py `make_plan`).
 """
 
 import dataclasses
@@ -371,6 +372,18 @@ def storage_rows(placements, dim: int, n: int) -> list[int]:
             for k, device in enumerate(p.devices):
                 rows[device] += part_rows(p.table.rows, len(p.devices), k, p.row_split)
     return rows
+
+
+def padded_device_bytes(placements: Sequence[TablePlacement], mesh_shape: Mapping[str, int]) -> list[int]:
+    """Bytes per flat device with each dim's table- / row-wise storage as the runtime allocates it: every device's
+    block as tall as the fullest one's (`storage_rows`), plus its replicated and column-wise tables."""
+    n = math.prod(mesh_shape.values())
+    stacked = [p for p in placements if p.sharding in ("table", "row") and p.axes == ("data", "model")]
+    out = [sum(p.device_bytes(d, mesh_shape) for p in placements if p not in stacked) for d in range(n)]
+    for dim in {p.table.dim for p in stacked}:
+        tall = max(storage_rows(stacked, dim, n)) * max(p.table.row_bytes for p in stacked if p.table.dim == dim)
+        out = [b + tall for b in out]
+    return out
 
 
 def balance_blocks(result: dict[str, TablePlacement], pinned: set[str], mesh_shape: Mapping[str, int],

@@ -80,7 +80,9 @@ from recjax.sharding.plan import (
     check_fits,
     device_costs,
     owner_costs,
+    padded_device_bytes,
     parse_overrides,
+    pools_on_owner,
 )
 
 AXES = ("data", "model")
@@ -1008,28 +1010,49 @@ def _torchrec_partition(problem: Problem, parts: PartTable, options, current, li
 
 
 # ---------------------------------------------------------------------------------------------- sharding.plan
+def runtime_problem(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_size: int,
+                    device_memory_bytes: int, row_split: str = "range", exchange: str = "rows") -> Problem:
+    """The planner's task for what the runtime runs: CPU devices of this host, the runtime's `exchange`
+    (sharding.exchange; under "auto" a table is modelled pooled where the runtime pools it whole on one owner,
+    `pools_on_owner`: not one-hot tables), column-wise tables split over every device."""
+    pooled = exchange != "rows"
+    planner_tables = tuple(
+        PlannerTable(t, poolable=pooled and pools_on_owner(TablePlacement(t, "table", AXES, (0,)), mesh_shape,
+                                                           batch_size, exchange))
+        for t in tables)
+    topology = Topology.cpu_host(math.prod(mesh_shape.values()), device_memory_bytes)
+    return Problem(planner_tables, topology, batch_size, row_split, "pooled" if pooled else "rows",
+                   whole_columns=True)
+
+
 def auto_placements(tables: Sequence[TableInfo], fixed: Mapping[str, TablePlacement], mesh_shape: Mapping[str, int],
-                    batch_size: int, device_memory_bytes: int, row_split: str, seed: int = 0
+                    batch_size: int, device_memory_bytes: int, row_split: str, seed: int = 0, exchange: str = "rows"
                     ) -> dict[str, TablePlacement]:
-    """`sharding.plan=auto` (`make_plan`): placements of the tables not in `fixed` (the
-    pinned ones, already placed), searched with the analytic model on this host's CPU topology. The trainer does not
-    know the tables' id distributions, so every slot of a bag counts as a lookup and ids are spread evenly."""
+    """`sharding.plan=auto` (`make_plan`): placements of the tables not in `fixed` (the pinned ones, already
+    placed), searched with the analytic model on `runtime_problem` (this host's CPU topology, the runtime's
+    `exchange`). The trainer does not know the tables' id distributions, so every slot of a bag counts as a lookup
+    and ids are spread evenly."""
     n = math.prod(mesh_shape.values())
-    problem = Problem(tuple(PlannerTable(t) for t in tables), Topology.cpu_host(n, device_memory_bytes),
-                      batch_size, row_split)
+    problem = runtime_problem(tables, mesh_shape, batch_size, device_memory_bytes, row_split, exchange)
     index = {t.name: i for i, t in enumerate(tables)}
     pinned = {index[name]: Choice.of(p, n) for name, p in fixed.items()}
     result = plan(problem, search="beam", seed=seed, fixed=pinned)
     return {p.table.name: p for p in result.placements if p.table.name not in fixed}
 
 
+def fits_padded(placements: Mapping[str, TablePlacement], mesh_shape: Mapping[str, int], memory: int) -> bool:
+    """Whether every device holds its blocks padded as the runtime pads them (`padded_device_bytes`) in `memory`."""
+    return max(padded_device_bytes(list(placements.values()), mesh_shape)) <= memory
+
+
 def make_plan(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_size: int, *, plan: str = "auto",
-              overrides: str = "", row_axes: str = "all", row_split: str = "range",
+              overrides: str = "", row_axes: str = "all", row_split: str = "range", exchange: str = "rows",
               device_memory_bytes: int) -> ShardingPlan:
     """Place every table: `plan` for all of them, `overrides` per table.
 
     auto: the planner of recjax/sharding/planner.py (greedy + local search + beam search over split counts, with
-    the analytic cost model of recjax/sharding/cost_model.py) places the tables not pinned by `overrides`. With
+    the analytic cost model of recjax/sharding/cost_model.py for the runtime's `exchange`) places the tables not
+    pinned by `overrides`. With
     `row_axes="model"` (row-wise tables split over the model axis only, a copy per data row) the previous greedy
     below runs instead -- the planner's cost models cover placements over every device, not copies along an axis --
     in decreasing order of owner work (the LPT greedy): a table whose own work exceeds a device's fair share
@@ -1041,7 +1064,9 @@ def make_plan(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_
 
     auto then evens the blocks (`balance_blocks`): while the fullest device of a dim's table- / row-wise storage
     holds more than BLOCK_BALANCE x the mean, its largest whole or partly split (unpinned) table is split by rows
-    over every device, so padding to the fullest device costs at most 5% of memory.
+    over every device, so padding to the fullest device costs at most 5% of memory -- unless the planner's plan
+    fits padded and the evened one would be slower by the planner's cost model (splitting a table over every
+    device multiplies its kernels and its exchange).
     """
     n = math.prod(mesh_shape.values())
     axes_all = ("data", "model")
@@ -1114,10 +1139,18 @@ def make_plan(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_
         commit(placed(t, kind, device))
     if searched:
         for p in auto_placements(tables, dict(result), mesh_shape, batch_size, device_memory_bytes,
-                                 row_split).values():
+                                 row_split, exchange=exchange).values():
             commit(p)
     if plan == "auto":
+        planned = dict(result)
         balance_blocks(result, set(pinned), mesh_shape, row_split, device_memory_bytes)
+        if result != planned and row_axes == "all" and fits_padded(planned, mesh_shape, device_memory_bytes):
+            # Evening the blocks saves memory the plan does not need; keep the planner's plan if it is faster.
+            problem = runtime_problem(tables, mesh_shape, batch_size, device_memory_bytes, row_split, exchange)
+            model = AnalyticCostModel(problem.topology, problem.exchange)
+            step = [plan_cost(model, problem, [r[t.name] for t in tables]).step for r in (planned, result)]
+            if step[1] > step[0] * (1 + SPLIT_GAIN):
+                result = planned
     result_plan = ShardingPlan(dict(mesh_shape), tuple(result[t.name] for t in tables), batch_size,
                                int(device_memory_bytes))
     check_fits(result_plan)
