@@ -131,20 +131,23 @@ class PlacedEmbedding(EmbeddingBackend):
         """A state in the single-device layout ({group: rows}; groups of self-placing storages may come as their
         `init_tables` made them) -> this placement's: each self-placing storage lays its groups out, the layout the
         others (in their storages' memory) and the dense parts."""
-        tables, opt_state, dirty = {}, {}, {}
-        for s in self.placing:
-            t, o, d = s.place(state)
-            tables.update(t)
-            opt_state.update(o)
-            dirty.update(d)
-        rest = [g for g in sorted(self.collection.group_rows) if self.storage_of[g] not in self.placing]
-        if rest:
-            t, o, d = self.layout.place_tables(state.tables, state.sparse_opt_state, state.dirty_rows, rest)
-            tables.update(t)
-            opt_state.update(o)
-            dirty.update(d)
+        tables, opt_state, dirty = self._per_storage(state, lambda s: s.place(state), self.layout.place_tables)
         state = self.layout.place_dense(state)
         return state.replace(tables=tables, sparse_opt_state=opt_state, dirty_rows=dirty)
+
+    def _per_storage(self, state, own: Callable, others: Callable) -> tuple[dict, dict, dict]:
+        """(tables, optimizer state, dirty rows) by group: each self-placing storage's groups from `own(storage)`,
+        the other groups from `others(tables, opt_state, dirty_rows, groups)` (the layout's, for their memory)."""
+        parts = [own(s) for s in self.placing]
+        rest = [g for g in sorted(self.collection.group_rows) if self.storage_of[g] not in self.placing]
+        if rest:
+            parts.append(others(state.tables, state.sparse_opt_state, state.dirty_rows, rest))
+        tables, opt_state, dirty = {}, {}, {}
+        for t, o, d in parts:
+            tables.update(t)
+            opt_state.update(o)
+            dirty.update(d)
+        return tables, opt_state, dirty
 
     def _plain(self) -> bool:
         """The state is already the single-device one (one device, every group in device memory)."""
@@ -157,18 +160,8 @@ class PlacedEmbedding(EmbeddingBackend):
         they live, `RowBlocks`), the others gathered to the host."""
         if self.checkpoint_layout() is not None or (self.layout.single_device_state and not self.placing):
             return state
-        tables, opt_state, dirty = {}, {}, {}
-        for s in self.placing:
-            t, o, d = s.checkpoint_view(state)
-            tables.update(t)
-            opt_state.update(o)
-            dirty.update(d)
-        rest = [g for g in sorted(self.collection.group_rows) if self.storage_of[g] not in self.placing]
-        if rest:
-            t, o, d = self.layout.gather_tables(state.tables, state.sparse_opt_state, state.dirty_rows, rest)
-            tables.update(t)
-            opt_state.update(o)
-            dirty.update(d)
+        tables, opt_state, dirty = self._per_storage(state, lambda s: s.checkpoint_view(state),
+                                                     self.layout.gather_tables)
         if not state.dirty_rows:
             dirty = {}
         return self.layout.gather_dense(state).replace(tables=tables, sparse_opt_state=opt_state, dirty_rows=dirty)

@@ -474,6 +474,10 @@ class DiskStorage(Storage):
                 # would hold gigabytes twice, on the device and on the host), each padded to a power of two with an
                 # out-of-range slot (read as zeros, dropped): a flush compiles a few shapes, not one per count.
                 sl = self.slots[g]
+                # In file order: a row's page is then read once for all its dirty rows (a record is smaller than a
+                # page; a page not in the page cache is read before it is written) and the reads run ahead.
+                order = np.argsort(rows, kind="stable")
+                rows, slots = rows[order], slots[order]
                 for lo in range(0, len(rows), _WRITE_BACK_ROWS):
                     part = slots[lo: lo + _WRITE_BACK_ROWS]
                     device = np.full(power_of_two(len(part)), sl.end, np.int32)
