@@ -151,6 +151,37 @@ def test_store_reads_and_writes_rows_across_tables(tmp_path):
     store.close()
 
 
+def test_dense_sorted_rows_are_written_back_by_spans(tmp_path, monkeypatch):
+    """A write-back of many sorted rows (a full cache's) patches spans of the file (a span of 7 records here), split
+    over the pool's threads (a task of 16 rows at least): every row written, every row between them left as it was,
+    and the per-row path for sparse or unsorted rows gives the same file."""
+    from recjax.tiering import store as store_module
+
+    monkeypatch.setattr(store_module, "_SPAN_BYTES", 7 * 3 * 4)
+    monkeypatch.setattr(store_module, "_MIN_ROWS_PER_TASK", 16)
+    rng = np.random.default_rng(1)
+    reference = rng.normal(size=(1000, 3)).astype(np.float32)
+    rows = np.sort(rng.choice(1000, 300, replace=False))  # dense: 300 of 1,000
+    new = rng.normal(size=(300, 3)).astype(np.float32)
+    expected = reference.copy()
+    expected[rows] = new
+    original, spans = store_module.TableFile._write_spans, []
+
+    def counted(self, local, records, positions):
+        spans.append(len(local))
+        original(self, local, records, positions)
+
+    monkeypatch.setattr(store_module.TableFile, "_write_spans", counted)
+    for order in (np.arange(300), rng.permutation(300)):  # sorted: by spans; shuffled: row by row
+        store = RowStore([("C1", 0, 1000, tmp_path)], width=3, threads=4)
+        store.write_initial(0, reference)
+        store.open()
+        store.write(rows[order], new[order])
+        np.testing.assert_array_equal(store.read_range(0, 1000), expected)
+        store.close()
+    assert sum(spans) == 300 and len(spans) == 4  # the sorted write only, over 4 threads
+
+
 def test_truncated_or_missing_table_file_is_an_error_naming_it(tmp_path):
     store = RowStore([("C1", 0, 1000, tmp_path)], width=4)
     store.write_initial(0, np.ones((1000, 4), np.float32))
