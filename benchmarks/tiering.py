@@ -16,7 +16,8 @@ fresh temporary directory by default), removed at the end. Sections:
             (rocksdict), tensorstore (zarr3, 256-row chunks); warm (page cache holding the file) and, where the engine
             reads a plain file, cold (its pages dropped with posix_fadvise DONTNEED; a mapping's own pages with
             MADV_DONTNEED first); for the mappings, what their first batch added to the process's RssFile. The two
-            key-value stores and tensorstore keep their own files, so only their warm numbers are comparable.
+            key-value stores and tensorstore keep their own files, so only their warm numbers are comparable. Then
+            the store's write-back of a tenth of the rows on cold pages: by spans (sorted) and a write per row.
   floor     the disk itself: random 4 KiB reads/s one at a time and 16 in flight, sequential read MB/s, with the page
             cache dropped (posix_fadvise DONTNEED; whether O_DIRECT opens is reported too).
   kaggle    the Kaggle shape (26 Criteo Kaggle cardinalities, 33.8M rows, dim 16, bottom 512-256-64-16, top 512-256-1,
@@ -227,6 +228,20 @@ def engines(directory: pathlib.Path, rows: int = 1_000_000, width: int = 65, bat
     emit({"section": "engines", "engine": f"store: pread / pwrite a row per call, {threads} threads (recjax)",
           "warm_read_rows_s": warm_read, "write_rows_s": write, "cold_read_rows_s": cold,
           "rss_file_growth_bytes": rss_file() - rss0, "initial_write_s": initial_s, "record_bytes": record_bytes})
+    # A full cache's write-back: a tenth of the rows, dirty, on pages the page cache does not hold -- sorted and
+    # dense, so the store writes them by spans of the file, against the same rows shuffled (a write per row).
+    dense = np.sort(rng.choice(rows, rows // 10, replace=False))
+    dense_values = rng.standard_normal((len(dense), width), dtype=np.float32)
+    written = {}
+    for label, order in (("by_row", rng.permutation(len(dense))), ("by_span", np.arange(len(dense)))):
+        drop_page_cache(directory / "store" / "T.f32")
+        start = time.perf_counter()
+        store.write(dense[order], dense_values[order])
+        written[label] = len(dense) / (time.perf_counter() - start)
+    assert np.array_equal(store.read(dense), dense_values)
+    emit({"section": "engines", "engine": "store: a write-back of a tenth of the rows, cold pages",
+          "write_back_rows_s_by_row": written["by_row"], "write_back_rows_s_by_span": written["by_span"],
+          "rows": len(dense), "record_bytes": record_bytes})
     store.close()
     shutil.rmtree(directory / "store")
 
