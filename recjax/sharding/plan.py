@@ -378,8 +378,10 @@ def padded_device_bytes(placements: Sequence[TablePlacement], mesh_shape: Mappin
     """Bytes per flat device with each dim's table- / row-wise storage as the runtime allocates it: every device's
     block as tall as the fullest one's (`storage_rows`), plus its replicated and column-wise tables."""
     n = math.prod(mesh_shape.values())
-    stacked = [p for p in placements if p.sharding in ("table", "row") and p.axes == ("data", "model")]
-    out = [sum(p.device_bytes(d, mesh_shape) for p in placements if p not in stacked) for d in range(n)]
+    in_block = [p.sharding in ("table", "row") and p.axes == ("data", "model") for p in placements]
+    stacked = [p for p, b in zip(placements, in_block, strict=True) if b]
+    out = [sum(p.device_bytes(d, mesh_shape) for p, b in zip(placements, in_block, strict=True) if not b)
+           for d in range(n)]
     for dim in {p.table.dim for p in stacked}:
         tall = max(storage_rows(stacked, dim, n)) * max(p.table.row_bytes for p in stacked if p.table.dim == dim)
         out = [b + tall for b in out]

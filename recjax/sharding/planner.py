@@ -1040,11 +1040,6 @@ def auto_placements(tables: Sequence[TableInfo], fixed: Mapping[str, TablePlacem
     return {p.table.name: p for p in result.placements if p.table.name not in fixed}
 
 
-def fits_padded(placements: Mapping[str, TablePlacement], mesh_shape: Mapping[str, int], memory: int) -> bool:
-    """Whether every device holds its blocks padded as the runtime pads them (`padded_device_bytes`) in `memory`."""
-    return max(padded_device_bytes(list(placements.values()), mesh_shape)) <= memory
-
-
 def make_plan(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_size: int, *, plan: str = "auto",
               overrides: str = "", row_axes: str = "all", row_split: str = "range", exchange: str = "rows",
               device_memory_bytes: int) -> ShardingPlan:
@@ -1144,7 +1139,8 @@ def make_plan(tables: Sequence[TableInfo], mesh_shape: Mapping[str, int], batch_
     if plan == "auto":
         planned = dict(result)
         balance_blocks(result, set(pinned), mesh_shape, row_split, device_memory_bytes)
-        if result != planned and row_axes == "all" and fits_padded(planned, mesh_shape, device_memory_bytes):
+        fits = max(padded_device_bytes(list(planned.values()), mesh_shape)) <= device_memory_bytes
+        if result != planned and row_axes == "all" and fits:
             # Evening the blocks saves memory the plan does not need; keep the planner's plan if it is faster.
             problem = runtime_problem(tables, mesh_shape, batch_size, device_memory_bytes, row_split, exchange)
             model = AnalyticCostModel(problem.topology, problem.exchange)
